@@ -1,0 +1,193 @@
+"""ServerArgs: the one frozen configuration object.
+
+The CLI is generated from the dataclass fields (their defaults and `help` metadata), and every
+"auto" value is resolved while parsing (`ServerArgs.resolve`), never by mutating later.
+Every component receives the resolved ServerArgs (or the fields it needs) in its constructor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
+
+
+def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model and tokenizer
+    model_path: str | None = _f(
+        None, "Path to a Hugging Face directory or a .gguf file. Default: SmolLM2-135M-Instruct."
+    )
+    tokenizer_path: str | None = _f(None, "Tokenizer path (default: the model path).")
+    load_format: str = _f("auto", "Weight format.", LOAD_FORMATS)
+    dtype: str = _f(
+        "auto", "Model dtype; auto = bf16 on CUDA and on CPUs with AVX512-BF16/AMX.", DTYPES
+    )
+    kv_cache_dtype: str = _f("auto", "KV cache dtype; auto = the model dtype.", DTYPES)
+    device: str = _f("auto", "Device; auto = cuda when available, else cpu.", DEVICES)
+    context_length: int | None = _f(None, "Maximum context length (default: from the model).")
+    served_model_name: str | None = _f(None, "Model name reported by the API.")
+    trust_remote_code: bool = _f(False, "Allow custom code in tokenizer/config.")
+    # Memory and scheduling
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens (default: from free memory).")
+    mem_fraction_static: float | None = _f(
+        None, "Fraction of free memory for the KV pool (default 0.85 GPU, 0.2 CPU)."
+    )
+    max_running_requests: int | None = _f(None, "Maximum concurrently running requests.")
+    max_prefill_tokens: int = _f(16384, "Maximum tokens in one prefill batch.")
+    chunked_prefill_size: int | None = _f(
+        None, "Chunk size for long prompts; -1 disables (default 8192 GPU, 512 CPU)."
+    )
+    page_size: int = _f(1, "Tokens per KV page.")
+    schedule_policy: str = _f("fcfs", "Order of the waiting queue.", SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _f(1.0, "Larger reserves more KV for running requests.")
+    radix_eviction_policy: str = _f("lru", "Radix cache eviction policy.", EVICTION_POLICIES)
+    disable_radix_cache: bool = _f(False, "Disable prefix caching.")
+    enable_mixed_chunk: bool = _f(False, "Run decode requests inside prefill batches.")
+    disable_overlap_schedule: bool = _f(False, "Use the simple (non-overlapped) event loop.")
+    enable_integrity_checks: bool = _f(False, "Check cache/pool integrity after every step.")
+    random_seed: int = _f(0, "Seed for weights of the dummy format and for sampling.")
+    num_threads: int | None = _f(None, "Torch threads on CPU (default: physical cores).")
+    # Features
+    grammar_backend: str = _f("xgrammar", "Structured output backend.", GRAMMAR_BACKENDS)
+    attention_backend: str = _f("torch_native", "Attention backend.", ("torch_native",))
+    # Serving
+    host: str = _f("127.0.0.1", "HTTP host.")
+    port: int = _f(30000, "HTTP port.")
+    api_key: str | None = _f(None, "Require this key as a Bearer token.")
+    stream_interval: int = _f(1, "Stream every N tokens.")
+    log_level: str = _f("info", "Logging level.")
+    watchdog_timeout: float = _f(300.0, "Seconds a child may stay silent before the server exits.")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"--{_flag(f.name)} must be one of {choices}, got {value!r}")
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            raise ValueError("--max-total-tokens must be positive")
+        if self.max_running_requests is not None and self.max_running_requests <= 0:
+            raise ValueError("--max-running-requests must be positive")
+
+    # -- resolution of "auto" values -------------------------------------------------------------
+    def resolve(self) -> ServerArgs:
+        """Return a copy with device, dtype and size defaults that depend on the machine filled in."""
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        kv_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        chunk = self.chunked_prefill_size
+        if chunk is None:
+            chunk = 8192 if device == "cuda" else 512
+        fraction = self.mem_fraction_static
+        if fraction is None:
+            fraction = 0.85 if device == "cuda" else 0.2
+        return dataclasses.replace(
+            self,
+            device=device,
+            dtype=dtype,
+            kv_cache_dtype=kv_dtype,
+            chunked_prefill_size=chunk,
+            mem_fraction_static=fraction,
+        )
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
+
+    # -- CLI ------------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + _flag(f.name)
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            parser.add_argument(
+                flag,
+                type=_arg_type(f.type),
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                help=f"{help_text} (default: {f.default})",
+            )
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        return cls(**kwargs).resolve()
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _arg_type(type_str: Any):
+    text = str(type_str)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    if device == "cuda":
+        return "bfloat16"
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def physical_core_count() -> int:
+    """Physical cores (not hyper-threads) available to this process."""
+    try:
+        avail = len(os.sched_getaffinity(0))
+    except AttributeError:
+        avail = os.cpu_count() or 1
+    cores = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            phys = core = None
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                    cores.add((phys, core))
+    except OSError:
+        pass
+    return max(1, min(avail, len(cores) or avail))

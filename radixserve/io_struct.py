@@ -1,0 +1,173 @@
+"""Every message that crosses a process boundary (HTTP/TokenizerManager ↔ Scheduler ↔ Detokenizer).
+
+GenerateReqInput → TokenizedGenerateReqInput → (Scheduler: Req) → BatchTokenIDOutput
+→ (Detokenizer) → BatchStrOutput → TokenizerManager → response dict.
+
+Plain dataclasses of builtins (and SamplingParams) so they pickle cheaply over ZMQ.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.sampling_params import SamplingParams
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class GenerateReqInput:
+    """A user request as the HTTP server or Engine received it (one or a batch)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    extra_key: str | None = None
+    priority: int | None = None
+    routing_key: str | None = None
+
+    @property
+    def is_single(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, str)
+        assert self.input_ids is not None
+        return len(self.input_ids) == 0 or isinstance(self.input_ids[0], int)
+
+    @property
+    def batch_size(self) -> int:
+        if self.is_single:
+            return 1
+        return len(self.text if self.text is not None else self.input_ids)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> GenerateReqInput:
+        """The i-th request of a batch, as a single request."""
+        sp = self.sampling_params
+        rid = self.rid
+        return GenerateReqInput(
+            text=self.text[i] if self.text is not None else None,  # type: ignore[index]
+            input_ids=self.input_ids[i] if self.input_ids is not None else None,  # type: ignore[index]
+            sampling_params=sp[i] if isinstance(sp, list) else sp,
+            rid=rid[i] if isinstance(rid, list) else None,
+            stream=self.stream,
+            return_logprob=self.return_logprob,
+            top_logprobs_num=self.top_logprobs_num,
+            logprob_start_len=self.logprob_start_len,
+            return_text_in_logprobs=self.return_text_in_logprobs,
+            extra_key=self.extra_key,
+            priority=self.priority,
+            routing_key=self.routing_key,
+        )
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """Sent TokenizerManager → Scheduler."""
+
+    rid: str
+    input_text: str | None
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    extra_key: str | None = None
+    priority: int | None = None
+    routing_key: str | None = None
+
+
+@dataclass
+class AbortReq:
+    """Sent TokenizerManager → Scheduler: drop the request wherever it is."""
+
+    rid: str
+    abort_all: bool = False
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetServerInfoReq:
+    pass
+
+
+@dataclass
+class GetServerInfoReqOutput:
+    """Scheduler statistics and gauges (counters since start)."""
+
+    info: dict[str, Any]
+
+
+@dataclass
+class BatchTokenIDOutput:
+    """Scheduler → Detokenizer: per-request token deltas of one scheduler step.
+
+    All lists are aligned by position; entry i belongs to rids[i].
+    """
+
+    rids: list[str]
+    finished_reasons: list[dict[str, Any] | None]
+    # New output tokens since the last message for this rid.
+    output_ids: list[list[int]]
+    # Decode state that the detokenizer needs for the first message of a rid.
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    stop_strs: list[list[str]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    # Logprobs of the new tokens (None when not requested).
+    output_token_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
+    input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[tuple[float, int]] | None] | None] = field(
+        default_factory=list
+    )
+
+
+@dataclass
+class BatchStrOutput:
+    """Detokenizer → TokenizerManager: the text delta of each request in one step."""
+
+    rids: list[str]
+    finished_reasons: list[dict[str, Any] | None]
+    output_strs: list[str]  # text delta since the last message
+    output_ids: list[list[int]]  # token delta since the last message
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
+    input_token_logprobs: list[list[tuple[float | None, int]] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[tuple[float, int]] | None] | None] = field(
+        default_factory=list
+    )
+
+
+@dataclass
+class SchedulerError:
+    """Scheduler → TokenizerManager: a request was rejected before or while running."""
+
+    rid: str
+    message: str
+    status_code: int = 400
