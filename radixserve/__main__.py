@@ -1,0 +1,77 @@
+"""CLI: `python -m radixserve serve|generate|bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from radixserve.args import ServerArgs
+
+
+def _generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="radixserve generate", description="Chat with the model once and print its reply."
+    )
+    parser.add_argument("prompt", help="The user message.")
+    parser.add_argument("--system", default=None, help="Optional system message.")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--raw", action="store_true", help="Do not apply the chat template.")
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    from radixserve.entrypoints.engine import Engine
+    from radixserve.utils import configure_logging
+
+    configure_logging(ns.log_level)
+    with Engine(ServerArgs.from_cli_args(ns)) as engine:
+        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
+        if ns.raw:
+            out = engine.generate(ns.prompt, params)
+        else:
+            messages = [{"role": "user", "content": ns.prompt}]
+            if ns.system:
+                messages.insert(0, {"role": "system", "content": ns.system})
+            ids = engine.tokenizer_manager.apply_chat_template(messages)
+            out = engine.generate(input_ids=ids, sampling_params=params)
+        print(out["text"].strip())
+    return 0
+
+
+def _serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="radixserve serve", description="Start the HTTP server.")
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    from radixserve.entrypoints.http_server import launch_server
+
+    return launch_server(ServerArgs.from_cli_args(ns))
+
+
+def _bench(argv: list[str]) -> int:
+    kinds = ("serving", "one-batch", "offline", "hf-baseline")
+    if not argv or argv[0] not in kinds:
+        print(f"usage: python -m radixserve bench {{{','.join(kinds)}}} ...", file=sys.stderr)
+        return 2
+    kind, rest = argv[0], argv[1:]
+    if kind == "serving":
+        from radixserve.bench.serving import main
+    elif kind == "one-batch":
+        from radixserve.bench.one_batch import main
+    elif kind == "offline":
+        from radixserve.bench.offline import main
+    else:
+        from radixserve.bench.hf_baseline import main
+    main(rest)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"serve": _serve, "generate": _generate, "bench": _bench}
+    if not argv or argv[0] not in commands:
+        print("usage: python -m radixserve {serve,generate,bench} [options]", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

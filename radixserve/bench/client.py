@@ -1,0 +1,225 @@
+"""The HTTP side of the serving benchmark: request bodies, SSE parsing, one timed request.
+
+Two backends: `radixserve` (native `POST /generate`, whose SSE events carry the cumulative
+`text` and `meta_info` {prompt_tokens, completion_tokens, cached_tokens, finish_reason}) and
+`openai` (`POST /v1/completions` with `stream_options.include_usage`). Every `data:` line that
+brings new output tokens is stamped with the clock on arrival; `bench.metrics` turns the stamps
+into TTFT and ITL. Used by `bench.serving`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from radixserve.bench.datasets import BenchRequest
+from radixserve.bench.metrics import RequestRecord
+
+Clock = Callable[[], float]
+BACKEND_PATHS = {"radixserve": "/generate", "openai": "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How to talk to the server; one per run."""
+
+    backend: str
+    base_url: str
+    model: str | None = None
+    ignore_eos: bool = True
+    stream: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    request_timeout: float = 3600.0  # seconds for a whole request
+    read_timeout: float = 600.0  # seconds of silence allowed between two chunks
+
+    def __post_init__(self) -> None:
+        assert self.backend in BACKEND_PATHS, f"unknown backend {self.backend!r}"
+
+    @property
+    def path(self) -> str:
+        return BACKEND_PATHS[self.backend]
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` over `base`; nested dicts (e.g. sampling_params) are merged, not replaced."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_payload(cfg: ClientConfig, req: BenchRequest) -> dict[str, Any]:
+    """The JSON body for one request: greedy, `output_len` new tokens, ignore_eos unless off."""
+    if cfg.backend == "radixserve":
+        payload: dict[str, Any] = {
+            ("text" if isinstance(req.prompt, str) else "input_ids"): req.prompt,
+            "sampling_params": {
+                "max_new_tokens": req.output_len,
+                "temperature": 0.0,
+                "ignore_eos": cfg.ignore_eos,
+            },
+            "stream": cfg.stream,
+        }
+    else:
+        payload = {
+            "model": cfg.model or "default",
+            "prompt": req.prompt,
+            "max_tokens": req.output_len,
+            "temperature": 0.0,
+            "stream": cfg.stream,
+            "ignore_eos": cfg.ignore_eos,  # an extra body field that SGLang and vLLM accept
+        }
+        if cfg.stream:
+            payload["stream_options"] = {"include_usage": True}
+    return _deep_merge(payload, cfg.extra_body)
+
+
+class ServerError(RuntimeError):
+    """An HTTP error status or an error event inside the stream."""
+
+
+class NativeParser:
+    """Events of `/generate`: cumulative `text` and `meta_info.completion_tokens`."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record
+
+    def on_event(self, data: dict[str, Any], now: float) -> None:
+        if "error" in data:
+            raise ServerError(str(data["error"]))
+        rec, meta = self.record, data.get("meta_info") or {}
+        text = data.get("text") or ""
+        done = rec.output_len
+        grew = len(text) > len(rec.generated_text)
+        completion = meta.get("completion_tokens", done + 1 if grew else done)
+        if completion > done:
+            rec.add_chunk(now, completion - done)
+            rec.output_len = completion
+        rec.generated_text = text
+        if meta.get("prompt_tokens") is not None:
+            rec.prompt_len = int(meta["prompt_tokens"])
+        if meta.get("cached_tokens") is not None:
+            rec.cached_tokens = int(meta["cached_tokens"])
+
+    def finish(self) -> None:
+        pass
+
+
+class OpenAIParser:
+    """Events of `/v1/completions`: text deltas; token counts from `usage` when present,
+    else one token per chunk that carries text."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record
+        self.counted = 0
+        self.usage_seen = False
+
+    def on_event(self, data: dict[str, Any], now: float) -> None:
+        if "error" in data:
+            raise ServerError(str(data["error"]))
+        rec, usage = self.record, data.get("usage") or {}
+        choices = data.get("choices") or []
+        text = (choices[0].get("text") or "") if choices else ""
+        if text:
+            new = usage.get("completion_tokens", self.counted + 1) - self.counted
+            rec.add_chunk(now, max(new, 1))
+            self.counted += max(new, 1)
+            rec.generated_text += text
+        if usage:
+            self.usage_seen = True
+            rec.output_len = int(usage.get("completion_tokens", self.counted))
+            rec.prompt_len = int(usage.get("prompt_tokens", rec.prompt_len))
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens", usage.get("cached_tokens"))
+            if cached is not None:
+                rec.cached_tokens = int(cached)
+
+    def finish(self) -> None:
+        if not self.usage_seen:
+            self.record.output_len = self.counted
+
+
+def _parser(backend: str, record: RequestRecord) -> NativeParser | OpenAIParser:
+    return NativeParser(record) if backend == "radixserve" else OpenAIParser(record)
+
+
+async def _exchange(
+    client: httpx.AsyncClient,
+    cfg: ClientConfig,
+    payload: dict[str, Any],
+    parser: NativeParser | OpenAIParser,
+    clock: Clock,
+) -> None:
+    rec = parser.record
+    async with client.stream("POST", cfg.path, json=payload) as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode(errors="replace")
+            raise ServerError(f"HTTP {resp.status_code}: {body[:500]}")
+        if not cfg.stream:
+            body_bytes = await resp.aread()
+            rec.end_time = clock()
+            parser.on_event(json.loads(body_bytes), rec.end_time)
+        else:
+            async for line in resp.aiter_lines():
+                now = clock()
+                if not line.startswith("data:"):
+                    continue
+                chunk = line[len("data:") :].strip()
+                rec.end_time = now
+                if chunk != "[DONE]":
+                    parser.on_event(json.loads(chunk), now)
+    parser.finish()
+    if rec.output_len == 0:
+        raise ServerError("the response carried no output tokens")
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    cfg: ClientConfig,
+    req: BenchRequest,
+    clock: Clock = time.perf_counter,
+) -> RequestRecord:
+    """Send one request and record its timings; never raises (errors land in the record)."""
+    record = RequestRecord(prompt_len=req.prompt_len)
+    parser = _parser(cfg.backend, record)
+    payload = build_payload(cfg, req)
+    record.start_time = clock()
+    try:
+        await asyncio.wait_for(_exchange(client, cfg, payload, parser, clock), cfg.request_timeout)
+        record.success = True
+    except asyncio.TimeoutError:
+        record.error = f"timed out after {cfg.request_timeout:g} s"
+    except Exception as e:  # a failed request is data, not a crash
+        record.error = f"{type(e).__name__}: {e}"
+    if not record.end_time:
+        record.end_time = clock()
+    return record
+
+
+def make_client(
+    cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    # Pool limits off: concurrency is bounded by the semaphore, not by httpx's 100 connections.
+    timeout = httpx.Timeout(connect=30.0, read=cfg.read_timeout, write=60.0, pool=None)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(
+        base_url=cfg.base_url, timeout=timeout, limits=limits, transport=transport
+    )
+
+
+async def discover_model(client: httpx.AsyncClient) -> str:
+    """The first model id from GET /v1/models, or "default"."""
+    try:
+        resp = await client.get("/v1/models")
+        return str(resp.json()["data"][0]["id"])
+    except Exception:  # servers without /v1/models take any name
+        return "default"

@@ -1,0 +1,226 @@
+"""Request generators for the serving benchmarks: `random`, `generated-shared-prefix`, `sharegpt`.
+
+Each generator returns a list of `BenchRequest` and is deterministic for a given seed. They need
+only a tokenizer object with `encode`, `decode`, `vocab_size` and `all_special_ids` (a Hugging
+Face tokenizer); they never touch torch or the network. `load_tokenizer` gets the server's
+tokenizer for a model path. Called by `bench.serving` and `bench.hf_baseline`.
+
+`prompt_len` is always the number of tokens the server will see: for token-id prompts it is the
+list's length; for text prompts it is the length of the text re-tokenized, because decoding random
+token ids and encoding the text again can merge or split tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+# Separator between a group's shared system prompt and each question (as SGLang's generator
+# does); a blank line keeps the tokenizer from merging tokens across the boundary.
+GSP_SEPARATOR = "\n\n"
+# Too-short / too-long filters for ShareGPT, as vLLM's and SGLang's classic sampler.
+SHAREGPT_MIN_LEN = 4
+SHAREGPT_MAX_PROMPT_LEN = 1024
+SHAREGPT_MAX_TOTAL_LEN = 2048
+
+
+class Tokenizer(Protocol):
+    """The slice of a transformers tokenizer the generators use."""
+
+    vocab_size: int
+    all_special_ids: list[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One benchmark request: the prompt (text or token ids) and its token budget."""
+
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+    def __post_init__(self) -> None:
+        assert self.prompt_len >= 0 and self.output_len >= 1, self
+
+
+def sample_lens(rng: np.random.Generator, full_len: int, range_ratio: float, num: int) -> list[int]:
+    """Lengths drawn uniformly from [max(int(full_len * range_ratio), 1), full_len]."""
+    assert 0.0 <= range_ratio <= 1.0, f"range_ratio must be in [0, 1], got {range_ratio}"
+    low = max(int(full_len * range_ratio), 1)
+    high = max(full_len, low)
+    return [int(x) for x in rng.integers(low, high + 1, size=num)]
+
+
+class RandomTokenSource:
+    """Draws random non-special token ids and turns them into text of a target token length."""
+
+    def __init__(self, tokenizer: Tokenizer, rng: np.random.Generator) -> None:
+        special = set(tokenizer.all_special_ids)
+        self.tokenizer = tokenizer
+        self.rng = rng
+        self.allowed = np.array(
+            [i for i in range(tokenizer.vocab_size) if i not in special], dtype=np.int64
+        )
+        assert len(self.allowed) > 0, "tokenizer has no non-special tokens"
+
+    def ids(self, n: int) -> list[int]:
+        return [int(x) for x in self.rng.choice(self.allowed, size=n)]
+
+    def text(self, n: int, max_rounds: int = 4) -> str:
+        """Decoded random ids, nudged so that re-encoding gives close to `n` tokens."""
+        ids = self.ids(n)
+        text = self.tokenizer.decode(ids)
+        for _ in range(max_rounds):
+            re_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(re_ids) == n:
+                break
+            # Trim what merged text grew, or top up what it lost, and decode again.
+            ids = re_ids[:n] if len(re_ids) > n else re_ids + self.ids(n - len(re_ids))
+            text = self.tokenizer.decode(ids)
+        return text
+
+
+def _count(tokenizer: Tokenizer, prompt: str | list[int]) -> int:
+    return len(prompt) if isinstance(prompt, list) else len(tokenizer.encode(prompt))
+
+
+def sample_random_requests(
+    tokenizer: Tokenizer,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 1.0,
+    seed: int = 1,
+    return_text: bool = True,
+) -> list[BenchRequest]:
+    """`random`: prompts of random tokens; lengths uniform in [len * range_ratio, len]."""
+    rng = np.random.default_rng(seed)
+    input_lens = sample_lens(rng, input_len, range_ratio, num_prompts)
+    output_lens = sample_lens(rng, output_len, range_ratio, num_prompts)
+    source = RandomTokenSource(tokenizer, rng)
+    requests = []
+    for in_len, out_len in zip(input_lens, output_lens, strict=True):
+        prompt: str | list[int] = source.text(in_len) if return_text else source.ids(in_len)
+        requests.append(BenchRequest(prompt, _count(tokenizer, prompt), out_len))
+    return requests
+
+
+def sample_generated_shared_prefix_requests(
+    tokenizer: Tokenizer,
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int = 1,
+    shuffle: bool = True,
+    return_text: bool = True,
+) -> list[BenchRequest]:
+    """`generated-shared-prefix`: each group has its own random system prompt; every prompt of
+    the group is that prefix followed by its own random question."""
+    rng = np.random.default_rng(seed)
+    source = RandomTokenSource(tokenizer, rng)
+    requests = []
+    for _ in range(num_groups):
+        if return_text:
+            prefix_text = source.text(system_prompt_len)
+            for _ in range(prompts_per_group):
+                prompt = prefix_text + GSP_SEPARATOR + source.text(question_len)
+                requests.append(BenchRequest(prompt, _count(tokenizer, prompt), output_len))
+        else:
+            prefix_ids = source.ids(system_prompt_len)
+            for _ in range(prompts_per_group):
+                ids = prefix_ids + source.ids(question_len)
+                requests.append(BenchRequest(ids, len(ids), output_len))
+    if shuffle:
+        random.Random(seed).shuffle(requests)
+    return requests
+
+
+def _first_exchange(entry: dict[str, Any]) -> tuple[str, str] | None:
+    """The first human turn and the reply that follows it, or None."""
+    turns = entry.get("conversations", entry.get("conversation", []))
+    for i in range(len(turns) - 1):
+        if turns[i].get("from") in ("human", "user") and turns[i + 1].get("from") in (
+            "gpt",
+            "assistant",
+            "chatgpt",
+        ):
+            return str(turns[i]["value"]), str(turns[i + 1]["value"])
+    return None
+
+
+def sample_sharegpt_requests(
+    tokenizer: Tokenizer,
+    dataset_path: str,
+    num_prompts: int,
+    fixed_output_len: int | None = None,
+    context_len: int | None = None,
+    seed: int = 1,
+    return_text: bool = True,
+) -> list[BenchRequest]:
+    """`sharegpt`: first human turn as prompt, the reply's token count as output_len.
+
+    Conversations are shuffled with the seed; pairs with fewer than 4 prompt or output tokens
+    are dropped, and so are pairs longer than `context_len` (prompt + output) or, without it,
+    prompts over 1024 tokens or pairs over 2048 tokens.
+    """
+    if fixed_output_len is not None and fixed_output_len < SHAREGPT_MIN_LEN:
+        raise ValueError(f"fixed output length must be >= {SHAREGPT_MIN_LEN}")
+    with open(dataset_path, encoding="utf-8") as f:
+        dataset = json.load(f)
+    pairs = [p for p in map(_first_exchange, dataset) if p is not None]
+    random.Random(seed).shuffle(pairs)
+    requests: list[BenchRequest] = []
+    for prompt, reply in pairs:
+        if len(requests) == num_prompts:
+            break
+        prompt_ids = tokenizer.encode(prompt)
+        prompt_len = len(prompt_ids)
+        out_len = fixed_output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+        if prompt_len < SHAREGPT_MIN_LEN or out_len < SHAREGPT_MIN_LEN:
+            continue
+        if context_len is not None:
+            if prompt_len + out_len > context_len:
+                continue
+        elif prompt_len > SHAREGPT_MAX_PROMPT_LEN or prompt_len + out_len > SHAREGPT_MAX_TOTAL_LEN:
+            continue
+        requests.append(BenchRequest(prompt if return_text else prompt_ids, prompt_len, out_len))
+    return requests
+
+
+def summarize(requests: list[BenchRequest]) -> str:
+    """One line with the request count and token totals, for the CLI to print."""
+    total_in = sum(r.prompt_len for r in requests)
+    total_out = sum(r.output_len for r in requests)
+    return f"#Requests: {len(requests)}  #Input tokens: {total_in}  #Output tokens: {total_out}"
+
+
+def model_source(path: str) -> tuple[str, dict[str, str]]:
+    """(directory, from_pretrained kwargs) for a HF directory or a `.gguf` file path."""
+    if path.endswith(".gguf"):
+        directory, name = os.path.split(os.path.abspath(path))
+        return directory, {"gguf_file": name}
+    return path, {}
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """The tokenizer the server uses for a HF directory or `.gguf` file (default: the default
+    model's), so that benchmark prompt lengths match the server's counts."""
+    # Imported lazily: the loaders pull in transformers / gguf and live in model_loader.
+    from radixserve.model_loader.weights import load_tokenizer as load_model_tokenizer
+
+    if path is None:
+        from radixserve.model_loader.default_model import ensure_default_model
+
+        path = ensure_default_model()
+    return load_model_tokenizer(path)

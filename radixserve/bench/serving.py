@@ -1,0 +1,280 @@
+"""`python -m radixserve bench serving`: an online serving benchmark modelled on SGLang's.
+
+It builds a dataset (`bench.datasets`), sends the requests to a running server through
+`bench.client` (native `/generate` or OpenAI `/v1/completions`, streaming SSE) with Poisson or
+all-at-once arrivals and an optional concurrency cap, and prints SGLang's metrics table
+(`bench.metrics`). `main(argv)` is called by the CLI dispatcher in `__main__.py`.
+
+Example:
+    python -m radixserve bench serving --dataset-name random --num-prompts 32 \\
+        --random-input-len 200 --random-output-len 128 --max-concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from radixserve.bench import datasets
+from radixserve.bench.client import (
+    BACKEND_PATHS,
+    ClientConfig,
+    discover_model,
+    make_client,
+    send_request,
+)
+from radixserve.bench.datasets import BenchRequest
+from radixserve.bench.metrics import (
+    RequestRecord,
+    append_jsonl,
+    compute_metrics,
+    first_error,
+    print_metrics,
+)
+
+WARMUP_OUTPUT_LEN = 16
+
+
+class WarmupError(RuntimeError):
+    """Every warmup request failed: the server or the arguments are wrong."""
+
+
+async def request_arrivals(
+    requests: list[BenchRequest], request_rate: float, seed: int
+) -> AsyncIterator[BenchRequest]:
+    """Yield requests all at once (rate inf) or with exponential gaps (a Poisson process)."""
+    rng = np.random.default_rng(seed)
+    for i, req in enumerate(requests):
+        if i > 0 and math.isfinite(request_rate):
+            await asyncio.sleep(float(rng.exponential(1.0 / request_rate)))
+        yield req
+
+
+async def warmup(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, n: int) -> None:
+    if n <= 0:
+        return
+    short = replace(req, output_len=min(req.output_len, WARMUP_OUTPUT_LEN))
+    records = await asyncio.gather(*(send_request(client, cfg, short) for _ in range(n)))
+    if not any(r.success for r in records):
+        raise WarmupError(f"warmup failed: {records[0].error}")
+
+
+async def _flush_cache(client: httpx.AsyncClient) -> None:
+    try:
+        resp = await client.post("/flush_cache")
+        status = f"HTTP {resp.status_code}"
+    except httpx.HTTPError as e:
+        status = f"{type(e).__name__}: {e}"
+    if status != "HTTP 200":
+        print(f"warning: /flush_cache failed ({status}); the cache stays warm", file=sys.stderr)
+
+
+async def run_benchmark(
+    cfg: ClientConfig,
+    requests: list[BenchRequest],
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    warmup_requests: int = 1,
+    flush_cache: bool = False,
+    seed: int = 1,
+    disable_tqdm: bool = False,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[list[RequestRecord], float, ClientConfig]:
+    """Run the workload; returns the records (in dataset order), the wall duration and the
+    config with the model name resolved."""
+    async with make_client(cfg, transport) as client:
+        if cfg.backend == "openai" and cfg.model is None:
+            cfg = replace(cfg, model=await discover_model(client))
+        await warmup(client, cfg, requests[0], warmup_requests)
+        if flush_cache:
+            await _flush_cache(client)
+        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        pbar = tqdm(total=len(requests), disable=disable_tqdm)
+
+        async def limited(req: BenchRequest) -> RequestRecord:
+            if semaphore is None:
+                record = await send_request(client, cfg, req)
+            else:
+                async with semaphore:
+                    record = await send_request(client, cfg, req)
+            pbar.update(1)
+            return record
+
+        start = time.perf_counter()
+        tasks = [
+            asyncio.create_task(limited(req))
+            async for req in request_arrivals(requests, request_rate, seed)
+        ]
+        records = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+        pbar.close()
+    return records, duration, cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m radixserve bench serving",
+        description="Benchmark a running server's online serving throughput and latency.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--backend", choices=sorted(BACKEND_PATHS), default="radixserve")
+    p.add_argument("--base-url", default=None, help="Overrides --host/--port.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model", default=None, help="Model name (openai); default: /v1/models.")
+    p.add_argument("--tokenizer", default=None, help="HF dir or .gguf; default: default model.")
+    p.add_argument(
+        "--dataset-name",
+        choices=["random", "generated-shared-prefix", "sharegpt"],
+        default="random",
+    )
+    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file.")
+    # Defaults are the ANCHORS.md workloads (32 x 200 in / 128 out; 8 x 8 x (1024 + 32) / 64).
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--random-input-len", type=int, default=200)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=1.0)
+    p.add_argument("--gsp-num-groups", type=int, default=8)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=8)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    p.add_argument("--gsp-question-len", type=int, default=32)
+    p.add_argument("--gsp-output-len", type=int, default=64)
+    p.add_argument("--gsp-no-shuffle", action="store_true")
+    p.add_argument("--sharegpt-output-len", type=int, default=None)
+    p.add_argument("--sharegpt-context-len", type=int, default=None)
+    p.add_argument("--tokenize-prompt", action="store_true", help="Send token ids, not text.")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = burst.")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--disable-ignore-eos", action="store_true")
+    p.add_argument("--disable-stream", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--output-file", default=None, help="Append the result as a JSON line.")
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after warmup.")
+    p.add_argument("--extra-request-body", default=None, help="JSON merged into each request.")
+    p.add_argument("--request-timeout", type=float, default=3600.0, help="Seconds per request.")
+    p.add_argument("--tag", default=None, help="Free-form label stored in the output file.")
+    return p
+
+
+def build_dataset(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
+    return_text = not args.tokenize_prompt
+    if args.dataset_name == "random":
+        return datasets.sample_random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            seed=args.seed,
+            return_text=return_text,
+        )
+    if args.dataset_name == "generated-shared-prefix":
+        return datasets.sample_generated_shared_prefix_requests(
+            tokenizer,
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            seed=args.seed,
+            shuffle=not args.gsp_no_shuffle,
+            return_text=return_text,
+        )
+    if not args.dataset_path:
+        raise SystemExit("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
+    return datasets.sample_sharegpt_requests(
+        tokenizer,
+        args.dataset_path,
+        args.num_prompts,
+        fixed_output_len=args.sharegpt_output_len,
+        context_len=args.sharegpt_context_len,
+        seed=args.seed,
+        return_text=return_text,
+    )
+
+
+def client_config(args: argparse.Namespace) -> ClientConfig:
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    return ClientConfig(
+        backend=args.backend,
+        base_url=base_url.rstrip("/"),
+        model=args.model,
+        ignore_eos=not args.disable_ignore_eos,
+        stream=not args.disable_stream,
+        extra_body=json.loads(args.extra_request_body) if args.extra_request_body else {},
+        request_timeout=args.request_timeout,
+    )
+
+
+def run(
+    args: argparse.Namespace,
+    tokenizer: Any | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> dict[str, Any]:
+    """Build the dataset, run the benchmark, print the table; returns the result dict."""
+    cfg = client_config(args)
+    if tokenizer is None:
+        tokenizer = datasets.load_tokenizer(args.tokenizer)
+    requests = build_dataset(args, tokenizer)
+    if not requests:
+        raise SystemExit("the dataset produced no requests")
+    print(datasets.summarize(requests), flush=True)
+    records, duration, cfg = asyncio.run(
+        run_benchmark(
+            cfg,
+            requests,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            warmup_requests=args.warmup_requests,
+            flush_cache=args.flush_cache,
+            seed=args.seed,
+            disable_tqdm=args.disable_tqdm,
+            transport=transport,
+        )
+    )
+    metrics = compute_metrics(records, duration)
+    header = {
+        "Backend": cfg.backend,
+        "Dataset": args.dataset_name,
+        "Traffic request rate": args.request_rate,
+        "Max request concurrency": args.max_concurrency or "not set",
+    }
+    print_metrics(metrics, header)
+    error = first_error(records)
+    if error:
+        print(f"first error: {error}", file=sys.stderr)
+    result = {**_run_info(args, cfg), **metrics}
+    if args.output_file:
+        append_jsonl(args.output_file, result)
+    return result
+
+
+def _run_info(args: argparse.Namespace, cfg: ClientConfig) -> dict[str, Any]:
+    info = {k: v for k, v in vars(args).items() if k not in ("extra_request_body",)}
+    info["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
+    info.update(backend=cfg.backend, base_url=cfg.base_url, model=cfg.model)
+    info["extra_request_body"] = cfg.extra_body
+    info["timestamp"] = time.time()
+    return info
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """CLI body of `python -m radixserve bench serving`."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except WarmupError as e:  # say why instead of a traceback
+        raise SystemExit(str(e)) from e

@@ -1,0 +1,230 @@
+"""The offline Engine: the Scheduler and Detokenizer subprocesses plus an in-process
+TokenizerManager running on a private event-loop thread.
+
+    with Engine(model_path=...) as engine:
+        out = engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+
+`launch_subprocesses` is shared with the HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from radixserve.args import ServerArgs
+from radixserve.io_struct import GenerateReqInput
+from radixserve.managers.detokenizer_manager import run_detokenizer_process
+from radixserve.managers.scheduler_process import run_scheduler_process
+from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.managers.tokenizer_utils import load_tokenizer_for
+from radixserve.utils import PortArgs, zmq_socket
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600
+
+
+class Subprocesses:
+    """The scheduler and detokenizer processes and what the scheduler reported at start-up."""
+
+    def __init__(self, server_args: ServerArgs) -> None:
+        ctx = mp.get_context("spawn")
+        self.port_args = PortArgs.new()
+        sched_r, sched_w = ctx.Pipe(duplex=False)
+        detok_r, detok_w = ctx.Pipe(duplex=False)
+        self.scheduler = ctx.Process(
+            target=run_scheduler_process,
+            args=(server_args, self.port_args, sched_w),
+            name="radixserve-scheduler",
+            daemon=True,
+        )
+        self.detokenizer = ctx.Process(
+            target=run_detokenizer_process,
+            args=(server_args, self.port_args, detok_w),
+            name="radixserve-detokenizer",
+            daemon=True,
+        )
+        self.scheduler.start()
+        self.detokenizer.start()
+        self.scheduler_info = self._wait_ready(sched_r, self.scheduler, "scheduler")
+        self._wait_ready(detok_r, self.detokenizer, "detokenizer")
+
+    @staticmethod
+    def _wait_ready(pipe: Any, proc: mp.Process, name: str) -> dict[str, Any]:
+        if not pipe.poll(STARTUP_TIMEOUT_S):
+            raise RuntimeError(f"the {name} did not start within {STARTUP_TIMEOUT_S} s")
+        try:
+            msg = pipe.recv()
+        except EOFError:
+            proc.join(5)
+            raise RuntimeError(f"the {name} exited during start-up (code {proc.exitcode})") from None
+        if msg.get("status") != "ready":
+            raise RuntimeError(f"the {name} failed to start: {msg.get('message')}")
+        return msg
+
+    def alive(self) -> bool:
+        return self.scheduler.is_alive() and self.detokenizer.is_alive()
+
+    def dead_child(self) -> str | None:
+        for p in (self.scheduler, self.detokenizer):
+            if not p.is_alive():
+                return f"{p.name} exited with code {p.exitcode}"
+        return None
+
+    def shutdown(self) -> None:
+        for p in (self.scheduler, self.detokenizer):
+            if p.is_alive():
+                p.terminate()
+        for p in (self.scheduler, self.detokenizer):
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(1)
+
+
+def create_tokenizer_manager(server_args: ServerArgs, procs: Subprocesses, metrics: Any = None) -> TokenizerManager:
+    """Must run inside the event loop that will serve requests (zmq.asyncio binds to it)."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context(2)
+    recv = zmq_socket(ctx, zmq.PULL, procs.port_args.tokenizer_ipc, bind=True)
+    send = zmq_socket(ctx, zmq.PUSH, procs.port_args.scheduler_input_ipc, bind=False)
+    info = procs.scheduler_info
+    tokenizer = load_tokenizer_for(server_args)
+    return TokenizerManager(
+        server_args,
+        tokenizer,
+        send,
+        recv,
+        context_len=info["context_len"],
+        vocab_size=info["vocab_size"],
+        metrics=metrics,
+    )
+
+
+class Engine:
+    def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
+        if server_args is None:
+            server_args = ServerArgs(**kwargs)
+        self.server_args = server_args.resolve()
+        self.procs = Subprocesses(self.server_args)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.tokenizer_manager: TokenizerManager = self._run(self._init_tm())
+        self.tokenizer = self.tokenizer_manager.tokenizer
+
+    async def _init_tm(self) -> TokenizerManager:
+        tm = create_tokenizer_manager(self.server_args, self.procs)
+        tm.start()
+        return tm
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    # -- generation -----------------------------------------------------------------------------
+    @staticmethod
+    def _make_obj(
+        prompt: str | list[str] | None,
+        sampling_params: dict | list[dict] | None,
+        input_ids: list[int] | list[list[int]] | None,
+        stream: bool,
+        **extra: Any,
+    ) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream, **extra
+        )
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        **extra: Any,
+    ) -> Any:
+        """Blocking generate. One prompt → dict; a list → list of dicts; stream → iterator."""
+        obj = self._make_obj(prompt, sampling_params, input_ids, stream, **extra)
+        if stream:
+            return self._stream_sync(obj)
+        return self._run(self._collect(obj))
+
+    async def _collect(self, obj: GenerateReqInput) -> Any:
+        result = None
+        async for out in self.tokenizer_manager.generate_request(obj):
+            result = out
+        return result
+
+    def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
+        q: queue.Queue = queue.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for out in self.tokenizer_manager.generate_request(obj):
+                    q.put(out)
+            except Exception as e:
+                q.put(e)
+            q.put(done)
+
+        asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        while (item := q.get()) is not done:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        **extra: Any,
+    ) -> Any:
+        """Awaitable generate for callers on their own event loop; stream → async iterator."""
+        obj = self._make_obj(prompt, sampling_params, input_ids, stream, **extra)
+        if stream:
+            return self._stream_async(obj)
+        fut = asyncio.run_coroutine_threadsafe(self._collect(obj), self.loop)
+        return await asyncio.wrap_future(fut)
+
+    async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        it = self._stream_sync(obj)
+        loop = asyncio.get_running_loop()
+        done = object()
+        while (item := await loop.run_in_executor(None, next, it, done)) is not done:
+            yield item
+
+    # -- control --------------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        return self._run(self.tokenizer_manager.flush_cache()).success
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._run(self.tokenizer_manager.get_server_info())
+
+    def shutdown(self) -> None:
+        if getattr(self, "procs", None) is not None:
+            self.procs.shutdown()
+            self.procs = None  # type: ignore[assignment]
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

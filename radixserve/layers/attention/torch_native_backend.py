@@ -1,0 +1,87 @@
+"""Portable attention: gather each request's KV through req_to_token into a padded batch and
+run one scaled_dot_product_attention call for the whole step.
+
+Metadata (built once per step, shared by all layers): the KV slot matrix [B, L] read from
+req_to_token, the padded query index [B, Q] into the packed tokens, and the boolean mask
+[B, 1, Q, L] that is causal inside the extend part and open over the cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.layers.attention.base import AttentionBackend, AttentionLayer
+from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class TorchNativeMetadata:
+    kv_index: torch.Tensor  # [B, L] KV slots (padding -> slot 0)
+    q_index: torch.Tensor  # [B, Q] packed token index (padding -> T, a zero row)
+    token_pos: torch.Tensor  # [T] index of each packed token inside the flattened [B*Q]
+    mask: torch.Tensor  # [B, 1, Q, L] True = attend
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        dev = fb.input_ids.device
+        bs = fb.batch_size
+        seq_lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64, device=dev)
+        prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device=dev)
+        ext_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=dev)
+        max_kv = max(fb.seq_lens_cpu)
+        max_q = max(fb.extend_seq_lens_cpu)
+        assert fb.req_to_token_pool is not None
+        table = fb.req_to_token_pool.req_to_token
+        kv_index = table[fb.req_pool_indices, :max_kv].to(torch.int64)
+        kv_pos = torch.arange(max_kv, device=dev)
+        kv_index = torch.where(kv_pos[None, :] < seq_lens[:, None], kv_index, 0)
+
+        q_pos = torch.arange(max_q, device=dev)
+        starts = torch.cumsum(ext_lens, 0) - ext_lens
+        q_valid = q_pos[None, :] < ext_lens[:, None]
+        q_index = torch.where(q_valid, starts[:, None] + q_pos[None, :], fb.num_tokens)
+        token_pos = (torch.arange(bs, device=dev)[:, None] * max_q + q_pos[None, :])[q_valid]
+
+        # Query i of request b sits at absolute position prefix_len + i and sees keys <= it.
+        abs_q = prefix_lens[:, None] + q_pos[None, :]
+        mask = kv_pos[None, None, :] <= abs_q[:, :, None]
+        mask = mask & (kv_pos[None, None, :] < seq_lens[:, None, None])
+        mask[:, :, 0] |= ~q_valid  # padded query rows attend slot 0 so softmax stays finite
+        fb.attn_metadata = TorchNativeMetadata(kv_index, q_index, token_pos, mask.unsqueeze(1))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        md: TorchNativeMetadata = fb.attn_metadata  # type: ignore[assignment]
+        pool = fb.token_to_kv_pool
+        assert pool is not None
+        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        q_padded = torch.cat([q, q.new_zeros(1, layer.num_heads, layer.head_dim)])[md.q_index]
+        keys = k_buf[md.kv_index].to(q.dtype)  # [B, L, Hkv, D]
+        values = v_buf[md.kv_index].to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q_padded.transpose(1, 2),  # [B, H, Q, D]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=md.mask,
+            scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
+        bs, _, max_q, _ = out.shape
+        out = out.transpose(1, 2).reshape(bs * max_q, layer.num_heads * layer.head_dim)
+        return out[md.token_pos]

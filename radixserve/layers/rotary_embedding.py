@@ -1,0 +1,107 @@
+"""Rotary position embedding (neox / rotate-half layout) with Llama-family rope_scaling.
+
+The cos/sin table is computed once for all positions in fp32 exactly as transformers computes
+it (inv_freq times position, then cos/sin times the attention scaling), so positions index it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor = s["factor"]
+    low_freq_factor = s["low_freq_factor"]
+    high_freq_factor = s["high_freq_factor"]
+    old_context_len = s["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def _yarn_inv_freq(
+    head_dim: int, base: float, s: dict[str, Any], max_pos: int
+) -> tuple[torch.Tensor, float]:
+    factor = s["factor"]
+    orig = s.get("original_max_position_embeddings") or max_pos
+    beta_fast = s.get("beta_fast") or 32
+    beta_slow = s.get("beta_slow") or 1
+    mscale = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+    def correction_dim(num_rot: float) -> float:
+        return (head_dim * math.log(orig / (num_rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    inv_extra = 1.0 / pos_freqs
+    inv_inter = 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extra_factor = 1 - ramp
+    return inv_inter * (1 - extra_factor) + inv_extra * extra_factor, mscale
+
+
+def compute_inv_freq(
+    head_dim: int, base: float, scaling: dict[str, Any] | None, max_pos: int
+) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq, attention_scaling) for the rope type in `scaling`."""
+    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    inv_freq = _default_inv_freq(head_dim, base)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, scaling, max_pos)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        inv_freq, attn_scale = compute_inv_freq(head_dim, base, scaling, max_position)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Plain attributes, not buffers: model.to(dtype) must not round the fp32 table.
+        self.cos_cached = emb.cos() * attn_scale
+        self.sin_cached = emb.sin() * attn_scale
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies in the input dtype."""
+        if self.cos_cached.device != positions.device:
+            self.cos_cached = self.cos_cached.to(positions.device)
+            self.sin_cached = self.sin_cached.to(positions.device)
+        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,189 @@
+"""Batched sampling with per-request parameters, and the logits processors that run before it.
+
+SamplingBatchInfo is rebuilt from the batch's requests every step (so filtering or merging a
+batch can never misalign it). Order, as in SGLang: logits processors (penalties, logit_bias,
+min_new_tokens masking, grammar vocab mask) → greedy rows take argmax → other rows: temperature,
+softmax, top-k / top-p / min-p filtering, then a draw. Seeded rows draw from a generator
+seeded by (seed, output position), so a seeded request reproduces whatever it is batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from radixserve.sampling_params import TOP_K_ALL, SamplingParams
+
+
+class SamplingReq(Protocol):
+    """What the sampler reads from a request (Req satisfies this)."""
+
+    sampling_params: SamplingParams
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    eos_token_ids: Sequence[int]
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [B, 1]
+    top_ps: torch.Tensor  # [B]
+    top_ks: torch.Tensor  # [B]
+    min_ps: torch.Tensor  # [B]
+    greedy: torch.Tensor  # [B] bool
+    is_all_greedy: bool
+    need_filter: bool
+    seeds: list[int | None]
+    steps: list[int]
+    vocab_size: int
+    reqs: Sequence[SamplingReq]
+    vocab_mask: torch.Tensor | None = None  # [B, V] bool, True = forbidden (grammar)
+
+    @classmethod
+    def from_reqs(cls, reqs: Sequence[SamplingReq], vocab_size: int, device: str) -> SamplingBatchInfo:
+        sps = [r.sampling_params for r in reqs]
+        greedy = [sp.temperature < 1e-6 for sp in sps]
+        temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, sps, strict=True)]
+        top_ks = [min(sp.effective_top_k, vocab_size) for sp in sps]
+        need_filter = any(
+            not g and (sp.top_p < 1.0 or k < vocab_size or sp.min_p > 0.0)
+            for g, sp, k in zip(greedy, sps, top_ks, strict=True)
+        )
+        return cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).view(-1, 1),
+            top_ps=torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([sp.min_p for sp in sps], dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_all_greedy=all(greedy),
+            need_filter=need_filter,
+            seeds=[sp.seed for sp in sps],
+            steps=[len(r.output_ids) for r in reqs],
+            vocab_size=vocab_size,
+            reqs=reqs,
+        )
+
+    # -- logits processors -------------------------------------------------------------------
+    def apply_logits_processors(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalties, logit_bias, min_new_tokens and grammar masks, per row. Returns logits."""
+        rows = [i for i, r in enumerate(self.reqs) if _needs_processing(r)]
+        if rows:
+            logits = logits.clone()
+            for i in rows:
+                logits[i] = apply_request_processors(logits[i], self.reqs[i])
+        if self.vocab_mask is not None:
+            logits = logits.masked_fill(self.vocab_mask, float("-inf"))
+        return logits
+
+
+def _needs_processing(r: SamplingReq) -> bool:
+    sp = r.sampling_params
+    return bool(
+        sp.frequency_penalty
+        or sp.presence_penalty
+        or sp.repetition_penalty != 1.0
+        or sp.logit_bias
+        or len(r.output_ids) < sp.min_new_tokens
+    )
+
+
+def apply_request_processors(logits: torch.Tensor, r: SamplingReq) -> torch.Tensor:
+    """One request's logits [V] → processed logits, using the formulas of OpenAI (frequency,
+    presence: output tokens only) and of transformers' RepetitionPenaltyLogitsProcessor
+    (prompt and output tokens)."""
+    sp = r.sampling_params
+    vocab = logits.shape[-1]
+    dev = logits.device
+    if sp.repetition_penalty != 1.0:
+        seen = torch.tensor(r.origin_input_ids + r.output_ids, dtype=torch.int64, device=dev)
+        score = logits[seen]
+        score = torch.where(score < 0, score * sp.repetition_penalty, score / sp.repetition_penalty)
+        logits = logits.scatter(0, seen, score)
+    if (sp.frequency_penalty or sp.presence_penalty) and r.output_ids:
+        out = torch.tensor(r.output_ids, dtype=torch.int64, device=dev)
+        counts = torch.zeros(vocab, dtype=logits.dtype, device=dev).scatter_add_(
+            0, out, torch.ones_like(out, dtype=logits.dtype)
+        )
+        logits = logits - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0)
+    if sp.logit_bias:
+        ids = torch.tensor([int(k) for k in sp.logit_bias], dtype=torch.int64, device=dev)
+        vals = torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype, device=dev)
+        logits = logits.index_add(0, ids, vals)
+    if len(r.output_ids) < sp.min_new_tokens:
+        banned = list(r.eos_token_ids) + list(sp.stop_token_ids or [])
+        if banned and not sp.ignore_eos:
+            logits = logits.index_fill(0, torch.tensor(banned, device=dev), float("-inf"))
+        elif sp.stop_token_ids:
+            logits = logits.index_fill(0, torch.tensor(sp.stop_token_ids, device=dev), float("-inf"))
+    return logits
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # values, ids: [B, k]
+
+
+class Sampler:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> SampleOutput:
+        logits = info.apply_logits_processors(logits.float())
+        if info.is_all_greedy:
+            next_ids = logits.argmax(dim=-1)
+        else:
+            next_ids = self._sample(logits, info)
+        out = SampleOutput(next_ids)
+        if return_logprob:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.logprobs = logprobs.gather(1, next_ids.view(-1, 1)).view(-1)
+            if top_logprobs_num > 0:
+                vals, ids = logprobs.topk(top_logprobs_num, dim=-1)
+                out.top_logprobs = (vals, ids)
+        return out
+
+    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        probs = torch.softmax(logits / info.temperatures, dim=-1)
+        if info.need_filter:
+            probs, order = _filter_probs(probs, info)
+        else:
+            order = None
+        choice = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+        unseeded = [i for i, s in enumerate(info.seeds) if s is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=probs.device)
+            choice[idx] = torch.multinomial(probs[idx], 1).view(-1)
+        for i, seed in enumerate(info.seeds):
+            if seed is not None:
+                choice[i] = _seeded_draw(probs[i], seed, info.steps[i])
+        next_ids = choice if order is None else order.gather(1, choice.view(-1, 1)).view(-1)
+        greedy_ids = logits.argmax(dim=-1)
+        return torch.where(info.greedy, greedy_ids, next_ids)
+
+
+def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero out what top-k, top-p and min-p exclude; returns (sorted probs, sort order)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    cumsum = sorted_probs.cumsum(dim=-1)
+    ranks = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
+    drop = (cumsum - sorted_probs) > info.top_ps.view(-1, 1)
+    drop |= ranks >= info.top_ks.clamp(max=TOP_K_ALL).view(-1, 1)
+    drop |= sorted_probs < (sorted_probs[:, :1] * info.min_ps.view(-1, 1))
+    drop[:, 0] = False  # the most likely token always survives
+    return sorted_probs.masked_fill(drop, 0.0), order
+
+
+def _seeded_draw(probs: torch.Tensor, seed: int, step: int) -> torch.Tensor:
+    """Exponential-race draw (argmax p / E, E ~ Exp(1)) from a generator fixed by (seed, step)."""
+    gen = torch.Generator(device=probs.device)
+    gen.manual_seed((seed * 1_000_003 + step) % (1 << 63))
+    noise = torch.empty_like(probs).exponential_(generator=gen)
+    return (probs / noise).argmax()

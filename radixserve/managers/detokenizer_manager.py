@@ -1,0 +1,121 @@
+"""DetokenizerManager: token-id deltas → text deltas, in its own process.
+
+Incremental decoding with two offsets (surrogate, read): a token whose bytes end inside a
+multi-byte character is held until the character completes, so streamed text never shows a
+broken character. Text that could be the start of a stop string is held back too; when the
+request finishes on a stop string (or stop token) the output is trimmed there unless
+no_stop_trim. Control messages (cache flush, server info, errors) pass straight through.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.io_struct import BatchStrOutput, BatchTokenIDOutput
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class DecodeStatus:
+    ids: list[int] = field(default_factory=list)
+    surr_offset: int = 0
+    read_offset: int = 0
+    decoded: str = ""  # text confirmed complete so far
+    sent: int = 0  # characters of `decoded` already sent
+
+
+class DetokenizerManager:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, DecodeStatus] = {}
+
+    def handle_batch_token_id_out(self, out: BatchTokenIDOutput) -> BatchStrOutput:
+        texts: list[str] = []
+        for i, rid in enumerate(out.rids):
+            texts.append(self._decode_one(out, i, rid))
+        return BatchStrOutput(
+            rids=out.rids,
+            finished_reasons=out.finished_reasons,
+            output_strs=texts,
+            output_ids=out.output_ids,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            output_token_logprobs=out.output_token_logprobs,
+            output_top_logprobs=out.output_top_logprobs,
+        )
+
+    def _decode_one(self, out: BatchTokenIDOutput, i: int, rid: str) -> str:
+        st = self.states.setdefault(rid, DecodeStatus())
+        finished = out.finished_reasons[i]
+        new_ids = out.output_ids[i]
+        if finished and not out.no_stop_trim[i]:
+            matched = finished.get("matched")
+            if isinstance(matched, int) and new_ids and new_ids[-1] == matched:
+                new_ids = new_ids[:-1]  # the stop token's own text is not output
+        st.ids.extend(new_ids)
+        decode_kw = {
+            "skip_special_tokens": out.skip_special_tokens[i],
+            "spaces_between_special_tokens": out.spaces_between_special_tokens[i],
+        }
+        surr = self.tokenizer.decode(st.ids[st.surr_offset : st.read_offset], **decode_kw)
+        full = self.tokenizer.decode(st.ids[st.surr_offset :], **decode_kw)
+        if len(full) > len(surr) and (finished or not full.endswith(REPLACEMENT_CHAR)):
+            st.decoded += full[len(surr) :]
+            st.surr_offset, st.read_offset = st.read_offset, len(st.ids)
+        stops = out.stop_strs[i]
+        if finished:
+            self.states.pop(rid, None)
+            text = st.decoded
+            matched = finished.get("matched")
+            if isinstance(matched, str) and not out.no_stop_trim[i]:
+                pos = text.find(matched, max(0, st.sent - len(matched)))
+                if pos >= 0:
+                    text = text[:pos]
+            return text[st.sent :]
+        # Hold back a tail that might grow into a stop string.
+        hold = _stop_prefix_len(st.decoded, stops) if stops else 0
+        end = max(st.sent, len(st.decoded) - hold)
+        delta = st.decoded[st.sent : end]
+        st.sent = end
+        return delta
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def run_detokenizer_process(server_args: Any, port_args: Any, ready: Any = None) -> None:
+    """Process entry: PULL BatchTokenIDOutput from the scheduler, PUSH BatchStrOutput."""
+    from radixserve.utils import configure_child_process, zmq_socket
+
+    configure_child_process("detokenizer", server_args.log_level)
+    import zmq
+
+    from radixserve.managers.tokenizer_utils import load_tokenizer_for
+
+    tokenizer = load_tokenizer_for(server_args)
+    ctx = zmq.Context(2)
+    recv = zmq_socket(ctx, zmq.PULL, port_args.detokenizer_ipc, bind=True)
+    send = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc, bind=False)
+    manager = DetokenizerManager(tokenizer)
+    if ready is not None:
+        ready.send({"status": "ready"})
+        ready.close()
+    while True:
+        msg = recv.recv_pyobj()
+        if isinstance(msg, BatchTokenIDOutput):
+            msg = manager.handle_batch_token_id_out(msg)
+        send.send_pyobj(msg)

@@ -1,0 +1,349 @@
+"""Req (one request's scheduling state) and ScheduleBatch (the requests of one step).
+
+Length semantics of a Req (seed 000 §6):
+  fill_ids            origin_input_ids + output_ids (cut at the chunk end while chunking)
+  prefix_indices      KV slots already present for fill_ids[:len(prefix_indices)]
+  kv_committed_len    tokens whose KV is written; kv_allocated_len >= it (invariant 5)
+  cache_protected_len leading tokens whose slots the radix tree owns (locked via last_node)
+
+ScheduleBatch owns slot allocation for a step: prepare_for_extend / prepare_for_decode write
+the new slots into req_to_token and build the flat tensors that TpModelWorker turns into a
+ForwardBatch. filter_batch / merge_batch keep every per-request list aligned (invariant 6).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.radix_cache import RadixKey
+from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixserve.sampling_params import SamplingParams
+
+EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+def finish_stop(matched: int | str | None) -> dict[str, Any]:
+    return {"type": "stop", "matched": matched}
+
+
+def finish_length(length: int) -> dict[str, Any]:
+    return {"type": "length", "length": length}
+
+
+def finish_abort(message: str = "aborted", status_code: int | None = None) -> dict[str, Any]:
+    """status_code marks a rejection the client must see as an error (HTTP status)."""
+    reason: dict[str, Any] = {"type": "abort", "message": message}
+    if status_code is not None:
+        reason["status_code"] = status_code
+    return reason
+
+
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: Sequence[int] = (),
+        *,
+        origin_input_text: str | None = None,
+        stream: bool = False,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        extra_key: str | None = None,
+        priority: int | None = None,
+        routing_key: str | None = None,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_text = origin_input_text
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.stream = stream
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.extra_key = extra_key
+        self.priority = priority
+        self.routing_key = routing_key
+        self.output_ids: list[int] = []
+        self.fill_ids: list[int] = []
+        self.prefix_indices: torch.Tensor = EMPTY_SLOTS
+        self.extend_input_len = 0
+        self.last_node: Any = None
+        self.req_pool_idx: int | None = None
+        self.kv_committed_len = 0
+        self.kv_allocated_len = 0
+        self.cache_protected_len = 0
+        self.is_chunked = 0  # > 0 while an intermediate prefill chunk is in flight
+        self.finished_reason: dict[str, Any] | None = None
+        self.to_abort: str | None = None
+        self.admitted = False
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        self.num_retractions = 0
+        self.sent_len = 0  # output tokens already handed to the detokenizer
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.arrival_time = time.monotonic()
+        self.wait_steps = 0
+        self.grammar: Any = None
+
+    # -- lengths --------------------------------------------------------------------------------
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens or 0
+
+    def init_next_round_input(self, tree_cache: Any) -> None:
+        """Recompute fill_ids and the cached prefix before (re-)admission."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        # At least one token must run through the model to produce the next logits.
+        max_prefix = len(self.fill_ids) - 1
+        match = tree_cache.match_prefix(RadixKey(self.fill_ids[:max_prefix], self.extra_key))
+        self.prefix_indices = match.device_indices
+        self.last_node = match.last_node
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def init_next_chunk(self) -> None:
+        """After cache_unfinished_req moved the computed chunk into prefix_indices."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = EMPTY_SLOTS
+        self.last_node = None
+        self.req_pool_idx = None
+        self.kv_committed_len = self.kv_allocated_len = self.cache_protected_len = 0
+        self.is_chunked = 0
+        self.extend_input_len = 0
+        self.num_retractions += 1
+
+    # -- finishing ------------------------------------------------------------------------------
+    def check_finished(self, tokenizer: Any = None) -> None:
+        if self.finished():
+            return
+        if self.to_abort is not None:
+            self.finished_reason = finish_abort(self.to_abort)
+            return
+        sp = self.sampling_params
+        last = self.output_ids[-1]
+        if len(self.output_ids) >= sp.min_new_tokens:
+            if last in (sp.stop_token_ids or ()):
+                self.finished_reason = finish_stop(last)
+                return
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                self.finished_reason = finish_stop(last)
+                return
+            if sp.stop_strs and tokenizer is not None:
+                matched = self._match_stop_str(tokenizer)
+                if matched is not None:
+                    self.finished_reason = finish_stop(matched)
+                    return
+        if sp.max_new_tokens is not None and len(self.output_ids) >= sp.max_new_tokens:
+            self.finished_reason = finish_length(len(self.output_ids))
+
+    def _match_stop_str(self, tokenizer: Any) -> str | None:
+        max_len = max(len(s) for s in self.sampling_params.stop_strs)
+        tail = tokenizer.decode(self.output_ids[-(max_len + 1) :], skip_special_tokens=False)
+        for s in self.sampling_params.stop_strs:
+            if s in tail:
+                return s
+        return None
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"
+
+
+class ScheduleBatch:
+    """The requests of one forward step and the memory they hold."""
+
+    def __init__(
+        self,
+        reqs: list[Req],
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        tree_cache: Any,
+        forward_mode: ForwardMode = ForwardMode.DECODE,
+    ) -> None:
+        self.reqs = reqs
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.forward_mode = forward_mode
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.out_cache_loc: torch.Tensor = EMPTY_SLOTS
+        self.prefix_lens: list[int] = []
+        self.extend_lens: list[int] = []
+        self.seq_lens: list[int] = [r.kv_committed_len for r in reqs]
+        self.decoding_reqs: list[Req] = []  # requests mixed into an extend batch
+        self.page_size = allocator.page_size
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    # -- allocation -----------------------------------------------------------------------------
+    def _alloc_slots(self, reqs: list[Req], starts: list[int], ends: list[int]) -> torch.Tensor:
+        """Give tokens [start, end) of each request a KV slot; write them into req_to_token."""
+        need_tokens = self.new_slots_needed(reqs, starts, ends)
+        if self.allocator.available_size() < need_tokens:
+            self.tree_cache.evict(need_tokens - self.allocator.available_size())
+        ps = self.page_size
+        if ps == 1:
+            slots = self.allocator.alloc(need_tokens)
+            if slots is None:
+                raise MemoryError("KV pool exhausted after admission control")
+            out, pos = [], 0
+            for r, s, e in zip(reqs, starts, ends, strict=True):
+                part = slots[pos : pos + e - s]
+                pos += e - s
+                self.req_to_token_pool.write(r.req_pool_idx, s, part)
+                out.append(part)
+        else:
+            pages = self.allocator.alloc_pages(need_tokens // ps)
+            if pages is None:
+                raise MemoryError("KV pool exhausted after admission control")
+            out, page_pos = [], 0
+            table = self.req_to_token_pool.req_to_token
+            for r, s, e in zip(reqs, starts, ends, strict=True):
+                parts = []
+                if s % ps:  # continue the partly filled last page
+                    last = int(table[r.req_pool_idx, s - 1])
+                    n = min(e, (s // ps + 1) * ps) - s
+                    parts.append(torch.arange(last + 1, last + 1 + n, dtype=torch.int64))
+                n_pages = -(-e // ps) - -(-s // ps)
+                new = self.allocator.pages_to_slots(pages[page_pos : page_pos + n_pages])
+                page_pos += n_pages
+                parts.append(new[: e - s - sum(len(p) for p in parts)])
+                part = torch.cat(parts)
+                self.req_to_token_pool.write(r.req_pool_idx, s, part)
+                out.append(part)
+        for r, e in zip(reqs, ends, strict=True):
+            r.kv_allocated_len = max(r.kv_allocated_len, e)
+        return torch.cat(out) if out else EMPTY_SLOTS
+
+    def new_slots_needed(self, reqs: Sequence[Req], starts: Sequence[int], ends: Sequence[int]) -> int:
+        ps = self.page_size
+        if ps == 1:
+            return sum(e - s for s, e in zip(starts, ends, strict=True))
+        return sum((-(-e // ps) - -(-s // ps)) * ps for s, e in zip(starts, ends, strict=True))
+
+    # -- extend ---------------------------------------------------------------------------------
+    def prepare_for_extend(self) -> None:
+        self.forward_mode = ForwardMode.EXTEND
+        reqs = self.reqs
+        rows = self.req_to_token_pool.alloc(sum(r.req_pool_idx is None for r in reqs))
+        if rows is None:
+            raise MemoryError("no free request rows after admission control")
+        for r in reqs:
+            if r.req_pool_idx is None:
+                r.req_pool_idx = rows.pop()
+                r.kv_allocated_len = 0
+            if len(r.prefix_indices):
+                self.req_to_token_pool.write(r.req_pool_idx, 0, r.prefix_indices)
+        self.prefix_lens = [len(r.prefix_indices) for r in reqs]
+        self.seq_lens = [len(r.fill_ids) for r in reqs]
+        self.extend_lens = [s - p for s, p in zip(self.seq_lens, self.prefix_lens, strict=True)]
+        self.out_cache_loc = self._alloc_slots(reqs, self.prefix_lens, self.seq_lens)
+        self.input_ids, self.positions = [], []
+        for r, p, s in zip(reqs, self.prefix_lens, self.seq_lens, strict=True):
+            self.input_ids.extend(r.fill_ids[p:s])
+            self.positions.extend(range(p, s))
+            r.kv_committed_len = s
+            r.extend_input_len = s - p
+
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """Append running decode requests as 1-token extends (ForwardMode.MIXED)."""
+        running.prepare_for_decode()
+        self.forward_mode = ForwardMode.MIXED
+        self.decoding_reqs = list(running.reqs)
+        self.reqs = self.reqs + running.reqs
+        self.input_ids = self.input_ids + running.input_ids
+        self.positions = self.positions + running.positions
+        self.prefix_lens = self.prefix_lens + [s - 1 for s in running.seq_lens]
+        self.extend_lens = self.extend_lens + [1] * len(running.reqs)
+        self.seq_lens = self.seq_lens + running.seq_lens
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
+
+    # -- decode ---------------------------------------------------------------------------------
+    def decode_slots_needed(self) -> int:
+        seq = [r.kv_committed_len for r in self.reqs]
+        return self.new_slots_needed(self.reqs, seq, [s + 1 for s in seq])
+
+    def prepare_for_decode(self) -> None:
+        self.forward_mode = ForwardMode.DECODE
+        reqs = self.reqs
+        starts = [r.kv_committed_len for r in reqs]
+        ends = [s + 1 for s in starts]
+        self.out_cache_loc = self._alloc_slots(reqs, starts, ends)
+        self.input_ids = [r.output_ids[-1] for r in reqs]
+        self.positions = starts
+        self.prefix_lens = starts
+        self.extend_lens = [1] * len(reqs)
+        self.seq_lens = ends
+        for r, e in zip(reqs, ends, strict=True):
+            r.kv_committed_len = e
+
+    # -- membership -----------------------------------------------------------------------------
+    def filter_batch(self, keep: Sequence[Req] | None = None) -> None:
+        """Keep only unfinished requests (or exactly `keep`); per-request state stays aligned."""
+        if keep is None:
+            keep = [r for r in self.reqs if not r.finished()]
+        self.reqs = list(keep)
+        self.seq_lens = [r.kv_committed_len for r in self.reqs]
+        self.decoding_reqs = []
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        self.reqs = self.reqs + [r for r in other.reqs if r not in self.reqs]
+        self.seq_lens = [r.kv_committed_len for r in self.reqs]
+
+    # -- retraction -----------------------------------------------------------------------------
+    def retract_decode(self, need_tokens_fn) -> list[Req]:
+        """Retract requests (fewest outputs first, then longest input) until the rest can decode.
+
+        `need_tokens_fn(batch)` says whether the remaining batch fits. Retracted requests free
+        their KV without inserting into the tree and keep their output_ids (they re-prefill).
+        At least one request is always kept.
+        """
+        order = sorted(
+            self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True
+        )
+        retracted: list[Req] = []
+        while len(order) > 1 and not need_tokens_fn(order):
+            r = order.pop()
+            self.tree_cache.cache_finished_req(r, is_insert=False)
+            r.reset_for_retract()
+            retracted.append(r)
+        self.reqs = [r for r in self.reqs if r not in retracted]
+        self.seq_lens = [r.kv_committed_len for r in self.reqs]
+        return retracted
+
+    # -- to the worker --------------------------------------------------------------------------
+    def get_forward_batch(self, device: str) -> ForwardBatch:
+        return ForwardBatch(
+            forward_mode=self.forward_mode,
+            batch_size=len(self.reqs),
+            input_ids=torch.tensor(self.input_ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(self.positions, dtype=torch.int64, device=device),
+            req_pool_indices=torch.tensor(
+                [r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=device
+            ),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int64, device=device),
+            out_cache_loc=self.out_cache_loc.to(device),
+            seq_lens_cpu=list(self.seq_lens),
+            extend_prefix_lens_cpu=list(self.prefix_lens),
+            extend_seq_lens_cpu=list(self.extend_lens),
+        )

@@ -1,0 +1,329 @@
+"""Scheduler: the batch-centric state machine (seed 000 §9–§10, DESIGN §4).
+
+State: waiting_queue, running_batch, chunked_req, last_batch. Each step:
+get_next_batch_to_run (merge the last extend batch into running, prefill first, else decode)
+→ run_batch (TpModelWorker) → process_batch_result (append tokens, finish, free, stream).
+Receives TokenizedGenerateReqInput / AbortReq / control requests through `process_input_requests`
+and emits BatchTokenIDOutput through the `send_output` callable given to the constructor (a
+ZMQ socket's send in the served engine, a list's append in tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from radixserve.args import ServerArgs
+from radixserve.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetServerInfoReq,
+    GetServerInfoReqOutput,
+    TokenizedGenerateReqInput,
+)
+from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort
+from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from radixserve.managers.scheduler_output import SchedulerOutputMixin
+from radixserve.managers.scheduler_stats import NewTokenRatioTracker, SchedulerStats
+from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.radix_cache import RadixCache
+from radixserve.model_executor.forward_batch import ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler(SchedulerOutputMixin):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        send_output: Callable[[Any], None],
+        tokenizer: Any = None,
+        tp_worker: TpModelWorker | None = None,
+    ) -> None:
+        self.server_args = server_args
+        self.send_output = send_output
+        self.tokenizer = tokenizer  # only for stop strings; may be None
+        self.tp_worker = tp_worker or TpModelWorker(server_args)
+        runner = self.tp_worker.model_runner
+        self.model_config = runner.model_config
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = runner.token_to_kv_pool_allocator
+        self.max_total_num_tokens = runner.max_total_num_tokens
+        self.max_running_requests = runner.max_running_requests
+        self.context_len = runner.context_len
+        self.page_size = server_args.page_size
+        if server_args.disable_radix_cache:
+            self.tree_cache: Any = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+        else:
+            self.tree_cache = RadixCache(
+                self.req_to_token_pool,
+                self.allocator,
+                self.page_size,
+                server_args.radix_eviction_policy,
+            )
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
+        self.waiting_queue: list[Req] = []
+        self.running_batch = self._new_batch([])
+        self.chunked_req: Req | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.ratio = NewTokenRatioTracker(server_args.schedule_conservativeness)
+        self.stats = SchedulerStats()
+        self.chunked_prefill_size = (
+            server_args.chunked_prefill_size if server_args.chunked_prefill_enabled else None
+        )
+        if self.chunked_prefill_size is not None:
+            self.chunked_prefill_size = max(
+                self.page_size, self.chunked_prefill_size // self.page_size * self.page_size
+            )
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache)
+
+    # -- input ----------------------------------------------------------------------------------
+    def process_input_requests(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.handle_generate_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg)
+            elif isinstance(msg, FlushCacheReq):
+                self.send_output(self.flush_cache())
+            elif isinstance(msg, GetServerInfoReq):
+                self.send_output(GetServerInfoReqOutput(self.get_server_info()))
+            else:
+                logger.error("scheduler got an unknown message %r", type(msg))
+
+    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        req = Req(
+            recv.rid,
+            recv.input_ids,
+            recv.sampling_params,
+            self.model_config.eos_token_ids,
+            origin_input_text=recv.input_text,
+            stream=recv.stream,
+            return_logprob=recv.return_logprob,
+            top_logprobs_num=recv.top_logprobs_num,
+            extra_key=recv.extra_key,
+            priority=recv.priority,
+            routing_key=recv.routing_key,
+        )
+        error = self._validate(req)
+        if error is not None:
+            req.finished_reason = finish_abort(error, status_code=400)
+            self.stats.num_aborted += 1
+            self.stream_output([req])
+            return
+        sp = req.sampling_params
+        room = self.context_len - len(req.origin_input_ids)
+        if sp.max_new_tokens is None or sp.max_new_tokens > room:
+            sp.max_new_tokens = room  # never generate past the context window
+        self.waiting_queue.append(req)
+
+    def _validate(self, req: Req) -> str | None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.context_len:
+            return (
+                f"the prompt has {n} tokens, which does not fit the context length of "
+                f"{self.context_len} tokens"
+            )
+        if n + 1 > self.max_total_num_tokens:
+            return (
+                f"the prompt has {n} tokens but the KV cache holds only "
+                f"{self.max_total_num_tokens}; it can never be scheduled"
+            )
+        if max(req.origin_input_ids) >= self.model_config.vocab_size or min(req.origin_input_ids) < 0:
+            return "the prompt has a token id outside the vocabulary"
+        return None
+
+    def abort_request(self, recv: AbortReq) -> None:
+        for req in list(self.waiting_queue):
+            if recv.abort_all or req.rid == recv.rid:
+                self.waiting_queue.remove(req)
+                req.finished_reason = finish_abort("aborted by the client")
+                self.stats.num_aborted += 1
+                self.stream_output([req])
+        running = list(self.running_batch.reqs)
+        if self.chunked_req is not None:
+            running.append(self.chunked_req)
+        for req in running:
+            if recv.abort_all or req.rid == recv.rid:
+                req.to_abort = "aborted by the client"  # released at its next result
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> ScheduleBatch | None:
+        """Run one iteration of the normal loop; returns the batch that ran (or None)."""
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+        self.last_batch = batch
+        if self.server_args.enable_integrity_checks:
+            self.check_integrity()
+        return batch
+
+    def event_loop_normal(self, recv_requests: Callable[[], list[Any]]) -> None:
+        while True:
+            self.process_input_requests(recv_requests())
+            if self.step() is None:
+                self.on_idle()
+
+    def on_idle(self) -> None:
+        """Called when nothing ran; the served loop sleeps on its socket instead of spinning."""
+        time.sleep(0.001)
+
+    def has_work(self) -> bool:
+        in_last = self.last_batch is not None and any(
+            not r.finished() for r in self.last_batch.reqs
+        )
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or in_last)
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            # Requests that just prefilled join the running batch (minus the chunked one).
+            last.filter_batch(
+                [r for r in last.reqs if not r.finished() and r is not self.chunked_req]
+            )
+            if last.reqs:
+                self.running_batch.merge_batch(last)
+        self.running_batch.filter_batch()
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if self.running_batch.is_empty():
+            return None
+        return self.update_running_batch(self.running_batch)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if self.chunked_req is None and not self.waiting_queue:
+            return None
+        running = self.running_batch.reqs
+        if len(running) >= self.max_running_requests and self.chunked_req is None:
+            return None
+        held = self.policy.calc_priority(self.waiting_queue, running)
+        mixed = self.server_args.enable_mixed_chunk and bool(running)
+        adder = PrefillAdder(
+            self.tree_cache,
+            self.allocator,
+            running,
+            self.ratio.value,
+            self.server_args.max_prefill_tokens,
+            self.chunked_prefill_size,
+            self.max_running_requests,
+            self.page_size,
+            mixed_decode_tokens=len(running) if mixed else 0,
+        )
+        if self.chunked_req is not None:
+            self.tree_cache.cache_unfinished_req(self.chunked_req)
+            self.chunked_req.init_next_chunk()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in list(self.waiting_queue):
+            if adder.new_chunked_req is not None or self.chunked_req is not None:
+                break
+            if req.rid in held and adder.can_run_list:
+                continue  # in-batch prefix caching: a representative computes it first
+            if self.policy.policy not in ("lpm", "dfs-weight"):
+                req.init_next_round_input(self.tree_cache)
+            if adder.add_one_req(req) != AddReqResult.CONTINUE:
+                break
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+        can_run = adder.can_run_list
+        if not can_run:
+            return None
+        admitted = {id(r) for r in can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        for r in can_run:
+            if not r.admitted:
+                r.admitted = True
+                r.cached_tokens = len(r.prefix_indices)
+                self.stats.on_first_admission(len(r.origin_input_ids), r.cached_tokens)
+        batch = self._new_batch(can_run)
+        batch.prepare_for_extend()
+        self.stats.num_prefill_batches += 1
+        if mixed and self.chunked_req is None and self._decode_fits(self.running_batch):
+            batch.mix_with_running(self.running_batch)
+            self.running_batch = self._new_batch([])
+        return batch
+
+    def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
+        """Make room for one decode step: evict, then retract, then abort (never crash)."""
+        if not self._decode_fits(batch):
+            retracted = batch.retract_decode(lambda reqs: self._decode_fits(self._new_batch(reqs)))
+            if retracted:
+                self.stats.num_retractions += len(retracted)
+                self.waiting_queue = retracted + self.waiting_queue
+                self.ratio.on_retract(batch.reqs + retracted)
+                logger.info("retracted %d requests; KV pool is full", len(retracted))
+            if not self._decode_fits(batch):
+                last = batch.reqs[0]
+                last.finished_reason = finish_abort(
+                    "the request no longer fits in the KV cache (prompt + output exceed the "
+                    "pool)",
+                    status_code=400 if not last.output_ids else None,
+                )
+                self.tree_cache.cache_finished_req(last, is_insert=False)
+                self.stats.num_aborted += 1
+                self.stream_output([last])
+                batch.filter_batch()
+                return None
+        else:
+            self.ratio.on_decode_step()
+        batch.prepare_for_decode()
+        return batch
+
+    def _decode_fits(self, batch: ScheduleBatch) -> bool:
+        need = batch.decode_slots_needed()
+        return need <= self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        return self.tp_worker.forward_batch_generation(batch)
+
+    # -- control --------------------------------------------------------------------------------
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if self.has_work():
+            return FlushCacheReqOutput(False, "cannot flush the cache while requests are running")
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        return FlushCacheReqOutput(True)
+
+    def get_server_info(self) -> dict[str, Any]:
+        used = self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return self.stats.snapshot(
+            running=len(self.running_batch.reqs),
+            queued=len(self.waiting_queue),
+            token_usage=used / self.max_total_num_tokens,
+            new_token_ratio=self.ratio.value,
+            available_tokens=self.allocator.available_size(),
+            evictable_tokens=self.tree_cache.evictable_size(),
+            protected_tokens=self.tree_cache.protected_size(),
+            max_total_num_tokens=self.max_total_num_tokens,
+            max_running_requests=self.max_running_requests,
+            free_request_rows=self.req_to_token_pool.available_size(),
+        )
+
+    def check_integrity(self) -> None:
+        self.tree_cache.check_integrity()
+        self.allocator.check_integrity()
+        self.req_to_token_pool.check_integrity()
+        if not self.has_work():
+            self.assert_drained()
+
+    def assert_drained(self) -> None:
+        """Invariant 12: with nothing running, every slot is free or evictable, no lock held."""
+        free = self.allocator.available_size() + self.tree_cache.evictable_size()
+        assert free == self.max_total_num_tokens, (
+            f"KV slots leaked: {free} free+evictable of {self.max_total_num_tokens}"
+        )
+        assert self.tree_cache.protected_size() == 0, "a radix node is still locked"
+        rows = self.req_to_token_pool.available_size()
+        assert rows == self.req_to_token_pool.size, "a request row leaked"

@@ -1,0 +1,54 @@
+"""Scheduler statistics (counters and gauges) and the new_token_ratio tracker (DESIGN §4)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+RETRACT_DECODE_STEPS = 20
+DECAY_STEPS = 600
+
+
+class NewTokenRatioTracker:
+    """How much of each running request's remaining max_new_tokens admission reserves.
+
+    Starts at min(0.7 × conservativeness, 1), decays linearly to init × 0.14 over 600 decode
+    steps without retraction, and jumps back up after a retraction.
+    """
+
+    def __init__(self, conservativeness: float = 1.0) -> None:
+        self.init = min(0.7 * conservativeness, 1.0)
+        self.min = self.init * 0.14
+        self.decay = (self.init - self.min) / DECAY_STEPS
+        self.value = self.init
+
+    def on_decode_step(self) -> None:
+        self.value = max(self.value - self.decay, self.min)
+
+    def on_retract(self, reqs: list[Any]) -> None:
+        out = sum(len(r.output_ids) for r in reqs)
+        total_max = sum(r.max_new_tokens for r in reqs)
+        self.value = min(1.0, (out + RETRACT_DECODE_STEPS * len(reqs)) / (total_max + 1))
+
+
+@dataclass
+class SchedulerStats:
+    num_requests: int = 0  # admitted for the first time
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_retractions: int = 0
+    num_prefill_batches: int = 0
+    num_decode_batches: int = 0
+
+    def on_first_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.num_requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+
+    def snapshot(self, **gauges: Any) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(gauges)
+        return out

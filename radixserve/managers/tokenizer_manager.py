@@ -1,0 +1,336 @@
+"""TokenizerManager: the main process's side of every request (seed 000 §4, §13.3).
+
+generate_request: tokenize and verify → create rid_to_state[rid] (before dispatch, invariant 1)
+→ send TokenizedGenerateReqInput to the scheduler → wait on the state's event, which
+handle_loop sets when the detokenizer's BatchStrOutput for that rid arrives → yield dicts.
+Any failure (bad input, client gone, abort) removes the state and tells the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetServerInfoReq,
+    GetServerInfoReqOutput,
+    TokenizedGenerateReqInput,
+    new_rid,
+)
+from radixserve.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the server refuses (HTTP 400 unless status_code says otherwise)."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+@dataclass
+class ReqState:
+    rid: str
+    stream: bool
+    prompt_len: int
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    out_list: list[dict[str, Any]] = field(default_factory=list)
+    finished: bool = False
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    created: float = field(default_factory=time.monotonic)
+    last_time: float = 0.0
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+
+class TokenizerManager:
+    def __init__(
+        self,
+        server_args: Any,
+        tokenizer: Any,
+        send_to_scheduler: Any,
+        recv_from_detokenizer: Any,
+        context_len: int,
+        vocab_size: int,
+        metrics: Any = None,
+    ) -> None:
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.send_to_scheduler = send_to_scheduler  # zmq.asyncio PUSH socket
+        self.recv_from_detokenizer = recv_from_detokenizer  # zmq.asyncio PULL socket
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.metrics = metrics
+        self.rid_to_state: dict[str, ReqState] = {}
+        self._control_waiters: dict[type, list[asyncio.Future]] = {}
+        self.last_receive_time = time.monotonic()
+        self._loop_task: asyncio.Task | None = None
+
+    # -- background receive loop ----------------------------------------------------------------
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self.handle_loop())
+
+    async def handle_loop(self) -> None:
+        while True:
+            msg = await self.recv_from_detokenizer.recv_pyobj()
+            self.last_receive_time = time.monotonic()
+            try:
+                self._dispatch(msg)
+            except Exception:  # a bad message must not kill the loop that serves everyone
+                logger.exception("failed to handle %s", type(msg).__name__)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchStrOutput):
+            self._handle_batch_output(msg)
+            return
+        for fut in self._control_waiters.pop(type(msg), []):
+            if not fut.done():
+                fut.set_result(msg)
+
+    def _handle_batch_output(self, out: BatchStrOutput) -> None:
+        now = time.monotonic()
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue  # aborted by us; late output
+            state.text += out.output_strs[i]
+            state.output_ids.extend(out.output_ids[i])
+            if out.output_token_logprobs and out.output_token_logprobs[i] is not None:
+                state.output_token_logprobs.extend(out.output_token_logprobs[i])
+                state.output_top_logprobs.extend(out.output_top_logprobs[i] or [])
+            finished = out.finished_reasons[i]
+            meta = {
+                "id": rid,
+                "prompt_tokens": out.prompt_tokens[i],
+                "completion_tokens": out.completion_tokens[i],
+                "cached_tokens": out.cached_tokens[i],
+                "finish_reason": _public_finish_reason(finished),
+                "e2e_latency": now - state.created,
+            }
+            if state.output_token_logprobs:
+                meta["output_token_logprobs"] = list(state.output_token_logprobs)
+                meta["output_top_logprobs"] = list(state.output_top_logprobs)
+            if self.metrics is not None:
+                self.metrics.on_output(state, len(out.output_ids[i]), now, finished)
+            state.last_time = now
+            state.meta = meta
+            item = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+            if finished is not None and finished.get("status_code"):
+                item["error"] = {"message": finished["message"], "status_code": finished["status_code"]}
+            state.out_list.append(item)
+            if finished is not None:
+                state.finished = True
+                self.rid_to_state.pop(rid, None)
+            state.event.set()
+
+    # -- requests -------------------------------------------------------------------------------
+    def tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        if obj.input_ids is not None:
+            input_ids = list(obj.input_ids)  # type: ignore[arg-type]
+            if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in input_ids):
+                raise RequestError("input_ids must be token ids in [0, vocab_size)")
+            text = None
+        elif isinstance(obj.text, str):
+            text = obj.text
+            input_ids = self.tokenizer.encode(text)
+        else:
+            raise RequestError("either text or input_ids must be given")
+        if not input_ids:
+            raise RequestError("the prompt is empty")
+        try:
+            sp = SamplingParams.from_dict(copy.deepcopy(obj.sampling_params))
+            sp.verify(self.vocab_size)
+        except SamplingParamsError as e:
+            raise RequestError(str(e)) from None
+        self._check_length(len(input_ids), sp)
+        return TokenizedGenerateReqInput(
+            rid=obj.rid if isinstance(obj.rid, str) else new_rid(),
+            input_text=text,
+            input_ids=input_ids,
+            sampling_params=sp,
+            stream=obj.stream,
+            return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num,
+            logprob_start_len=obj.logprob_start_len,
+            extra_key=obj.extra_key,
+            priority=obj.priority,
+            routing_key=obj.routing_key,
+        )
+
+    def _check_length(self, n: int, sp: SamplingParams) -> None:
+        if n >= self.context_len:
+            raise RequestError(
+                f"The prompt has {n} tokens, which exceeds the model's context length of "
+                f"{self.context_len} tokens."
+            )
+        if sp.max_new_tokens is not None and n + sp.max_new_tokens > self.context_len:
+            raise RequestError(
+                f"Requested {n + sp.max_new_tokens} tokens ({n} in the prompt, "
+                f"{sp.max_new_tokens} to generate), which exceeds the model's context length "
+                f"of {self.context_len} tokens."
+            )
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Render the chat template to text, then tokenize it (no extra special tokens)."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception as e:  # jinja errors, missing template
+            raise RequestError(f"cannot apply the chat template: {e}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def generate_request(
+        self, obj: GenerateReqInput, request: Any = None
+    ) -> AsyncIterator[Any]:
+        """Yield output dicts (streaming: one per delta; otherwise one final dict). A batch input
+        yields one list of dicts (non-streaming) or dicts tagged with "index" (streaming)."""
+        self.start()
+        n = _n_of(obj)
+        if obj.is_single and n == 1:
+            tokenized = self.tokenize_one(obj)
+            async for out in self._wait_one(self._send(tokenized), request):
+                yield out
+            return
+        singles = [obj[i] for i in range(obj.batch_size)] if not obj.is_single else [obj]
+        tokenized_list = []
+        for single in singles:
+            base = self.tokenize_one(single)
+            for _ in range(n):
+                t = copy.copy(base)
+                t.rid = new_rid()
+                t.sampling_params = copy.deepcopy(base.sampling_params)
+                tokenized_list.append(t)
+        states = [self._send(t) for t in tokenized_list]
+        if obj.stream:
+            async for out in self._merge_streams(states, request):
+                yield out
+        else:
+            results = await asyncio.gather(*(self._last(s, request) for s in states))
+            yield list(results)
+
+    def _send(self, tokenized: TokenizedGenerateReqInput) -> ReqState:
+        state = ReqState(tokenized.rid, tokenized.stream, len(tokenized.input_ids))
+        self.rid_to_state[tokenized.rid] = state
+        if self.metrics is not None:
+            self.metrics.on_request(len(tokenized.input_ids))
+        self.send_to_scheduler.send_pyobj(tokenized)
+        return state
+
+    async def _wait_one(self, state: ReqState, request: Any) -> AsyncIterator[dict[str, Any]]:
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(state.event.wait(), timeout=2.0)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        self.abort_request(state.rid)
+                        return
+                    continue
+                outs, state.out_list = state.out_list, []
+                state.event.clear()
+                for out in outs:
+                    _raise_if_rejected(out)
+                    if state.stream or out["meta_info"]["finish_reason"] is not None:
+                        yield out
+                if state.finished:
+                    return
+        finally:
+            if not state.finished:  # the consumer went away (disconnect, cancel, error)
+                self.abort_request(state.rid)
+
+    async def _last(self, state: ReqState, request: Any) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+        async for out in self._wait_one(state, request):
+            last = out
+        return last
+
+    async def _merge_streams(self, states: list[ReqState], request: Any) -> AsyncIterator[Any]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, state: ReqState) -> None:
+            try:
+                async for out in self._wait_one(state, request):
+                    await queue.put({**out, "index": index})
+            except Exception as e:  # surfaced to the consumer below
+                await queue.put(e)
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
+        done = 0
+        try:
+            while done < len(tasks):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def abort_request(self, rid: str) -> None:
+        state = self.rid_to_state.pop(rid, None)
+        if state is not None:
+            self.send_to_scheduler.send_pyobj(AbortReq(rid))
+
+    # -- control --------------------------------------------------------------------------------
+    async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
+        self.start()
+        fut = asyncio.get_running_loop().create_future()
+        self._control_waiters.setdefault(reply_type, []).append(fut)
+        self.send_to_scheduler.send_pyobj(req)
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+
+    async def get_server_info(self) -> dict[str, Any]:
+        out: GetServerInfoReqOutput = await self._control(GetServerInfoReq(), GetServerInfoReqOutput)
+        return out.info
+
+
+def _n_of(obj: GenerateReqInput) -> int:
+    sp = obj.sampling_params
+    if isinstance(sp, dict):
+        n = sp.get("n", 1)
+        if not isinstance(n, int) or n < 1:
+            raise RequestError(f"n must be >= 1, got {n!r}")
+        if n > 1:
+            sp = dict(sp)
+            sp["n"] = 1
+            obj.sampling_params = sp
+        return n
+    return 1
+
+
+def _public_finish_reason(reason: dict[str, Any] | None) -> dict[str, Any] | None:
+    if reason is None:
+        return None
+    return {k: v for k, v in reason.items() if k != "status_code"}
+
+
+def _raise_if_rejected(out: dict[str, Any]) -> None:
+    """The scheduler rejected the request (e.g. it can never fit in the KV cache)."""
+    error = out.get("error")
+    if error is not None:
+        raise RequestError(error["message"], error["status_code"])

@@ -1,0 +1,137 @@
+"""ModelRunner: owns the model, the KV pools, the attention backend and the sampler.
+
+Called by TpModelWorker with a ForwardBatch; returns next-token logits for the sampled rows.
+Pool sizing: --max-total-tokens, else a fraction of free memory (RAM on CPU, HBM on CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.args import ServerArgs, physical_core_count
+from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.model_loader.loader import (
+    detect_load_format,
+    load_model,
+    resolve_model_path,
+    to_torch_dtype,
+)
+from radixserve.model_loader.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+@dataclass
+class LogitsOutput:
+    next_token_logits: torch.Tensor  # [B, V] fp32, one row per request
+    # Prompt logprobs (requests that asked): per request, logprob of each extend token given
+    # the tokens before it (None for the first position of the prompt).
+    hidden_states: torch.Tensor | None = None
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.server_args = server_args
+        self.device = server_args.device
+        if self.device == "cpu":
+            torch.set_num_threads(server_args.num_threads or physical_core_count())
+        torch.manual_seed(server_args.random_seed)
+        self.model_path = resolve_model_path(server_args.model_path)
+        self.load_format = detect_load_format(self.model_path, server_args.load_format)
+        self.dtype = to_torch_dtype(server_args.dtype)
+        self.model, self.model_config = load_model(
+            self.model_path,
+            self.load_format,
+            server_args.dtype,
+            self.device,
+            server_args.random_seed,
+            server_args.context_length,
+        )
+        self.context_len = server_args.context_length or self.model_config.max_position_embeddings
+        self.init_memory_pool()
+        self.attn_backend = TorchNativeAttnBackend(self.device)
+        self.sampler = Sampler()
+
+    # -- memory ---------------------------------------------------------------------------------
+    def init_memory_pool(self) -> None:
+        cfg: ModelConfig = self.model_config
+        sa = self.server_args
+        kv_dtype = to_torch_dtype(sa.kv_cache_dtype)
+        per_token = MHATokenToKVPool.bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype
+        )
+        total = sa.max_total_tokens or self._profile_max_num_tokens(per_token)
+        total = max(sa.page_size, total // sa.page_size * sa.page_size)
+        self.max_total_num_tokens = total
+        self.max_running_requests = sa.max_running_requests or min(
+            DEFAULT_MAX_RUNNING_REQUESTS, max(1, total // 2)
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests, self.context_len + 8, self.device
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, sa.page_size, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            total,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            kv_dtype,
+            self.device,
+            sa.page_size,
+        )
+        logger.info(
+            "KV pool: %d tokens (%.1f MiB), %d request rows",
+            total,
+            total * per_token / 2**20,
+            self.max_running_requests,
+        )
+
+    def _profile_max_num_tokens(self, per_token: int) -> int:
+        fraction = self.server_args.mem_fraction_static or 0.2
+        if self.device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+        else:
+            free = _mem_available_bytes()
+        return max(1024, int(free * fraction) // per_token)
+
+    # -- forward --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        fb.req_to_token_pool = self.req_to_token_pool
+        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb)
+        last = hidden if fb.forward_mode.is_decode() else hidden[fb.last_token_indices()]
+        logits = torch.matmul(last, self.model.lm_head_weight.t()).float()
+        return LogitsOutput(logits, hidden)
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> SampleOutput:
+        return self.sampler(logits, info, return_logprob, top_logprobs_num)
+
+
+def _mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

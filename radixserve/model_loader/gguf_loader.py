@@ -1,0 +1,259 @@
+"""GGUF checkpoints: a Hugging Face config, float32 weights under Hugging Face names, a tokenizer.
+
+The model loader calls ``gguf_to_hf_config`` (fed to ``ModelConfig.from_hf_config``) and
+``iter_gguf_weights`` (fed to the model's ``load_weights``); the tokenizer processes call
+``load_gguf_tokenizer``. Supported GGUF architectures: llama, qwen2, qwen3.
+
+Weights are dequantized with ``gguf.quants.dequantize`` (every type gguf-py implements) one tensor
+at a time. llama.cpp's converter permutes the rows of Llama q/k projections so that rotary pairs
+are adjacent (GPT-J style); we undo that so the weights match the Hugging Face (NeoX style)
+layout. qwen2/qwen3 are not permuted by llama.cpp.
+
+torch and transformers are imported lazily: the tokenizer processes import this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+if TYPE_CHECKING:
+    import torch
+    from gguf.gguf_reader import ReaderTensor
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# GGUF architecture -> (HF architectures entry, HF model_type)
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_MODULES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama-3 rope frequency factors. HF recomputes them from rope_scaling, which llama.cpp does not
+# store, so they cannot be used here (a warning is logged).
+_ROPE_FREQS = "rope_freqs.weight"
+
+# llama.cpp rope-scaling metadata suffix -> HF rope_scaling key
+_ROPE_SCALING_KEYS = {
+    "factor": "factor",
+    "original_context_length": "original_max_position_embeddings",
+    "attn_factor": "attention_factor",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """Open a GGUF file (memory-mapped; tensors are read lazily)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return GGUFReader(path)
+
+
+def gguf_to_hf_config(path: str | GGUFReader) -> dict[str, Any]:
+    """Build a Hugging Face-style config dict from the GGUF metadata."""
+    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
+    arch = _architecture(reader)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def meta(suffix: str, default: Any = None) -> Any:
+        value = _metadata(reader, f"{arch}.{suffix}")
+        return default if value is None else value
+
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    head_dim = meta("attention.key_length")
+    if head_dim is None and arch == "llama":
+        head_dim = meta("rope.dimension_count")
+    config: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch][0]],
+        "model_type": GGUF_ARCHITECTURES[arch][1],
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim or hidden // heads),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        # The embedding's row count is authoritative; metadata vocab_size is often absent.
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+    }
+    rope_scaling = _rope_scaling(reader, arch)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    for key in ("bos", "eos", "padding"):
+        token_id = _metadata(reader, f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            config["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(token_id)
+    return config
+
+
+def iter_gguf_weights(
+    path: str | GGUFReader, show_progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, float32 tensor in [out, in] layout) for every GGUF tensor.
+
+    ``lm_head.weight`` is yielded only when the file has ``output.weight`` (else it is tied).
+    """
+    import torch
+    from tqdm import tqdm
+
+    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
+    config = gguf_to_hf_config(reader)
+    unpermute = config["model_type"] == "llama"
+    start = time.perf_counter()
+    logger.info("dequantizing %d GGUF tensors", len(reader.tensors))
+    bar = tqdm(
+        reader.tensors,
+        desc="Dequantizing GGUF",
+        unit="tensor",
+        file=sys.stderr,
+        disable=None if show_progress else True,  # None: show only on a terminal
+    )
+    for tensor in bar:
+        if tensor.name == _ROPE_FREQS:
+            logger.warning(
+                "GGUF contains %s (Llama-3 rope scaling factors), which radixserve does not "
+                "apply; outputs will differ from the original model. Prefer the Hugging Face "
+                "checkpoint.",
+                _ROPE_FREQS,
+            )
+            continue
+        hf_name = gguf_to_hf_name(tensor.name)
+        array = _dequantize(tensor)
+        if unpermute and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+            is_q = ".q_proj." in hf_name
+            n_head = config["num_attention_heads" if is_q else "num_key_value_heads"]
+            array = unpermute_llama_qk(array, n_head)
+        yield hf_name, torch.from_numpy(array)
+    logger.info("dequantized GGUF weights in %.1f s", time.perf_counter() - start)
+
+
+def gguf_to_hf_name(gguf_name: str) -> str:
+    """Map a llama.cpp tensor name (``blk.3.attn_q.weight``) to its HF parameter name."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_MODULES:
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r} (no Hugging Face equivalent)")
+    layer, module, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_MODULES[module]}.{kind}"
+
+
+def unpermute_llama_qk(array: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf ``LlamaModel.permute``).
+
+    Within each head, llama.cpp stores row ``2*i + h`` for HF row ``h*dim/2 + i``
+    (h in {0, 1}: the two rotary halves); reshaping to [head, dim/2, 2] and swapping the last
+    two axes restores HF order. Works for weights [rows, in] and biases [rows].
+    """
+    rows = array.shape[0]
+    if rows % (2 * n_head) != 0:
+        raise ValueError(f"cannot un-permute {rows} rows over {n_head} heads")
+    split = array.reshape(n_head, rows // n_head // 2, 2, *array.shape[1:])
+    return np.ascontiguousarray(split.swapaxes(1, 2).reshape(array.shape))
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Build a transformers tokenizer from the GGUF's tokenizer metadata, with its chat template."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    from transformers import AutoTokenizer
+
+    path = os.path.abspath(path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
+    if not getattr(tokenizer, "chat_template", None):
+        template = _metadata(GGUFReader(path), "tokenizer.chat_template")
+        if template:
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+def _architecture(reader: GGUFReader) -> str:
+    arch = _metadata(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(GGUF_ARCHITECTURES)
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
+    return arch
+
+
+def _metadata(reader: GGUFReader, key: str) -> Any:
+    """A scalar/string/array metadata value, or None when the key is absent."""
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    value = field.contents()
+    if field.types and field.types[0] == GGUFValueType.FLOAT32:
+        # Shortest decimal that round-trips in float32: 1e-05, not 9.999999747378752e-06.
+        value = float(str(np.float32(value)))
+    return value
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    rope_type = _metadata(reader, f"{arch}.rope.scaling.type")
+    linear = _metadata(reader, f"{arch}.rope.scale_linear")  # legacy key
+    if rope_type in (None, "none"):
+        if linear is None or float(linear) == 1.0:
+            return None
+        return {"rope_type": "linear", "factor": float(linear)}
+    scaling: dict[str, Any] = {"rope_type": rope_type}
+    for suffix, hf_key in _ROPE_SCALING_KEYS.items():
+        value = _metadata(reader, f"{arch}.rope.scaling.{suffix}")
+        if value is not None:
+            scaling[hf_key] = value
+    return scaling
+
+
+def _dequantize(tensor: ReaderTensor) -> np.ndarray:
+    """Dequantize one tensor to a writable float32 array in PyTorch [out, in] order."""
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise NotImplementedError(
+            f"GGUF tensor {tensor.name}: quant type {tensor.tensor_type.name} is not supported "
+            f"by the installed gguf package ({exc})"
+        ) from exc
+    # GGUF shapes list the fastest-varying dimension first: [in, out] -> torch [out, in].
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    array = np.asarray(array, dtype=np.float32).reshape(shape)
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        array = np.array(array, copy=True)  # F32 tensors are views of the read-only memmap
+    return array

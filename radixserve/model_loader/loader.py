@@ -1,0 +1,107 @@
+"""Resolve a model path and format, build the model, load its weights.
+
+Formats: a Hugging Face directory (config.json + *.safetensors), a GGUF file (dequantized on
+load), or `dummy` (random weights from a config.json, for tests and benchmarks). With no
+--model-path the default model (SmolLM2-135M-Instruct GGUF) is fetched once into the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from radixserve.model_loader.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def to_torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    if model_path is None:
+        from radixserve.model_loader.default_model import ensure_default_model
+
+        return ensure_default_model()
+    if not os.path.exists(model_path):
+        raise FileNotFoundError(
+            f"model path {model_path!r} does not exist (give a Hugging Face directory or a .gguf "
+            "file; weights are never downloaded from a hub)"
+        )
+    return model_path
+
+
+def detect_load_format(model_path: str, load_format: str) -> str:
+    if load_format != "auto":
+        return load_format
+    if model_path.endswith(".gguf"):
+        return "gguf"
+    if os.path.isdir(model_path):
+        return "safetensors"
+    raise ValueError(f"cannot tell the format of {model_path!r}; pass --load-format")
+
+
+def load_model_config(model_path: str, load_format: str) -> ModelConfig:
+    if load_format == "gguf":
+        from radixserve.model_loader.gguf_loader import gguf_to_hf_config
+
+        return ModelConfig.from_hf_config(gguf_to_hf_config(model_path))
+    from radixserve.model_loader.weights import load_hf_config
+
+    return ModelConfig.from_hf_config(load_hf_config(model_path))
+
+
+def _iter_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if load_format == "gguf":
+        from radixserve.model_loader.gguf_loader import iter_gguf_weights
+
+        return iter_gguf_weights(model_path)
+    from radixserve.model_loader.weights import iter_safetensors_weights
+
+    return iter_safetensors_weights(model_path)
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights (normal, std 0.02; norms at 1) so a dummy model produces varied tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def load_model(
+    model_path: str, load_format: str, dtype: str, device: str, seed: int = 0,
+    context_length: int | None = None,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for `model_path` and load its weights; returns (model, config)."""
+    from radixserve.models.registry import get_model_class
+
+    cfg = load_model_config(model_path, load_format)
+    if context_length and context_length > cfg.max_position_embeddings:
+        cfg = _with_max_positions(cfg, context_length)
+    model = get_model_class(cfg)(cfg)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        logger.info("loading weights from %s (%s)", model_path, load_format)
+        model.load_weights(_iter_weights(model_path, load_format))
+    model = model.to(device=device, dtype=to_torch_dtype(dtype)).eval()
+    return model, cfg
+
+
+def _with_max_positions(cfg: ModelConfig, n: int) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(cfg, max_position_embeddings=n)

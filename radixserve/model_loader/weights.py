@@ -1,0 +1,101 @@
+"""Hugging Face model directories: config.json, weight files, and the tokenizer dispatcher.
+
+The model loader calls ``load_hf_config`` and ``iter_safetensors_weights`` for a directory
+checkpoint; ``load_tokenizer`` picks the right tokenizer for either a directory or a GGUF file and
+is what the tokenizer/detokenizer processes call. torch and transformers are imported lazily so
+that importing this module stays cheap for those processes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from radixserve.model_loader.gguf_loader import load_gguf_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def load_hf_config(model_dir: str) -> dict[str, Any]:
+    """The parsed config.json of a Hugging Face model directory."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every *.safetensors in ``model_dir`` (pytorch_model*.bin if none).
+
+    With a ``model.safetensors.index.json`` only the shards it names are read, so stray files
+    (e.g. a ``consolidated.safetensors`` next to the HF shards) are not loaded twice.
+    """
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    shards = _safetensors_shards(model_dir)
+    if shards:
+        yield from _iter_safetensors(shards)
+        return
+    bins = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
+    if not bins:
+        raise FileNotFoundError(
+            f"no *.safetensors or pytorch_model*.bin weight files in {model_dir}"
+        )
+    yield from _iter_torch_bins(bins)
+
+
+def load_tokenizer(path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a HF directory, a ``.gguf`` file, or ``gguf_file`` inside ``path``."""
+    if gguf_file is not None:
+        path = os.path.join(path, gguf_file)
+    if path.endswith(".gguf"):
+        return load_gguf_tokenizer(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer path not found (expected a directory or .gguf): {path}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _safetensors_shards(model_dir: str) -> list[str]:
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if not os.path.isfile(index_path):
+        return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    with open(index_path, encoding="utf-8") as f:
+        names = sorted(set(json.load(f)["weight_map"].values()))
+    shards = [os.path.join(model_dir, name) for name in names]
+    missing = [s for s in shards if not os.path.isfile(s)]
+    if missing:
+        raise FileNotFoundError(f"{SAFETENSORS_INDEX} names missing shards: {', '.join(missing)}")
+    return shards
+
+
+def _iter_safetensors(shards: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for shard in shards:
+        logger.info("loading %s", os.path.basename(shard))
+        with safe_open(shard, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _iter_torch_bins(bins: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
+    for path in bins:
+        logger.info("loading %s", os.path.basename(path))
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        yield from state.items()
+        del state

@@ -1,0 +1,75 @@
+"""Small process utilities: ports and IPC names, ZMQ sockets, child-process set-up, logging."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """IPC endpoints between the three processes."""
+
+    tokenizer_ipc: str  # detokenizer → tokenizer manager
+    scheduler_input_ipc: str  # tokenizer manager → scheduler
+    detokenizer_ipc: str  # scheduler → detokenizer
+
+    @classmethod
+    def new(cls) -> PortArgs:
+        base = tempfile.mkdtemp(prefix="radixserve-")
+        return cls(
+            tokenizer_ipc=f"ipc://{base}/tokenizer",
+            scheduler_input_ipc=f"ipc://{base}/scheduler",
+            detokenizer_ipc=f"ipc://{base}/detokenizer",
+        )
+
+
+def zmq_socket(ctx: Any, kind: int, endpoint: str, bind: bool) -> Any:
+    import zmq
+
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PUSH:
+        sock.setsockopt(zmq.SNDHWM, 0)
+    if kind == zmq.PULL:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def configure_logging(level: str = "info", prefix: str = "") -> None:
+    fmt = f"[%(asctime)s{(' ' + prefix) if prefix else ''}] %(levelname)s %(message)s"
+    logging.basicConfig(level=level.upper(), format=fmt, datefmt="%H:%M:%S", force=True)
+
+
+def configure_child_process(name: str, log_level: str = "info") -> None:
+    """Logging, and keep non-model processes off the model's cores (one torch thread)."""
+    configure_logging(log_level, name)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if name != "scheduler":
+        try:
+            import torch
+
+            torch.set_num_threads(1)
+        except ImportError:
+            pass
+    try:
+        import setproctitle  # type: ignore[import-not-found]
+
+        setproctitle.setproctitle(f"radixserve::{name}")
+    except ImportError:
+        pass
