@@ -33,13 +33,13 @@ class ChunkCache:
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
         self.device = req_to_token_pool.device
-        self.root = TreeNode(RadixKey([]), self._empty(), None, 0.0)
+        self.root_node = TreeNode(RadixKey([]), self._empty(), None, 0.0)
 
     def reset(self) -> None:
         pass
 
     def match_prefix(self, key: RadixKey) -> MatchResult:
-        return MatchResult(device_indices=self._empty(), last_node=self.root)
+        return MatchResult(device_indices=self._empty(), last_node=self.root_node)
 
     def insert(
         self,
@@ -86,7 +86,7 @@ class ChunkCache:
         return "ChunkCache (prefix caching disabled)"
 
     def check_integrity(self) -> None:
-        assert not self.root.children, "ChunkCache must never hold nodes"
+        assert not self.root_node.children, "ChunkCache must never hold nodes"
 
     def _req_slots(self, req: Any, length: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :length].to(torch.int64)

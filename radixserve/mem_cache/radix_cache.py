@@ -93,7 +93,7 @@ def match_length(a: list[int], b: list[int], page_size: int) -> int:
             lo = mid
         else:
             hi = mid
-    return hi * page_size
+    return lo * page_size
 
 
 class RadixCache:
@@ -103,19 +103,21 @@ class RadixCache:
 
     def __init__(
         self,
-        req_to_token_pool: ReqToTokenPool,
-        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        req_to_token_pool: ReqToTokenPool | None,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator | None,
         page_size: int = 1,
         eviction_policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """Both pools may be None for a scratch tree (the scheduler's in-batch prefix check) that
+        only matches and inserts; evicting or caching requests needs them."""
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.evict_key = get_evict_key_fn(eviction_policy)
         self.clock = clock
-        self.device = req_to_token_pool.device
+        self.device = req_to_token_pool.device if req_to_token_pool is not None else "cpu"
         self.reset()
 
     # ---- tree operations -------------------------------------------------------------------
@@ -123,7 +125,7 @@ class RadixCache:
     def reset(self) -> None:
         """Drop the whole tree. Frees no slots: the scheduler calls this from flush_cache when no
         request runs and clears the allocator (and req_to_token pool) itself."""
-        self.root = TreeNode(RadixKey([]), self._empty(), None, self.clock())
+        self.root_node = TreeNode(RadixKey([]), self._empty(), None, self.clock())
         self._evictable_size = 0
         self._protected_size = 0
 
@@ -132,7 +134,7 @@ class RadixCache:
         inside it, so last_node ends exactly at the match. Touches last_access_time only."""
         key = key[: len(key) // self.page_size * self.page_size]
         now = self.clock()
-        node = self.root
+        node = self.root_node
         node.last_access_time = now
         values: list[torch.Tensor] = []
         while len(key):
@@ -162,7 +164,7 @@ class RadixCache:
         assert len(key) == len(value), "key and value must be aligned"
         assert len(key) % self.page_size == 0, "insert expects a page-aligned key"
         now = self.clock()
-        node = self.root
+        node = self.root_node
         prefix_len = 0
         while len(key):
             child = node.children.get(self._child_key(key))
@@ -186,7 +188,7 @@ class RadixCache:
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock node and its ancestors. Returns the tokens moved from evictable to protected."""
         moved = 0
-        while node is not self.root:
+        while node is not self.root_node:
             if node.lock_ref == 0:
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
@@ -198,7 +200,7 @@ class RadixCache:
     def dec_lock_ref(self, node: TreeNode) -> int:
         """Unlock node and its ancestors. Returns the tokens moved from protected to evictable."""
         moved = 0
-        while node is not self.root:
+        while node is not self.root_node:
             assert node.lock_ref > 0, "dec_lock_ref on an unlocked node"
             if node.lock_ref == 1:
                 self._protected_size -= len(node.key)
@@ -217,13 +219,13 @@ class RadixCache:
         evicted = 0
         while evicted < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
-            self.token_to_kv_pool_allocator.free(node.value)
+            self._free(node.value)
             evicted += len(node.key)
             parent = node.parent
             assert parent is not None
             del parent.children[self._child_key(node.key)]
             self._evictable_size -= len(node.key)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (self.evict_key(parent), next(tiebreak), parent))
         return evicted
 
@@ -283,7 +285,7 @@ class RadixCache:
 
     def pretty_print(self) -> str:
         lines: list[str] = []
-        stack: list[tuple[TreeNode, int]] = [(self.root, 0)]
+        stack: list[tuple[TreeNode, int]] = [(self.root_node, 0)]
         while stack:
             node, depth = stack.pop()
             toks = node.key.token_ids
@@ -300,7 +302,7 @@ class RadixCache:
     def check_integrity(self) -> None:
         evictable = protected = 0
         values: list[torch.Tensor] = []
-        stack = [self.root]
+        stack = [self.root_node]
         while stack:
             node = stack.pop()
             assert node.lock_ref >= 0, "negative lock_ref"
@@ -310,7 +312,7 @@ class RadixCache:
                 assert ck == self._child_key(child.key), "child dict key != first page of edge"
                 assert child.parent is node, "broken parent link"
                 assert len(child.value) == len(child.key), "value/key length mismatch"
-                if node is not self.root:
+                if node is not self.root_node:
                     assert node.lock_ref >= child.lock_ref, "child locked more than its parent"
                     assert child.key.extra_key == node.key.extra_key, "extra_key changes on path"
                 if child.lock_ref > 0:
@@ -356,7 +358,7 @@ class RadixCache:
 
     def _evictable_leaves(self) -> list[TreeNode]:
         leaves = []
-        stack = list(self.root.children.values())
+        stack = list(self.root_node.children.values())
         while stack:
             node = stack.pop()
             if node.children:
@@ -369,7 +371,7 @@ class RadixCache:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :length].to(torch.int64)
 
     def _free(self, indices: torch.Tensor) -> None:
-        if indices.numel():
+        if indices.numel() and self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free(indices)
 
     def _empty(self) -> torch.Tensor:

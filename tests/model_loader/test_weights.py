@@ -1,0 +1,87 @@
+"""Hugging Face directories: weight iteration (safetensors, index, .bin fallback), config, tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from radixserve.model_loader import weights
+from radixserve.model_loader.weights import (
+    iter_safetensors_weights,
+    load_hf_config,
+    load_tokenizer,
+)
+
+
+def _tensors(prefix: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(len(prefix))
+    return {f"{prefix}.{i}.weight": torch.randn(3, 4, generator=gen) for i in range(2)}
+
+
+def _assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_all_safetensors_shards_are_read(tmp_path: Path) -> None:
+    a, b = _tensors("model.layers"), _tensors("lm_head")
+    save_file(a, tmp_path / "model-00001-of-00002.safetensors")
+    save_file(b, tmp_path / "model-00002-of-00002.safetensors")
+    _assert_same(dict(iter_safetensors_weights(str(tmp_path))), a | b)
+
+
+def test_index_limits_the_shards(tmp_path: Path) -> None:
+    a = _tensors("model.layers")
+    save_file(a, tmp_path / "model-00001-of-00001.safetensors")
+    save_file(_tensors("stray"), tmp_path / "consolidated.safetensors")
+    index = {"weight_map": dict.fromkeys(a, "model-00001-of-00001.safetensors")}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    _assert_same(dict(iter_safetensors_weights(str(tmp_path))), a)
+
+
+def test_pytorch_bin_fallback(tmp_path: Path) -> None:
+    a = _tensors("model.layers")
+    torch.save(a, tmp_path / "pytorch_model.bin")
+    _assert_same(dict(iter_safetensors_weights(str(tmp_path))), a)
+
+
+def test_missing_files_raise_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        list(iter_safetensors_weights(str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf_config(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="absent"):
+        load_tokenizer(str(tmp_path / "absent"))
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        load_tokenizer(str(tmp_path), gguf_file="absent.gguf")
+
+
+def test_load_hf_config(tmp_path: Path) -> None:
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_hf_config(str(tmp_path)) == config
+
+
+def test_load_tokenizer_sends_gguf_paths_to_the_gguf_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(weights, "load_gguf_tokenizer", lambda path: calls.append(path) or path)
+    load_tokenizer(str(tmp_path / "m.gguf"))
+    load_tokenizer(str(tmp_path), gguf_file="m.gguf")
+    assert calls == [str(tmp_path / "m.gguf")] * 2
+
+
+@pytest.mark.real_model
+def test_load_tokenizer_from_hf_directory(default_tokenizer: Any, tmp_path: Path) -> None:
+    default_tokenizer.save_pretrained(tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path))
+    text = "a radix tree"
+    assert tokenizer.encode(text) == default_tokenizer.encode(text)
+    assert tokenizer.chat_template == default_tokenizer.chat_template
