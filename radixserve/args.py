@@ -129,7 +129,9 @@ class ServerArgs:
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
-        kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        kwargs = {
+            f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)
+        }
         return cls(**kwargs).resolve()
 
 

@@ -83,7 +83,9 @@ class SamplingParams:
         if self.max_new_tokens is not None:
             _check_type("max_new_tokens", self.max_new_tokens, int)
             if self.max_new_tokens < 0:
-                raise SamplingParamsError("max_new_tokens must be >= 0, got %r" % self.max_new_tokens)
+                raise SamplingParamsError(
+                    f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}"
+                )
         _check_type("min_new_tokens", self.min_new_tokens, int)
         if self.temperature < 0.0:
             raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
@@ -92,9 +94,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < -1 or self.top_k == 0:
-            raise SamplingParamsError(
-                f"top_k must be -1 (disable) or at least 1, got {self.top_k}"
-            )
+            raise SamplingParamsError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise SamplingParamsError(
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"

@@ -14,6 +14,7 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -57,13 +58,19 @@ class Subprocesses:
 
     @staticmethod
     def _wait_ready(pipe: Any, proc: mp.Process, name: str) -> dict[str, Any]:
-        if not pipe.poll(STARTUP_TIMEOUT_S):
-            raise RuntimeError(f"the {name} did not start within {STARTUP_TIMEOUT_S} s")
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not pipe.poll(1.0):
+            if not proc.is_alive():
+                raise RuntimeError(f"the {name} exited during start-up (code {proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {name} did not start within {STARTUP_TIMEOUT_S} s")
         try:
             msg = pipe.recv()
         except EOFError:
             proc.join(5)
-            raise RuntimeError(f"the {name} exited during start-up (code {proc.exitcode})") from None
+            raise RuntimeError(
+                f"the {name} exited during start-up (code {proc.exitcode})"
+            ) from None
         if msg.get("status") != "ready":
             raise RuntimeError(f"the {name} failed to start: {msg.get('message')}")
         return msg
@@ -88,7 +95,9 @@ class Subprocesses:
                 p.join(1)
 
 
-def create_tokenizer_manager(server_args: ServerArgs, procs: Subprocesses, metrics: Any = None) -> TokenizerManager:
+def create_tokenizer_manager(
+    server_args: ServerArgs, procs: Subprocesses, metrics: Any = None
+) -> TokenizerManager:
     """Must run inside the event loop that will serve requests (zmq.asyncio binds to it)."""
     import zmq
     import zmq.asyncio
@@ -139,7 +148,11 @@ class Engine:
         **extra: Any,
     ) -> GenerateReqInput:
         return GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream, **extra
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            stream=stream,
+            **extra,
         )
 
     def generate(
@@ -214,8 +227,15 @@ class Engine:
             self.procs.shutdown()
             self.procs = None  # type: ignore[assignment]
         if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self.loop).result(5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5)
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def __enter__(self) -> Engine:
         return self

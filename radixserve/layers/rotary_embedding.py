@@ -51,7 +51,9 @@ def _yarn_inv_freq(
     pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
     inv_extra = 1.0 / pos_freqs
     inv_inter = 1.0 / (factor * pos_freqs)
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp(
+        (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
     extra_factor = 1 - ramp
     return inv_inter * (1 - extra_factor) + inv_extra * extra_factor, mscale
 

@@ -43,7 +43,9 @@ class SamplingBatchInfo:
     vocab_mask: torch.Tensor | None = None  # [B, V] bool, True = forbidden (grammar)
 
     @classmethod
-    def from_reqs(cls, reqs: Sequence[SamplingReq], vocab_size: int, device: str) -> SamplingBatchInfo:
+    def from_reqs(
+        cls, reqs: Sequence[SamplingReq], vocab_size: int, device: str
+    ) -> SamplingBatchInfo:
         sps = [r.sampling_params for r in reqs]
         greedy = [sp.temperature < 1e-6 for sp in sps]
         temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, sps, strict=True)]
@@ -117,7 +119,9 @@ def apply_request_processors(logits: torch.Tensor, r: SamplingReq) -> torch.Tens
         if banned and not sp.ignore_eos:
             logits = logits.index_fill(0, torch.tensor(banned, device=dev), float("-inf"))
         elif sp.stop_token_ids:
-            logits = logits.index_fill(0, torch.tensor(sp.stop_token_ids, device=dev), float("-inf"))
+            logits = logits.index_fill(
+                0, torch.tensor(sp.stop_token_ids, device=dev), float("-inf")
+            )
     return logits
 
 
@@ -169,7 +173,9 @@ class Sampler:
         return torch.where(info.greedy, greedy_ids, next_ids)
 
 
-def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+def _filter_probs(
+    probs: torch.Tensor, info: SamplingBatchInfo
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero out what top-k, top-p and min-p exclude; returns (sorted probs, sort order)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     cumsum = sorted_probs.cumsum(dim=-1)

@@ -235,7 +235,9 @@ class ScheduleBatch:
             r.kv_allocated_len = max(r.kv_allocated_len, e)
         return torch.cat(out) if out else EMPTY_SLOTS
 
-    def new_slots_needed(self, reqs: Sequence[Req], starts: Sequence[int], ends: Sequence[int]) -> int:
+    def new_slots_needed(
+        self, reqs: Sequence[Req], starts: Sequence[int], ends: Sequence[int]
+    ) -> int:
         ps = self.page_size
         if ps == 1:
             return sum(e - s for s, e in zip(starts, ends, strict=True))

@@ -144,9 +144,7 @@ class PrefillAdder:
 
     @property
     def rem_total_tokens(self) -> float:
-        return (
-            self.allocator.available_size() + self.tree_cache.evictable_size() - self.reserved
-        )
+        return self.allocator.available_size() + self.tree_cache.evictable_size() - self.reserved
 
     def _ceil_page(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size

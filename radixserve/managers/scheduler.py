@@ -31,7 +31,6 @@ from radixserve.managers.scheduler_stats import NewTokenRatioTracker, SchedulerS
 from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
-from radixserve.model_executor.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,9 @@ class Scheduler(SchedulerOutputMixin):
         self.context_len = runner.context_len
         self.page_size = server_args.page_size
         if server_args.disable_radix_cache:
-            self.tree_cache: Any = ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
+            self.tree_cache: Any = ChunkCache(
+                self.req_to_token_pool, self.allocator, self.page_size
+            )
         else:
             self.tree_cache = RadixCache(
                 self.req_to_token_pool,
@@ -65,7 +66,9 @@ class Scheduler(SchedulerOutputMixin):
                 self.page_size,
                 server_args.radix_eviction_policy,
             )
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
+        self.policy = SchedulePolicy(
+            server_args.schedule_policy, self.tree_cache, server_args.random_seed
+        )
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
@@ -137,7 +140,10 @@ class Scheduler(SchedulerOutputMixin):
                 f"the prompt has {n} tokens but the KV cache holds only "
                 f"{self.max_total_num_tokens}; it can never be scheduled"
             )
-        if max(req.origin_input_ids) >= self.model_config.vocab_size or min(req.origin_input_ids) < 0:
+        if (
+            max(req.origin_input_ids) >= self.model_config.vocab_size
+            or min(req.origin_input_ids) < 0
+        ):
             return "the prompt has a token id outside the vocabulary"
         return None
 
@@ -266,8 +272,7 @@ class Scheduler(SchedulerOutputMixin):
             if not self._decode_fits(batch):
                 last = batch.reqs[0]
                 last.finished_reason = finish_abort(
-                    "the request no longer fits in the KV cache (prompt + output exceed the "
-                    "pool)",
+                    "the request no longer fits in the KV cache (prompt + output exceed the pool)",
                     status_code=400 if not last.output_ids else None,
                 )
                 self.tree_cache.cache_finished_req(last, is_insert=False)
@@ -297,7 +302,11 @@ class Scheduler(SchedulerOutputMixin):
         return FlushCacheReqOutput(True)
 
     def get_server_info(self) -> dict[str, Any]:
-        used = self.max_total_num_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+        used = (
+            self.max_total_num_tokens
+            - self.allocator.available_size()
+            - self.tree_cache.evictable_size()
+        )
         return self.stats.snapshot(
             running=len(self.running_batch.reqs),
             queued=len(self.waiting_queue),

@@ -131,7 +131,10 @@ class TokenizerManager:
             state.meta = meta
             item = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
             if finished is not None and finished.get("status_code"):
-                item["error"] = {"message": finished["message"], "status_code": finished["status_code"]}
+                item["error"] = {
+                    "message": finished["message"],
+                    "status_code": finished["status_code"],
+                }
             state.out_list.append(item)
             if finished is not None:
                 state.finished = True
@@ -305,7 +308,9 @@ class TokenizerManager:
         return await self._control(FlushCacheReq(), FlushCacheReqOutput)
 
     async def get_server_info(self) -> dict[str, Any]:
-        out: GetServerInfoReqOutput = await self._control(GetServerInfoReq(), GetServerInfoReqOutput)
+        out: GetServerInfoReqOutput = await self._control(
+            GetServerInfoReq(), GetServerInfoReqOutput
+        )
         return out.info
 
 

@@ -45,7 +45,8 @@ class TpModelWorker:
         if out.top_logprobs is not None:
             vals, ids = out.top_logprobs
             result.top_logprobs = [
-                list(zip(v, i, strict=True)) for v, i in zip(vals.tolist(), ids.tolist(), strict=True)
+                list(zip(v, i, strict=True))
+                for v, i in zip(vals.tolist(), ids.tolist(), strict=True)
             ]
         return result
 

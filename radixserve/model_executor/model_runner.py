@@ -15,7 +15,11 @@ import torch
 from radixserve.args import ServerArgs, physical_core_count
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
-from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.mem_cache.memory_pool import (
+    MHATokenToKVPool,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_loader.loader import (
     detect_load_format,

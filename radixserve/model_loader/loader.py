@@ -82,7 +82,11 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 def load_model(
-    model_path: str, load_format: str, dtype: str, device: str, seed: int = 0,
+    model_path: str,
+    load_format: str,
+    dtype: str,
+    device: str,
+    seed: int = 0,
     context_length: int | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `model_path` and load its weights; returns (model, config)."""

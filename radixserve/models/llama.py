@@ -56,9 +56,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(
-            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
-        )
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +141,9 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 if offset is None:
                     if param.shape != tensor.shape:
-                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                        raise ValueError(
+                            f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+                        )
                     param.copy_(tensor)
                 else:
                     param.narrow(0, offset, tensor.shape[0]).copy_(tensor)

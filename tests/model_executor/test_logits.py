@@ -1,0 +1,84 @@
+"""Logits of a ragged batch (prefill, prefill on a cached prefix, decode) match transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model_dir
+from rs_testing import load_hf_reference
+
+from radixserve.args import ServerArgs
+from radixserve.managers.schedule_batch import Req, ScheduleBatch
+from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.sampling_params import SamplingParams
+
+ATOL = 1e-3
+
+
+def _runner(model_path: str) -> ModelRunner:
+    args = ServerArgs(model_path=model_path, dtype="float32", device="cpu", max_total_tokens=2048)
+    return ModelRunner(args.resolve())
+
+
+def _forward(runner: ModelRunner, cache: ChunkCache, reqs: list[Req], decode: bool) -> torch.Tensor:
+    batch = ScheduleBatch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, cache)
+    if decode:
+        batch.prepare_for_decode()
+    else:
+        batch.prepare_for_extend()
+    return runner.forward(batch.get_forward_batch("cpu")).next_token_logits
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _check_model(model_path: str, vocab: int) -> None:
+    runner = _runner(model_path)
+    hf = load_hf_reference(model_path)
+    cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 37, 120)]
+    reqs = [Req(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    for r in reqs:
+        r.init_next_round_input(cache)
+    logits = _forward(runner, cache, reqs, decode=False)
+    for i, p in enumerate(prompts):
+        ref = _hf_logits(hf, p)[-1]
+        assert torch.allclose(logits[i], ref, atol=ATOL), (logits[i] - ref).abs().max()
+
+    # Two ragged decode steps with chosen tokens.
+    seqs = [list(p) for p in prompts]
+    for step in range(2):
+        for i, r in enumerate(reqs):
+            tok = (17 * (i + 1) + step) % vocab
+            r.output_ids.append(tok)
+            seqs[i].append(tok)
+        logits = _forward(runner, cache, reqs, decode=True)
+        for i in range(len(reqs)):
+            ref = _hf_logits(hf, seqs[i])[-1]
+            assert torch.allclose(logits[i], ref, atol=ATOL), (logits[i] - ref).abs().max()
+
+    # Extend on top of a cached prefix: reuse request 2's first 64 slots for a new request.
+    prefix_slots = runner.req_to_token_pool.req_to_token[reqs[2].req_pool_idx, :64].long()
+    new_ids = prompts[2][:64] + torch.randint(3, vocab, (20,), generator=gen).tolist()
+    r = Req("prefixed", new_ids, SamplingParams())
+    r.fill_ids = list(new_ids)
+    r.prefix_indices = prefix_slots.clone()
+    r.extend_input_len = len(new_ids) - 64
+    logits = _forward(runner, cache, [r], decode=False)
+    ref = _hf_logits(hf, new_ids)[-1]
+    assert torch.allclose(logits[0], ref, atol=ATOL), (logits[0] - ref).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_match_transformers(tmp_path, arch):
+    path = make_tiny_model_dir(str(tmp_path / arch), arch)
+    _check_model(path, vocab=320)
+
+
+@pytest.mark.real_model
+def test_default_model_matches_transformers(default_model_path):
+    _check_model(default_model_path, vocab=49152)

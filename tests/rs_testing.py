@@ -1,0 +1,113 @@
+"""Test helpers: run the Scheduler in-process, compute transformers references."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from radixserve.args import ServerArgs
+from radixserve.io_struct import TokenizedGenerateReqInput
+from radixserve.managers.scheduler import Scheduler
+from radixserve.sampling_params import SamplingParams
+
+PARAGRAPH = (
+    "The history of the city begins with a small settlement on the river, where traders met to "
+    "exchange grain, salt and cloth. Over the centuries the market grew into a town, the town "
+    "built walls, and the walls were later torn down to make room for wide avenues, parks and "
+    "a railway station. Today the city is known for its museums, its universities and its "
+    "bakeries, which open before dawn and sell bread that is still made by hand. Visitors often "
+    "ask how the old quarter survived the fires of the eighteenth century; the answer lies in "
+    "the stone that the builders carried from the hills to the north. "
+)
+
+
+def make_prompts(tokenizer: Any, lengths: list[int]) -> list[list[int]]:
+    """Natural-text prompts cut to the given token lengths, each starting at a different word."""
+    words = (PARAGRAPH * 8).split()
+    prompts = []
+    for i, n in enumerate(lengths):
+        text = " ".join(words[(i * 7) % 50 :])
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) >= n
+        prompts.append(ids[:n])
+    return prompts
+
+
+class SchedulerHarness:
+    """A Scheduler driven step by step in this process; collects its outputs per rid."""
+
+    def __init__(self, tokenizer: Any = None, **kwargs: Any) -> None:
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("enable_integrity_checks", True)
+        self.args = ServerArgs(**kwargs).resolve()
+        self.outputs: list[Any] = []
+        self.scheduler = Scheduler(self.args, self.outputs.append, tokenizer)
+        self._n = 0
+
+    def submit(self, input_ids: list[int], rid: str | None = None, **params: Any) -> str:
+        self._n += 1
+        rid = rid or f"r{self._n}"
+        sp = SamplingParams(**params)
+        self.scheduler.process_input_requests(
+            [TokenizedGenerateReqInput(rid, None, list(input_ids), sp)]
+        )
+        return rid
+
+    def step(self) -> Any:
+        return self.scheduler.step()
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_work():
+                return
+            self.step()
+        raise AssertionError("scheduler did not drain")
+
+    def results(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for msg in self.outputs:
+            for rid, ids in zip(msg.rids, msg.output_ids, strict=True):
+                out.setdefault(rid, []).extend(ids)
+        return out
+
+    def finish_reasons(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for msg in self.outputs:
+            for rid, reason in zip(msg.rids, msg.finished_reasons, strict=True):
+                if reason is not None:
+                    out[rid] = reason
+        return out
+
+
+def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding), EOS ignored."""
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+def load_hf_reference(model_path: str) -> Any:
+    import os
+
+    import transformers
+
+    if model_path.endswith(".gguf"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.eval()
