@@ -45,7 +45,9 @@ class SchedulePolicy:
             return "fcfs"  # matching every request each round costs too much
         return self.policy
 
-    def calc_priority(self, waiting: list[Req], running: list[Req] | None = None) -> set[str]:
+    def calc_priority(
+        self, waiting: list[Req], running: list[Req] | None = None, chunked: Req | None = None
+    ) -> set[str]:
         """Sort `waiting` in place; returns rids held back this round (in-batch caching)."""
         policy = self.effective_policy(len(waiting))
         deprioritized: set[str] = set()
@@ -53,7 +55,7 @@ class SchedulePolicy:
             for r in waiting:
                 r.init_next_round_input(self.tree_cache)
         if policy == "lpm":
-            deprioritized = self._in_batch_prefix_caching(waiting)
+            deprioritized = self._in_batch_prefix_caching(waiting, chunked)
             waiting.sort(key=lambda r: (r.rid in deprioritized, -len(r.prefix_indices)))
         elif policy == "dfs-weight":
             self._sort_dfs_weight(waiting)
@@ -68,22 +70,30 @@ class SchedulePolicy:
             waiting.sort(key=lambda r: -counts.get(r.routing_key, 0))
         return deprioritized
 
-    def _in_batch_prefix_caching(self, waiting: list[Req]) -> set[str]:
+    def _in_batch_prefix_caching(self, waiting: list[Req], chunked: Req | None) -> set[str]:
+        """Hold back requests that would recompute, in this round, >= 32 tokens that a request
+        placed before them (or the chunked request in flight) computes too.
+
+        SGLang checks only requests whose tree match is <= 32 tokens; we compare the part beyond
+        each request's own tree match, which reduces to that rule for uncached requests and also
+        covers a group whose prefix is half in the tree (a chunk boundary split it)."""
         sim = RadixCache(None, None, page_size=1)
+        if chunked is not None:
+            sim.insert(RadixKey(chunked.origin_input_ids, chunked.extra_key), _ids(chunked))
         held: set[str] = set()
         for r in waiting:
-            if len(r.prefix_indices) > IN_BATCH_PREFIX_CHECK_THRESHOLD:
-                continue
             key = RadixKey(r.origin_input_ids, r.extra_key)
             shared = len(sim.match_prefix(key).device_indices)
-            if shared >= IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD:
+            if shared - len(r.prefix_indices) >= IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD:
                 held.add(r.rid)
-            else:
-                sim.insert(key, torch.tensor(r.origin_input_ids, dtype=torch.int64))
+            elif len(r.origin_input_ids) - len(r.prefix_indices) > IN_BATCH_PREFIX_CHECK_THRESHOLD:
+                # Only a request that computes more than 32 tokens can make others repeat 32.
+                sim.insert(key, _ids(r))
         return held
 
     def _sort_dfs_weight(self, waiting: list[Req]) -> None:
-        """Visit the tree depth-first, heavier subtrees (more waiting requests) first."""
+        """Post-order walk of the tree, heavier subtrees (more waiting requests) first, so
+        requests sharing the deepest prefixes run back to back."""
         by_node: dict[int, list[Req]] = defaultdict(list)
         weight: dict[int, int] = defaultdict(int)
         for r in waiting:
@@ -93,13 +103,21 @@ class SchedulePolicy:
                 weight[id(node)] += 1
                 node = node.parent
         ordered: list[Req] = []
-        stack = [self.tree_cache.root_node]
+        stack: list[tuple[Any, bool]] = [(self.tree_cache.root_node, False)]
         while stack:
-            node = stack.pop()
-            ordered.extend(by_node.get(id(node), []))
+            node, children_done = stack.pop()
+            if children_done:
+                ordered.extend(by_node.get(id(node), []))
+                continue
+            stack.append((node, True))
             kids = [c for c in node.children.values() if weight.get(id(c))]
-            stack.extend(sorted(kids, key=lambda c: weight[id(c)]))  # heaviest popped first
+            kids.sort(key=lambda c: weight[id(c)])  # the heaviest is pushed last, visited first
+            stack.extend((c, False) for c in kids)
         waiting[:] = ordered
+
+
+def _ids(r: Req) -> torch.Tensor:
+    return torch.tensor(r.origin_input_ids, dtype=torch.int64)
 
 
 class AddReqResult(Enum):

@@ -212,7 +212,7 @@ class Scheduler(SchedulerOutputMixin):
         running = self.running_batch.reqs
         if len(running) >= self.max_running_requests and self.chunked_req is None:
             return None
-        held = self.policy.calc_priority(self.waiting_queue, running)
+        held = self.policy.calc_priority(self.waiting_queue, running, self.chunked_req)
         mixed = self.server_args.enable_mixed_chunk and bool(running)
         adder = PrefillAdder(
             self.tree_cache,
@@ -226,7 +226,6 @@ class Scheduler(SchedulerOutputMixin):
             mixed_decode_tokens=len(running) if mixed else 0,
         )
         if self.chunked_req is not None:
-            self.tree_cache.cache_unfinished_req(self.chunked_req)
             self.chunked_req.init_next_chunk()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         for req in list(self.waiting_queue):

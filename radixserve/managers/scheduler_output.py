@@ -35,6 +35,8 @@ class SchedulerOutputMixin:
                 if req.to_abort is not None:
                     self._abort_chunked(req)
                     to_stream.append(req)
+                else:  # share the computed chunk at once (and move the lock onto it)
+                    self.tree_cache.cache_unfinished_req(req)
                 continue
             if req.finished():  # aborted while in flight
                 continue
