@@ -157,9 +157,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         if info.need_filter:
-            probs, order = _filter_probs(probs, info)
-        else:
-            order = None
+            probs = _filter_probs(probs, info)
         choice = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
         unseeded = [i for i, s in enumerate(info.seeds) if s is None]
         if unseeded:
@@ -168,23 +166,23 @@ class Sampler:
         for i, seed in enumerate(info.seeds):
             if seed is not None:
                 choice[i] = _seeded_draw(probs[i], seed, info.steps[i])
-        next_ids = choice if order is None else order.gather(1, choice.view(-1, 1)).view(-1)
         greedy_ids = logits.argmax(dim=-1)
-        return torch.where(info.greedy, greedy_ids, next_ids)
+        return torch.where(info.greedy, greedy_ids, choice)
 
 
-def _filter_probs(
-    probs: torch.Tensor, info: SamplingBatchInfo
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero out what top-k, top-p and min-p exclude; returns (sorted probs, sort order)."""
+def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero out what top-k, top-p and min-p exclude, in vocabulary order: a seeded draw must
+    see the same layout whether or not another row of its batch needed filtering."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     cumsum = sorted_probs.cumsum(dim=-1)
     ranks = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
-    drop = (cumsum - sorted_probs) > info.top_ps.view(-1, 1)
+    top_ps = info.top_ps.view(-1, 1)
+    # top_p == 1 keeps everything (cumsum may pass 1.0 by float error and drop the tail).
+    drop = ((cumsum - sorted_probs) > top_ps) & (top_ps < 1.0)
     drop |= ranks >= info.top_ks.clamp(max=TOP_K_ALL).view(-1, 1)
     drop |= sorted_probs < (sorted_probs[:, :1] * info.min_ps.view(-1, 1))
     drop[:, 0] = False  # the most likely token always survives
-    return sorted_probs.masked_fill(drop, 0.0), order
+    return probs.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), 0.0)
 
 
 def _seeded_draw(probs: torch.Tensor, seed: int, step: int) -> torch.Tensor:

@@ -1,0 +1,233 @@
+"""The grammar backend for constrained decoding (json_schema / regex / ebnf), built on xgrammar.
+
+Owns the xgrammar TokenizerInfo and GrammarCompiler for one model, a thread pool that compiles
+grammars off the caller's thread, and a cache of compilations keyed by (kind, text). The
+TokenizerManager calls `validate` to answer a bad grammar with HTTP 400 before dispatch; the
+Scheduler calls `get_future` when a constrained request arrives, parks the request until the
+future is done, then gives it a `Grammar` (one matcher per request) from `new_matcher`.
+
+Per decode step the Scheduler allocates one packed mask for the batch (`allocate_vocab_mask`),
+lets every constrained request fill its row (`Grammar.fill_vocab_mask`; other rows stay all
+allowed), applies it to the logits before sampling (`apply_vocab_mask`, or `unpack_vocab_mask`
+for SamplingBatchInfo.vocab_mask), and after sampling feeds the token back (`accept_token`).
+
+Mask layout (xgrammar's): int32 [B, ceil(V / 32)], bit j of word w = token 32 * w + j is
+ALLOWED. Rows are built on the CPU (the matchers live there) and moved to the logits' device.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import xgrammar as xgr
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from radixserve.sampling_params import SamplingParams
+
+GRAMMAR_KINDS = ("json", "regex", "ebnf")
+ANY_JSON = "$$ANY$$"  # json_schema value meaning "any JSON value" (response_format json_object)
+GrammarKey = tuple[str, str]  # (kind, text), kind in GRAMMAR_KINDS
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
+
+
+@dataclass(frozen=True)
+class InvalidGrammar:
+    """The result of compiling a grammar that the compiler rejected; `message` says why."""
+
+    key: GrammarKey
+    message: str
+
+
+def grammar_key(sp: SamplingParams) -> GrammarKey | None:
+    """The cache key of a request's grammar, or None when it is unconstrained."""
+    if sp.json_schema is not None:
+        return ("json", sp.json_schema)
+    if sp.regex is not None:
+        return ("regex", sp.regex)
+    if sp.ebnf is not None:
+        return ("ebnf", sp.ebnf)
+    return None
+
+
+class Grammar:
+    """One request's matcher: the grammar state after the tokens accepted so far.
+
+    Invariant: once the stop token (EOS) has been accepted the matcher is terminated, and its
+    mask row allows only the EOS ids (xgrammar itself refuses to fill a terminated matcher).
+    """
+
+    def __init__(self, matcher: xgr.GrammarMatcher, eos_token_ids: Sequence[int]) -> None:
+        self.matcher = matcher
+        self.eos_token_ids = list(eos_token_ids)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) when the grammar forbids it."""
+        return self.matcher.accept_token(int(token_id))
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding rejections)."""
+        self.matcher.rollback(num_tokens)
+
+    def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
+        """Write this request's allowed tokens into row `row` of a CPU mask from
+        `allocate_vocab_mask`."""
+        if self.matcher.is_terminated():
+            mask[row] = 0
+            for tid in self.eos_token_ids:
+                mask[row, tid // 32] |= _bit(tid % 32)
+        else:
+            self.matcher.fill_next_token_bitmask(mask, row)
+
+
+class XGrammarBackend:
+    """Compiles grammars for one tokenizer and vocab; see the module docstring for the protocol.
+
+    `vocab_size` is the model's (the logits' width), which may exceed len(tokenizer); the extra
+    ids are never allowed. `eos_token_ids` are the model's stop tokens: a constrained request
+    may emit one only where its grammar is complete, and must emit one there.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] | None = None,
+        num_workers: int = 1,
+        any_whitespace: bool = True,
+        max_cache_entries: int = 1024,
+    ) -> None:
+        if eos_token_ids is None:
+            eos_token_ids = [tokenizer.eos_token_id]
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.any_whitespace = any_whitespace
+        self.max_cache_entries = max_cache_entries
+        self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, self.eos_token_ids)
+        # Our cache replaces xgrammar's (unbounded by default), so each grammar is held once.
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="grammar")
+        self._cache: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar | InvalidGrammar]] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    # -- compilation ---------------------------------------------------------------------------
+    def get_future(self, key: GrammarKey) -> Future[xgr.CompiledGrammar | InvalidGrammar]:
+        """A Future of `xgr.CompiledGrammar | InvalidGrammar` for `key`, compiled on a worker
+        thread; the same key returns the same Future (so the same compiled object)."""
+        kind, text = key
+        if kind not in GRAMMAR_KINDS:
+            raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, key)
+                self._cache[key] = future
+                if len(self._cache) > self.max_cache_entries:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+            return future
+
+    def validate(self, kind: str, text: str) -> str | None:
+        """The compiler's error message for an invalid grammar, else None (blocks until
+        compiled; the result stays cached)."""
+        if kind not in GRAMMAR_KINDS:
+            return f"unknown grammar kind {kind!r}"
+        result = self.get_future((kind, text)).result()
+        return result.message if isinstance(result, InvalidGrammar) else None
+
+    def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar | InvalidGrammar:
+        kind, text = key
+        try:
+            if kind == "json" and text == ANY_JSON:
+                return self.compiler.compile_builtin_json_grammar()
+            if kind == "json":
+                return self.compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            return self.compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            return InvalidGrammar(key, _clean_message(kind, e))
+
+    def new_matcher(self, compiled: xgr.CompiledGrammar) -> Grammar:
+        """A fresh per-request matcher (state: nothing accepted yet)."""
+        return Grammar(xgr.GrammarMatcher(compiled), self.eos_token_ids)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- masks ---------------------------------------------------------------------------------
+    def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
+        """A CPU int32 mask [batch_size, ceil(V / 32)] with every token allowed in every row."""
+        return xgr.allocate_token_bitmask(batch_size, self.vocab_size)
+
+    @staticmethod
+    def apply_vocab_mask(logits: torch.Tensor, mask: torch.Tensor) -> None:
+        """Set the forbidden logits [B, V] to -inf in place, on the logits' device."""
+        mask = mask.to(logits.device, non_blocking=True)
+        if logits.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            xgr.apply_token_bitmask_inplace(logits, mask)
+        else:
+            forbidden = XGrammarBackend.unpack_vocab_mask(mask, logits.shape[-1])
+            logits.masked_fill_(forbidden, float("-inf"))
+
+    @staticmethod
+    def unpack_vocab_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Packed mask [B, W] → bool [B, vocab_size], True = forbidden (SamplingBatchInfo's
+        vocab_mask convention)."""
+        shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+        bits = (mask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift; & 1 keeps one bit
+        return bits.view(mask.shape[0], -1)[:, :vocab_size] == 0
+
+
+def build_tokenizer_info(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Sequence[int]
+) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary, with the tokenizer's special tokens (chat markers and
+    the like) blanked: xgrammar never allows a token with an empty string, so a grammar can no
+    longer emit `<|im_start|>` as text. The stop tokens are allowed separately, at the end."""
+    detected = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+    )
+    encoded = [""] * vocab_size
+    for token, idx in tokenizer.get_vocab().items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    special = set(tokenizer.all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special |= {i for i, tok in added.items() if getattr(tok, "special", False)}
+    for idx in special:
+        if idx < vocab_size:
+            encoded[idx] = ""
+    return xgr.TokenizerInfo(
+        encoded,
+        detected.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=list(eos_token_ids),
+        add_prefix_space=detected.add_prefix_space,
+    )
+
+
+def _bit(j: int) -> int:
+    """The int32 value with only bit j set (bit 31 is the sign bit)."""
+    return -(1 << 31) if j == 31 else 1 << j
+
+
+def _clean_message(kind: str, e: Exception) -> str:
+    text = _LOG_PREFIX.sub("", str(e).strip()).strip()
+    return f"invalid {kind} grammar: {text or type(e).__name__}"

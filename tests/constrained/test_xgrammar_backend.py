@@ -1,0 +1,369 @@
+"""XGrammarBackend with the default model's tokenizer, driven by a scripted "model".
+
+The scripted model samples uniformly from the grammar's allowed tokens for a few steps, then
+steers towards completion (EOS, closing characters, commas, digits before anything else), so
+that every generation terminates. Whatever it picks, the decoded text must satisfy the grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+from collections import Counter
+from concurrent.futures import Future
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from schemas import SCHEMAS  # sibling module; pytest puts this folder on sys.path
+
+from radixserve.constrained.xgrammar_backend import (
+    ANY_JSON,
+    Grammar,
+    InvalidGrammar,
+    XGrammarBackend,
+    grammar_key,
+)
+from radixserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.real_model  # the default model's tokenizer
+
+MAX_STEPS = 400
+SEEDS = (0, 1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from radixserve.model_loader.default_model import ensure_default_model
+    from radixserve.model_loader.weights import load_tokenizer
+
+    return load_tokenizer(ensure_default_model())
+
+
+@pytest.fixture(scope="session")
+def backend(tokenizer):
+    b = XGrammarBackend(
+        tokenizer, vocab_size=len(tokenizer), eos_token_ids=[tokenizer.eos_token_id]
+    )
+    yield b
+    b.close()
+
+
+# -- the scripted model ----------------------------------------------------------------------
+_CLOSERS = b'"}])'
+_OPENERS = b"{[("
+
+
+def _finish_rank(byte: int, used: Counter) -> tuple:
+    """Smaller = preferred while finishing: closers, comma, digits, the least-used other
+    character, openers, whitespace last (it never makes progress)."""
+    if byte in _CLOSERS:
+        return (0, _CLOSERS.index(byte))
+    if byte == ord(","):
+        return (1, 0)
+    if ord("0") <= byte <= ord("9"):
+        return (2, byte)
+    if byte in _OPENERS:
+        return (4, byte)
+    if chr(byte).isspace():
+        return (5, byte)
+    return (3, used[byte], byte)
+
+
+def allowed_ids(backend: XGrammarBackend, grammar: Grammar) -> list[int]:
+    mask = backend.allocate_vocab_mask(1)
+    grammar.fill_vocab_mask(mask, 0)
+    return (
+        (~XGrammarBackend.unpack_vocab_mask(mask, backend.vocab_size)[0])
+        .nonzero()
+        .view(-1)
+        .tolist()
+    )
+
+
+class ScriptedModel:
+    """Picks each next token from what the grammar allows. Uniform draws first (whitespace
+    only when nothing else is allowed: with any_whitespace it is most of the choices), then
+    the single-byte token that closes the most (see _finish_rank), EOS as soon as allowed."""
+
+    def __init__(self, backend: XGrammarBackend, tokenizer) -> None:
+        self.backend, self.tokenizer = backend, tokenizer
+        self.vocab = list(backend.tokenizer_info.decoded_vocab)  # bytes of each token
+        self.single = np.array([len(v) == 1 for v in self.vocab])
+        self.blank = np.array([bool(v) and not v.strip() for v in self.vocab])
+        self.eos = tokenizer.eos_token_id
+
+    def allowed(self, grammar: Grammar) -> np.ndarray:
+        """[V] bool, True = allowed next (numpy: the driver's own unpacking, kept cheap)."""
+        mask = self.backend.allocate_vocab_mask(1)
+        grammar.fill_vocab_mask(mask, 0)
+        bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")
+        return bits[: self.backend.vocab_size].astype(bool)
+
+    def pick(self, allowed: np.ndarray, random_phase: bool, rng, used: Counter) -> int:
+        if random_phase:
+            visible = allowed & ~self.blank
+            pool = np.flatnonzero(visible if visible.any() else allowed)
+            return int(pool[rng.randrange(len(pool))])
+        if allowed[self.eos]:
+            return self.eos
+        single = np.flatnonzero(allowed & self.single).tolist()
+        if not single:
+            return min(np.flatnonzero(allowed).tolist(), key=lambda t: (len(self.vocab[t]), t))
+        return min(single, key=lambda t: _finish_rank(self.vocab[t][0], used))
+
+    def generate(self, key, seed: int) -> str:
+        """Run under `key`'s grammar to EOS; return the decoded text."""
+        compiled = self.backend.get_future(key).result(timeout=60)
+        assert not isinstance(compiled, InvalidGrammar), compiled
+        grammar = self.backend.new_matcher(compiled)
+        rng = random.Random(seed)
+        random_steps = rng.randint(3, 30)
+        used: Counter = Counter()
+        out: list[int] = []
+        for step in range(MAX_STEPS):
+            allowed = self.allowed(grammar)
+            assert allowed.any(), f"empty mask after {out}"
+            token = self.pick(allowed, step < random_steps, rng, used)
+            assert grammar.accept_token(token)
+            if token == self.eos:
+                assert grammar.is_terminated()
+                assert np.flatnonzero(self.allowed(grammar)).tolist() == [self.eos]
+                break
+            out.append(token)
+            used.update(self.vocab[token])
+        else:
+            pytest.fail(f"no EOS after {MAX_STEPS} steps: {self.tokenizer.decode(out)!r}")
+        text = b"".join(self.vocab[t] for t in out).decode("utf-8")
+        # What users see is the detokenizer's text: it must be the bytes the grammar matched.
+        shown = self.tokenizer.decode(
+            out, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        assert shown == text
+        return text
+
+
+@pytest.fixture(scope="session")
+def model(backend, tokenizer) -> ScriptedModel:
+    return ScriptedModel(backend, tokenizer)
+
+
+# -- generation satisfies the grammar --------------------------------------------------------
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name,schema", SCHEMAS, ids=[n for n, _ in SCHEMAS])
+def test_json_schema_output_validates(model, name, schema, seed):
+    text = model.generate(("json", json.dumps(schema)), seed)
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_any_json(model, seed):
+    json.loads(model.generate(("json", ANY_JSON), seed))
+
+
+REGEXES = [
+    r"\(\d{3}\) \d{3}-\d{4}",
+    r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])",
+    r"(yes|no)",
+    r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)",
+    r"#[0-9a-fA-F]{6}",
+    r"[A-Z][a-z]+( [A-Z][a-z]+)*",
+]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_regex_output_fullmatches(model, pattern, seed):
+    text = model.generate(("regex", pattern), seed)
+    assert re.fullmatch(pattern, text), text
+
+
+ARITH = r"""
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= num | "(" expr ")"
+num ::= [0-9]+
+"""
+
+LIST = r"""
+root ::= "[" (item ("," item)*)? "]"
+item ::= [a-z]+ | "\"" [a-z ]* "\""
+"""
+
+
+def parse_arith(text: str) -> None:
+    """Recursive-descent check of ARITH; raises ValueError on a syntax error."""
+    pos = 0
+
+    def expect_expr() -> None:
+        nonlocal pos
+        expect_term()
+        while pos < len(text) and text[pos] in "+-":
+            pos += 1
+            expect_term()
+
+    def expect_term() -> None:
+        nonlocal pos
+        expect_factor()
+        while pos < len(text) and text[pos] in "*/":
+            pos += 1
+            expect_factor()
+
+    def expect_factor() -> None:
+        nonlocal pos
+        if pos < len(text) and text[pos] == "(":
+            pos += 1
+            expect_expr()
+            if pos >= len(text) or text[pos] != ")":
+                raise ValueError(f"')' expected at {pos} in {text!r}")
+            pos += 1
+            return
+        m = re.compile(r"[0-9]+").match(text, pos)
+        if not m:
+            raise ValueError(f"number expected at {pos} in {text!r}")
+        pos = m.end()
+
+    expect_expr()
+    if pos != len(text):
+        raise ValueError(f"trailing text at {pos} in {text!r}")
+
+
+def test_parse_arith_rejects_bad_input():
+    parse_arith("(1+2)*30")
+    for bad in ["", "1+", "(1", "1)", "a"]:
+        with pytest.raises(ValueError):
+            parse_arith(bad)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ebnf_arithmetic(model, seed):
+    parse_arith(model.generate(("ebnf", ARITH), seed))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ebnf_list(model, seed):
+    text = model.generate(("ebnf", LIST), seed)
+    item = r'([a-z]+|"[a-z ]*")'
+    assert re.fullmatch(rf"\[({item}(,{item})*)?\]", text), text
+
+
+# -- masks, tokens, EOS --------------------------------------------------------------------
+def test_rejected_token_leaves_state_unchanged(backend, tokenizer):
+    grammar = backend.new_matcher(backend.get_future(("regex", "(yes|no)")).result())
+    before = allowed_ids(backend, grammar)
+    assert not grammar.accept_token(tokenizer.encode("maybe", add_special_tokens=False)[0])
+    assert not grammar.accept_token(tokenizer.eos_token_id)  # EOS only where the grammar ends
+    assert allowed_ids(backend, grammar) == before
+    for t in tokenizer.encode("no", add_special_tokens=False):
+        assert grammar.accept_token(t)
+    assert allowed_ids(backend, grammar) == [tokenizer.eos_token_id]
+    grammar.rollback(1)
+    assert allowed_ids(backend, grammar) == before
+
+
+def test_special_tokens_and_padding_never_allowed(tokenizer):
+    padded = len(tokenizer) + 64  # model vocab larger than the tokenizer's
+    eos = [tokenizer.eos_token_id, 0]
+    b = XGrammarBackend(tokenizer, vocab_size=padded, eos_token_ids=eos)
+    try:
+        grammar = b.new_matcher(b.get_future(("json", ANY_JSON)).result())
+        for t in tokenizer.encode('{"a', add_special_tokens=False):  # inside a string
+            assert grammar.accept_token(t)
+        allowed = set(allowed_ids(b, grammar))
+        assert len(allowed) > 1000
+        assert not allowed & set(tokenizer.all_special_ids)
+        assert not allowed & set(range(len(tokenizer), padded))
+        for t in tokenizer.encode('":1}', add_special_tokens=False):
+            assert grammar.accept_token(t)
+        assert sorted(allowed_ids(b, grammar)) == sorted(eos)
+        assert grammar.accept_token(0) and grammar.is_terminated()
+        assert sorted(allowed_ids(b, grammar)) == sorted(eos)
+    finally:
+        b.close()
+
+
+def test_batch_mask_rows_and_apply(backend, tokenizer):
+    grammar = backend.new_matcher(backend.get_future(("regex", r"[0-9]+")).result())
+    mask = backend.allocate_vocab_mask(3)
+    grammar.fill_vocab_mask(mask, 1)  # rows 0 and 2: unconstrained requests
+    forbidden = XGrammarBackend.unpack_vocab_mask(mask, backend.vocab_size)
+    assert not forbidden[0].any() and not forbidden[2].any()
+    digits = [t for t in range(backend.vocab_size) if not forbidden[1, t]]
+    assert digits and all(tokenizer.decode([t]).isdigit() for t in digits)
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, backend.vocab_size)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):  # float64: unpacked path
+        got = logits.to(dtype)
+        XGrammarBackend.apply_vocab_mask(got, mask)
+        want = logits.to(dtype).masked_fill(forbidden, float("-inf"))
+        assert torch.equal(got, want), dtype
+
+
+# -- compilation: errors, cache, threads ------------------------------------------------------
+INVALID = [
+    ("json", '{"type": "foo"}', "foo"),
+    ("json", "not json", "JSON"),
+    ("regex", "(abc", "parenthesis"),
+    ("ebnf", "root ::= foo", "foo"),
+    ("ebnf", 'root ::= "a', ""),
+]
+
+
+@pytest.mark.parametrize("kind,text,needle", INVALID)
+def test_invalid_grammar_resolves_with_message(backend, kind, text, needle):
+    result = backend.get_future((kind, text)).result()
+    assert isinstance(result, InvalidGrammar)
+    assert result.key == (kind, text)
+    assert needle in result.message and not result.message.startswith("[")
+    assert backend.validate(kind, text) == result.message
+
+
+def test_validate_accepts_valid_grammars(backend):
+    assert backend.validate("json", json.dumps(SCHEMAS[0][1])) is None
+    assert backend.validate("regex", "(yes|no)") is None
+    assert backend.validate("ebnf", ARITH) is None
+    assert "unknown grammar kind" in backend.validate("xml", "<a/>")
+    with pytest.raises(ValueError):
+        backend.get_future(("xml", "<a/>"))
+
+
+def test_cache_returns_same_compiled_object(backend):
+    key = ("regex", r"[a-c]{2}")
+    f1, f2 = backend.get_future(key), backend.get_future(key)
+    assert isinstance(f1, Future) and f1 is f2
+    assert f1.result() is backend.get_future(key).result()
+    assert backend.get_future(("regex", r"[a-d]{2}")) is not f1
+
+
+def test_compiles_on_worker_thread_and_evicts_lru(tokenizer):
+    b = XGrammarBackend(tokenizer, vocab_size=len(tokenizer), max_cache_entries=2)
+    threads: list[str] = []
+    real = b.compiler
+
+    class Recorder:
+        def __getattr__(self, name):
+            threads.append(threading.current_thread().name)
+            return getattr(real, name)
+
+    b.compiler = Recorder()
+    try:
+        f = b.get_future(("regex", "a+"))
+        f.result()
+        assert threads and threading.current_thread().name not in threads
+        b.get_future(("regex", "b+"))
+        b.get_future(("regex", "c+"))  # evicts "a+", the least recently used
+        assert b.get_future(("regex", "a+")) is not f
+    finally:
+        b.close()
+
+
+def test_grammar_key():
+    assert grammar_key(SamplingParams()) is None
+    assert grammar_key(SamplingParams(json_schema="{}")) == ("json", "{}")
+    assert grammar_key(SamplingParams(regex="a")) == ("regex", "a")
+    assert grammar_key(SamplingParams(ebnf='root ::= "a"')) == ("ebnf", 'root ::= "a"')
