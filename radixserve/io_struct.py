@@ -40,7 +40,8 @@ class GenerateReqInput:
     def is_single(self) -> bool:
         if self.text is not None:
             return isinstance(self.text, str)
-        assert self.input_ids is not None
+        if self.input_ids is None:
+            raise ValueError("either text or input_ids must be given")
         return len(self.input_ids) == 0 or isinstance(self.input_ids[0], int)
 
     @property

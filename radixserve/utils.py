@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -58,6 +60,11 @@ def configure_logging(level: str = "info", prefix: str = "") -> None:
 def configure_child_process(name: str, log_level: str = "info") -> None:
     """Logging, and keep non-model processes off the model's cores (one torch thread)."""
     configure_logging(log_level, name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent shuts us down on Ctrl-C
+    try:  # die with the parent, even when it is SIGKILLed
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if name != "scheduler":

@@ -115,6 +115,7 @@ def create_tokenizer_manager(
         context_len=info["context_len"],
         vocab_size=info["vocab_size"],
         metrics=metrics,
+        eos_token_ids=info.get("eos_token_ids"),
     )
 
 

@@ -88,7 +88,7 @@ def _needs_processing(r: SamplingReq) -> bool:
         or sp.presence_penalty
         or sp.repetition_penalty != 1.0
         or sp.logit_bias
-        or len(r.output_ids) < sp.min_new_tokens
+        or (len(r.output_ids) < sp.min_new_tokens and getattr(r, "grammar", None) is None)
     )
 
 
@@ -114,7 +114,8 @@ def apply_request_processors(logits: torch.Tensor, r: SamplingReq) -> torch.Tens
         ids = torch.tensor([int(k) for k in sp.logit_bias], dtype=torch.int64, device=dev)
         vals = torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype, device=dev)
         logits = logits.index_add(0, ids, vals)
-    if len(r.output_ids) < sp.min_new_tokens:
+    # A grammar decides itself when EOS is allowed; banning it could leave no token at all.
+    if len(r.output_ids) < sp.min_new_tokens and getattr(r, "grammar", None) is None:
         banned = list(r.eos_token_ids) + list(sp.stop_token_ids or [])
         if banned and not sp.ignore_eos:
             logits = logits.index_fill(0, torch.tensor(banned, device=dev), float("-inf"))

@@ -187,6 +187,7 @@ class ScheduleBatch:
         self.extend_lens: list[int] = []
         self.seq_lens: list[int] = [r.kv_committed_len for r in reqs]
         self.decoding_reqs: list[Req] = []  # requests mixed into an extend batch
+        self.vocab_mask: torch.Tensor | None = None  # grammar mask of this step [B, V]
         self.page_size = allocator.page_size
 
     def is_empty(self) -> bool:

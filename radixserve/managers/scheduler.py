@@ -24,6 +24,7 @@ from radixserve.io_struct import (
     GetServerInfoReqOutput,
     TokenizedGenerateReqInput,
 )
+from radixserve.managers.grammar_manager import GrammarManager
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort
 from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_output import SchedulerOutputMixin
@@ -73,6 +74,12 @@ class Scheduler(SchedulerOutputMixin):
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
         self.last_batch: ScheduleBatch | None = None
+        self.grammar_manager = GrammarManager(
+            server_args.grammar_backend,
+            tokenizer,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+        )
         self.ratio = NewTokenRatioTracker(server_args.schedule_conservativeness)
         self.stats = SchedulerStats()
         self.chunked_prefill_size = (
@@ -116,15 +123,29 @@ class Scheduler(SchedulerOutputMixin):
         )
         error = self._validate(req)
         if error is not None:
-            req.finished_reason = finish_abort(error, status_code=400)
-            self.stats.num_aborted += 1
-            self.stream_output([req])
+            self._reject(req, error)
             return
         sp = req.sampling_params
         room = self.context_len - len(req.origin_input_ids)
         if sp.max_new_tokens is None or sp.max_new_tokens > room:
             sp.max_new_tokens = room  # never generate past the context window
+        if self.grammar_manager.key_of(req) is not None:
+            error = self.grammar_manager.add(req)  # waits in the grammar queue until compiled
+            if error is not None:
+                self._reject(req, error)
+            return
         self.waiting_queue.append(req)
+
+    def _reject(self, req: Req, message: str) -> None:
+        req.finished_reason = finish_abort(message, status_code=400)
+        self.stats.num_aborted += 1
+        self.stream_output([req])
+
+    def move_ready_grammar_requests(self) -> None:
+        ready, failed = self.grammar_manager.pop_ready()
+        self.waiting_queue.extend(ready)
+        for req, message in failed:
+            self._reject(req, message)
 
     def _validate(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
@@ -148,6 +169,12 @@ class Scheduler(SchedulerOutputMixin):
         return None
 
     def abort_request(self, recv: AbortReq) -> None:
+        for req in list(self.grammar_manager.queue):
+            if recv.abort_all or req.rid == recv.rid:
+                self.grammar_manager.queue.remove(req)
+                req.finished_reason = finish_abort("aborted by the client")
+                self.stats.num_aborted += 1
+                self.stream_output([req])
         for req in list(self.waiting_queue):
             if recv.abort_all or req.rid == recv.rid:
                 self.waiting_queue.remove(req)
@@ -187,7 +214,13 @@ class Scheduler(SchedulerOutputMixin):
         in_last = self.last_batch is not None and any(
             not r.finished() for r in self.last_batch.reqs
         )
-        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or in_last)
+        return bool(
+            self.waiting_queue
+            or self.running_batch.reqs
+            or self.chunked_req
+            or in_last
+            or self.grammar_manager.queue
+        )
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         last = self.last_batch
@@ -207,6 +240,8 @@ class Scheduler(SchedulerOutputMixin):
         return self.update_running_batch(self.running_batch)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if self.grammar_manager.queue:
+            self.move_ready_grammar_requests()
         if self.chunked_req is None and not self.waiting_queue:
             return None
         running = self.running_batch.reqs
@@ -289,6 +324,7 @@ class Scheduler(SchedulerOutputMixin):
         return need <= self.allocator.available_size() + self.tree_cache.evictable_size()
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        batch.vocab_mask = self.grammar_manager.vocab_mask(batch.reqs)
         return self.tp_worker.forward_batch_generation(batch)
 
     # -- control --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class SchedulerOutputMixin:
     chunked_req: Req | None
     send_output: Any
     server_args: Any
+    grammar_manager: Any
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         if batch.forward_mode.is_decode():
@@ -46,6 +47,8 @@ class SchedulerOutputMixin:
                 req.output_token_logprobs.append((result.logprobs[i], result.next_token_ids[i]))
                 if result.top_logprobs is not None and req.top_logprobs_num:
                     req.output_top_logprobs.append(result.top_logprobs[i][: req.top_logprobs_num])
+            if req.grammar is not None:
+                self.grammar_manager.accept(req, result.next_token_ids[i])
             req.check_finished(self.tokenizer)
             if req.finished():
                 self.tree_cache.cache_finished_req(req)

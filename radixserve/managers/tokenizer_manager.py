@@ -67,6 +67,7 @@ class TokenizerManager:
         context_len: int,
         vocab_size: int,
         metrics: Any = None,
+        eos_token_ids: list[int] | None = None,
     ) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
@@ -75,6 +76,8 @@ class TokenizerManager:
         self.context_len = context_len
         self.vocab_size = vocab_size
         self.metrics = metrics
+        self.eos_token_ids = list(eos_token_ids or [])
+        self._grammar_backend: Any = None  # created on the first constrained request
         self.rid_to_state: dict[str, ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
         self.last_receive_time = time.monotonic()
@@ -161,6 +164,7 @@ class TokenizerManager:
         except SamplingParamsError as e:
             raise RequestError(str(e)) from None
         self._check_length(len(input_ids), sp)
+        self._check_grammar(sp)
         return TokenizedGenerateReqInput(
             rid=obj.rid if isinstance(obj.rid, str) else new_rid(),
             input_text=text,
@@ -199,6 +203,24 @@ class TokenizerManager:
         except Exception as e:  # jinja errors, missing template
             raise RequestError(f"cannot apply the chat template: {e}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_grammar(self, sp: SamplingParams) -> None:
+        """Compile the grammar here first so a bad one is a 400 with the compiler's message."""
+        if sp.json_schema is None and sp.regex is None and sp.ebnf is None:
+            return
+        if self.server_args.grammar_backend == "none":
+            raise RequestError("constrained decoding is disabled (--grammar-backend none)")
+        from radixserve.constrained.xgrammar_backend import XGrammarBackend, grammar_key
+
+        if self._grammar_backend is None:
+            self._grammar_backend = XGrammarBackend(
+                self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
+        key = grammar_key(sp)
+        assert key is not None
+        message = self._grammar_backend.validate(*key)
+        if message is not None:
+            raise RequestError(message)
 
     async def generate_request(
         self, obj: GenerateReqInput, request: Any = None
@@ -290,6 +312,14 @@ class TokenizerManager:
         finally:
             for t in tasks:
                 t.cancel()
+
+    def request_abort(self, rid: str) -> bool:
+        """An abort asked by someone other than the waiter (e.g. /abort_request): the state stays
+        so the waiter receives the scheduler's finish_reason "abort"."""
+        if rid not in self.rid_to_state:
+            return False
+        self.send_to_scheduler.send_pyobj(AbortReq(rid))
+        return True
 
     def abort_request(self, rid: str) -> None:
         state = self.rid_to_state.pop(rid, None)

@@ -32,9 +32,8 @@ class TpModelWorker:
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
         fb = batch.get_forward_batch(self.device)
         info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.device)
-        grammar_mask = getattr(batch, "vocab_mask", None)
-        if grammar_mask is not None:
-            info.vocab_mask = grammar_mask.to(self.device)
+        if batch.vocab_mask is not None:
+            info.vocab_mask = batch.vocab_mask.to(self.device)
         logits = self.model_runner.forward(fb).next_token_logits
         want_lp = any(r.return_logprob for r in batch.reqs)
         top_n = max((r.top_logprobs_num for r in batch.reqs), default=0)
@@ -58,4 +57,5 @@ class TpModelWorker:
             "max_running_requests": mr.max_running_requests,
             "context_len": mr.context_len,
             "vocab_size": self.vocab_size,
+            "eos_token_ids": list(mr.model_config.eos_token_ids),
         }

@@ -80,3 +80,49 @@ def test_queue_with_max_running_requests_4(harness_factory, prompts, reference):
         max_running = max(max_running, len(h.scheduler.running_batch.reqs))
     assert max_running <= 4
     _check(h, rids, reference)
+
+
+def test_second_wave_hits_the_radix_cache(harness_factory, prompts, reference):
+    h = harness_factory()
+    first = [h.submit(p, **_params()) for p in prompts]
+    h.run_until_idle()
+    second = [h.submit(p, **_params()) for p in prompts]
+    h.run_until_idle()
+    _check(h, first, reference)
+    _check(h, second, reference)
+    # Every second-wave prompt (but its last token) is served from the cache.
+    assert h.scheduler.stats.cached_tokens >= sum(len(p) - 1 for p in prompts)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"disable_radix_cache": True},
+        {"chunked_prefill_size": 64},
+        {"chunked_prefill_size": 64, "enable_mixed_chunk": True},
+        {"enable_mixed_chunk": True, "chunked_prefill_size": -1},
+        {"page_size": 16, "chunked_prefill_size": 64},
+    ],
+    ids=["radix-off", "chunk-64", "chunk-64-mixed", "mixed", "page-16"],
+)
+def test_configurations_are_token_exact(harness_factory, prompts, reference, config):
+    # Half of the prompts (5 to 300 tokens) keep this affordable on two cores.
+    h = harness_factory(**config)
+    rng = random.Random(2)
+    rids: list[str] = []
+    pending = list(prompts[:8])
+    while pending or h.scheduler.has_work():
+        if pending and (not rids or rng.random() < 0.5):
+            rids.append(h.submit(pending.pop(0), **_params()))
+        h.step()
+    _check(h, rids, reference[:8])
+
+
+def test_retraction_under_a_small_pool_is_token_exact(harness_factory, prompts, reference):
+    # The first 8 prompts need 1,001 tokens and their outputs 256 more; the pool holds 1,100
+    # and admission is made reckless so that decoding runs out of slots and must retract.
+    h = harness_factory(max_total_tokens=1100, schedule_conservativeness=0.05)
+    rids = [h.submit(p, **_params()) for p in prompts[:8]]
+    h.run_until_idle()
+    assert h.scheduler.stats.num_retractions > 0
+    _check(h, rids, reference[:8])

@@ -1,0 +1,162 @@
+"""HTTP plumbing shared by the native and the OpenAI routes: JSON/SSE responses, body parsing,
+waiting on the TokenizerManager while watching for client disconnects, error handlers, API key.
+
+Used by `http_server` (routes, app) and `openai_api` (OpenAI endpoints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.entrypoints.openai_protocol import error_body
+from radixserve.managers.tokenizer_manager import RequestError
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 1.0
+OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+def json_response(content: Any, status_code: int = 200) -> Response:
+    if isinstance(content, BaseModel):
+        body = content.model_dump_json()
+    else:
+        body = orjson.dumps(content).decode()  # NaN/inf → null; json.dumps would raise
+    return Response(body, status_code=status_code, media_type="application/json")
+
+
+def error_response(message: str, status_code: int = 400) -> Response:
+    return json_response(error_body(message, status_code), status_code)
+
+
+def sse_event(data: Any) -> bytes:
+    if isinstance(data, BaseModel):
+        return b"data: " + data.model_dump_json().encode() + b"\n\n"
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+    """Parse a JSON body whatever its Content-Type (curl -d sends a form type)."""
+
+    try:
+        data = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestError(validation_message(e.errors())) from None
+
+
+def validation_message(errors: list[Any]) -> str:
+    parts = []
+    for err in errors[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+async def until_disconnected(aw: Awaitable[Any], request: Request | None) -> Any:
+    """Await `aw`, cancelling it (so the TokenizerManager aborts the request) if the client
+    disconnects first."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if request is not None and await request.is_disconnected():
+                raise ClientDisconnected
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+
+
+async def collect(gen: AsyncIterator[Any], request: Request | None) -> Any:
+    """The last item of a non-streaming generation (None if the client went away)."""
+
+    async def last() -> Any:
+        out = None
+        async for item in gen:
+            out = item
+        return out
+
+    return await until_disconnected(last(), request)
+
+
+async def first_item(gen: AsyncIterator[Any], request: Request | None) -> Any:
+    """Wait for the first streamed item, so that input errors still become an HTTP 400."""
+    try:
+        return await until_disconnected(gen.__anext__(), request)
+    except StopAsyncIteration:
+        return None
+
+
+async def chain(first: Any, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+    async for item in gen:
+        yield item
+
+
+# -- errors and auth -----------------------------------------------------------------------------
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> Response:
+        return error_response(validation_message(exc.errors()), 400)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, exc: RequestError) -> Response:
+        return error_response(str(exc), exc.status_code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_error(_: Request, exc: Exception) -> Response:
+        logger.exception("request failed")
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+
+class ApiKeyMiddleware:
+    """Every route except OPEN_PATHS needs `Authorization: Bearer <key>` (401 otherwise)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(auth, self.expected):
+                response = error_response("invalid or missing API key", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,287 @@
+"""OpenAI ↔ radixserve adapters: an OpenAI request becomes one `GenerateReqInput`, and the
+TokenizerManager's output dicts become OpenAI choices, logprobs and usage.
+
+Pure functions (no I/O), used by `openai_serving`. Defaults follow OpenAI: completions generate
+at most 16 tokens unless `max_tokens` says otherwise (set in `openai_protocol`); chat completions
+generate up to the context window. `n > 1` and prompt lists become choices in prompt-major order
+(choice index = prompt index × n + sample index). Prompt logprobs are not computed yet: with
+`echo` and `logprobs` the prompt tokens are listed with null logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.args import ServerArgs
+from radixserve.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    CompletionLogprobs,
+    CompletionRequest,
+    PromptTokensDetails,
+    SamplingFields,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from radixserve.io_struct import GenerateReqInput
+from radixserve.managers.tokenizer_manager import RequestError
+
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+# -- model names ---------------------------------------------------------------------------------
+def resolved_model_path(args: ServerArgs) -> str:
+    if args.model_path:
+        return args.model_path
+    from radixserve.model_loader.default_model import DEFAULT_MODEL_FILE, default_cache_dir
+
+    return os.path.join(default_cache_dir(), DEFAULT_MODEL_FILE)
+
+
+def served_model_name(args: ServerArgs) -> str:
+    """--served-model-name, else the model's basename (a file's without its extension)."""
+    if args.served_model_name:
+        return args.served_model_name
+    if not args.model_path:
+        return DEFAULT_SERVED_MODEL_NAME
+    base = os.path.basename(os.path.normpath(args.model_path))
+    if os.path.isfile(args.model_path) or base.endswith(".gguf"):
+        base = os.path.splitext(base)[0]
+    return base
+
+
+def model_aliases(args: ServerArgs) -> set[str]:
+    """Names a request may use for the model: served name, model path, its basename and stem."""
+    path = resolved_model_path(args)
+    base = os.path.basename(os.path.normpath(path))
+    names = {served_model_name(args), path, base, os.path.splitext(base)[0]}
+    if args.model_path:
+        names.add(args.model_path)
+    return names
+
+
+# -- request → GenerateReqInput ------------------------------------------------------------------
+def sampling_params(req: SamplingFields, max_new_tokens: int | None) -> dict[str, Any]:
+    """OpenAI field names → SGLang sampling params; unset optional fields keep SGLang defaults."""
+    sp: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": req.min_tokens,
+        "n": req.n,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+    }
+    optional = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "seed": req.seed,
+        "logit_bias": req.logit_bias,
+        "json_schema": json_schema_of(req),
+        "regex": req.regex,
+        "ebnf": req.ebnf,
+    }
+    sp.update({k: v for k, v in optional.items() if v is not None})
+    return sp
+
+
+def json_schema_of(req: SamplingFields) -> str | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return req.json_schema
+    if req.json_schema is not None:
+        raise RequestError("set either response_format or json_schema, not both")
+    if fmt.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise RequestError("response_format.json_schema.schema is required")
+    return json.dumps(fmt.json_schema.schema_)
+
+
+def _rid(req: SamplingFields, single: bool) -> str | None:
+    return req.rid if single and req.n == 1 else None
+
+
+@dataclass
+class Prompts:
+    """A completions prompt as a batch: texts, or token-id lists."""
+
+    texts: list[str] | None
+    ids: list[list[int]] | None
+
+    def __len__(self) -> int:
+        return len(self.texts or self.ids or [])
+
+
+def normalize_prompt(prompt: Any) -> tuple[Prompts, bool]:
+    """Return (the prompts as a batch, whether the user sent a single prompt)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+        single = True
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+        single = True
+    else:
+        single = False
+    if not prompt or any(len(p) == 0 for p in prompt):
+        raise RequestError("the prompt must not be empty")
+    if isinstance(prompt[0], str):
+        return Prompts(texts=list(prompt), ids=None), single
+    return Prompts(texts=None, ids=[list(p) for p in prompt]), single
+
+
+def completion_to_generate(req: CompletionRequest) -> GenerateReqInput:
+    prompts, single = normalize_prompt(req.prompt)
+    if prompts.texts is not None:
+        text: Any = prompts.texts[0] if single else prompts.texts
+        ids: Any = None
+    else:
+        text, ids = None, (prompts.ids[0] if single else prompts.ids)  # type: ignore[index]
+    return GenerateReqInput(
+        text=text,
+        input_ids=ids,
+        sampling_params=sampling_params(req, req.max_tokens),
+        rid=_rid(req, single),
+        stream=req.stream,
+        return_logprob=req.logprobs is not None,
+        top_logprobs_num=req.logprobs or 0,
+    )
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: text content only, developer → system."""
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            bad = [p.type for p in content if p.type != "text" or p.text is None]
+            if bad:
+                raise RequestError(f"unsupported content part type {bad[0]!r}; only text")
+            content = "\n".join(p.text for p in content)  # type: ignore[misc]
+        msg: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": content or "",
+        }
+        if m.name:
+            msg["name"] = m.name
+        messages.append(msg)
+    return messages
+
+
+def chat_to_generate(req: ChatCompletionRequest, tokenizer_manager: Any) -> GenerateReqInput:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs requires logprobs to be true")
+    input_ids = tokenizer_manager.apply_chat_template(chat_messages(req))
+    max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return GenerateReqInput(
+        input_ids=input_ids,
+        sampling_params=sampling_params(req, max_new),
+        rid=_rid(req, True),
+        stream=req.stream,
+        return_logprob=req.logprobs,
+        top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
+    )
+
+
+# -- output dicts → OpenAI shapes ---------------------------------------------------------------------
+def finish_reason(meta: dict[str, Any]) -> tuple[str | None, Any]:
+    """(OpenAI finish_reason, matched stop) from meta_info; stop/length/abort keep their names."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None, None
+    return reason.get("type"), reason.get("matched")
+
+
+def make_usage(metas: list[dict[str, Any]], n: int) -> UsageInfo:
+    """Prompt and cached tokens count once per prompt (its n samples share it; cached is the
+    best hit among them, so never above the prompt); completion tokens count per choice."""
+    prompt = cached = 0
+    for start in range(0, len(metas), n):
+        group = metas[start : start + n]
+        group_prompt = group[0].get("prompt_tokens", 0)
+        prompt += group_prompt
+        cached += min(group_prompt, max(m.get("cached_tokens", 0) for m in group))
+    completion = sum(m.get("completion_tokens", 0) for m in metas)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+class TokenStrings:
+    """Token id → its text as the tokenizer decodes it alone (cached)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id])
+            self._cache[token_id] = s
+        return s
+
+
+def completion_logprobs(
+    tok: TokenStrings,
+    meta: dict[str, Any],
+    start: int,
+    offset: int,
+    prompt_ids: list[int] | None = None,
+) -> CompletionLogprobs:
+    """Legacy logprobs of output tokens [start:], after the (echoed) prompt tokens whose logprobs
+    are null; text_offset continues from `offset` characters."""
+    out = CompletionLogprobs()
+    for tid in prompt_ids or []:
+        s = tok(tid)
+        out.tokens.append(s)
+        out.token_logprobs.append(None)
+        out.top_logprobs.append(None)
+        out.text_offset.append(offset)
+        offset += len(s)
+    pairs = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    for k in range(start, len(pairs)):
+        lp, tid = pairs[k]
+        s = tok(tid)
+        out.tokens.append(s)
+        out.token_logprobs.append(lp)
+        top = tops[k] if k < len(tops) else None
+        out.top_logprobs.append({tok(t): v for v, t in top} if top else None)
+        out.text_offset.append(offset)
+        offset += len(s)
+    return out
+
+
+def chat_logprobs(tok: TokenStrings, meta: dict[str, Any], start: int) -> ChoiceLogprobs:
+    def entry(lp: float, tid: int) -> TopLogprob:
+        s = tok(tid)
+        return TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")))
+
+    content = []
+    pairs = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    for k in range(start, len(pairs)):
+        e = entry(*pairs[k])
+        top = [entry(v, t) for v, t in (tops[k] if k < len(tops) else None) or []]
+        content.append(TokenLogprob(**e.model_dump(), top_logprobs=top))
+    return ChoiceLogprobs(content=content)
+
+
+def num_logprobs(meta: dict[str, Any]) -> int:
+    return len(meta.get("output_token_logprobs") or [])

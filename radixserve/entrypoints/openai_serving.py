@@ -1,0 +1,338 @@
+"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+`OpenAIServing` validates the model name, converts the request (`openai_api`), runs it through
+the TokenizerManager and answers with JSON or an SSE stream: chat streams open with one
+role="assistant" delta per choice; text deltas come from the cumulative text; every choice gets
+exactly one finish_reason; a usage chunk follows when stream_options.include_usage; then
+`data: [DONE]`. Called by `http_server`'s routes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from radixserve.entrypoints.http_utils import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ClientDisconnected,
+    chain,
+    collect,
+    first_item,
+    json_response,
+    sse_event,
+)
+from radixserve.entrypoints.openai_api import (
+    Prompts,
+    TokenStrings,
+    chat_logprobs,
+    chat_to_generate,
+    completion_logprobs,
+    completion_to_generate,
+    finish_reason,
+    make_usage,
+    normalize_prompt,
+    num_logprobs,
+)
+from radixserve.entrypoints.openai_protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    UsageInfo,
+    error_body,
+)
+from radixserve.io_struct import new_rid
+from radixserve.managers.tokenizer_manager import RequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceCursor:
+    """What one streamed choice has sent so far."""
+
+    text_len: int = 0  # characters of the cumulative output text already sent
+    num_logprobs: int = 0
+    chars_sent: int = 0  # for text_offset, including an echoed prompt
+    started: bool = False
+    finished: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def advance(self, out: dict[str, Any], delta: str, reason: str | None) -> None:
+        self.started = True
+        self.text_len = len(out["text"])
+        self.meta = out["meta_info"]
+        self.num_logprobs = num_logprobs(self.meta)
+        self.chars_sent += len(delta)
+        self.finished = reason is not None
+
+
+EchoParts = list[tuple[str, list[int] | None]]
+
+
+# -- the endpoints -------------------------------------------------------------------------------
+class OpenAIServing:
+    def __init__(
+        self,
+        tokenizer_manager: Any,
+        served_model_name: str,
+        model_names: set[str],
+        model_root: str | None = None,
+    ) -> None:
+        self.tm = tokenizer_manager
+        self.served_model_name = served_model_name
+        self.model_names = model_names | {served_model_name}
+        self.model_root = model_root
+        self.tok = TokenStrings(tokenizer_manager.tokenizer)
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise RequestError(f"The model `{name}` does not exist.", 404)
+
+    def model_card(self) -> ModelCard:
+        ctx = getattr(self.tm, "context_len", None)
+        return ModelCard(
+            id=self.served_model_name, created=self.created, root=self.model_root, max_model_len=ctx
+        )
+
+    def list_models(self) -> ModelList:
+        return ModelList(data=[self.model_card()])
+
+    # -- completions ------------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
+        self.check_model(req.model)
+        if req.suffix:
+            raise RequestError("suffix is not supported")
+        obj = completion_to_generate(req)
+        prompts, _ = normalize_prompt(req.prompt)
+        echo = self._echo_parts(req, prompts) if req.echo else None
+        rid, created = "cmpl-" + new_rid(), int(time.time())
+        gen = self.tm.generate_request(obj, None)
+        if not req.stream:
+            outs = _as_list(await collect(gen, request))
+            return json_response(self._completion_response(req, rid, created, outs, echo))
+        first = await first_item(gen, request)
+        model = self.served_model_name
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
+            return CompletionChunk(
+                id=rid, created=created, model=model, choices=choices, usage=usage
+            )
+
+        def on_output(i: int, c: ChoiceCursor, out: dict[str, Any]) -> BaseModel | None:
+            choice = self._completion_delta(req, echo, i, c, out)
+            return chunk([choice]) if choice is not None else None
+
+        def finish(i: int) -> BaseModel:
+            return chunk([CompletionChoice(index=i, text="", finish_reason="abort")])
+
+        events = self._stream(
+            req, first, gen, req.n * len(prompts), on_output, finish, lambda u: chunk([], u)
+        )
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def _echo_parts(self, req: CompletionRequest, prompts: Prompts) -> EchoParts:
+        """Per prompt: (text to prepend, its token ids when logprobs are listed)."""
+        tokenizer = self.tm.tokenizer
+        parts: EchoParts = []
+        for j in range(len(prompts)):
+            text = prompts.texts[j] if prompts.texts else tokenizer.decode(prompts.ids[j])  # type: ignore[index]
+            ids = None
+            if req.logprobs is not None:
+                ids = prompts.ids[j] if prompts.ids else tokenizer.encode(text)
+            parts.append((text, ids))
+        return parts
+
+    def _completion_response(
+        self,
+        req: CompletionRequest,
+        rid: str,
+        created: int,
+        outs: list[dict[str, Any]],
+        echo: EchoParts | None,
+    ) -> CompletionResponse:
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            prefix, prompt_ids = echo[i // req.n] if echo else ("", None)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(self.tok, meta, 0, 0, prompt_ids)
+            reason, matched = finish_reason(meta)
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=prefix + out["text"],
+                    logprobs=logprobs,
+                    finish_reason=reason,
+                    matched_stop=matched,
+                )
+            )
+        usage = make_usage([o["meta_info"] for o in outs], req.n)
+        model = self.served_model_name
+        return CompletionResponse(
+            id=rid, created=created, model=model, choices=choices, usage=usage
+        )
+
+    def _completion_delta(
+        self,
+        req: CompletionRequest,
+        echo: EchoParts | None,
+        i: int,
+        c: ChoiceCursor,
+        out: dict[str, Any],
+    ) -> CompletionChoice | None:
+        meta = out["meta_info"]
+        prefix, prompt_ids = echo[i // req.n] if echo and not c.started else ("", None)
+        delta = prefix + out["text"][c.text_len :]
+        reason, matched = finish_reason(meta)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(self.tok, meta, c.num_logprobs, c.chars_sent, prompt_ids)
+        if not delta and reason is None and not (logprobs and logprobs.tokens):
+            return None
+        c.advance(out, delta, reason)
+        return CompletionChoice(
+            index=i, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
+        )
+
+    # -- chat -------------------------------------------------------------------------------------
+    async def chat_completions(
+        self, req: ChatCompletionRequest, request: Request | None
+    ) -> Response:
+        self.check_model(req.model)
+        obj = chat_to_generate(req, self.tm)
+        rid, created = "chatcmpl-" + new_rid(), int(time.time())
+        model = self.served_model_name
+        gen = self.tm.generate_request(obj, None)
+        if not req.stream:
+            outs = _as_list(await collect(gen, request))
+            return json_response(self._chat_response(req, rid, created, outs))
+        first = await first_item(gen, request)
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> BaseModel:
+            return ChatCompletionChunk(
+                id=rid, created=created, model=model, choices=choices, usage=usage
+            )
+
+        def on_output(i: int, c: ChoiceCursor, out: dict[str, Any]) -> BaseModel | None:
+            choice = self._chat_delta(req, i, c, out)
+            return chunk([choice]) if choice is not None else None
+
+        def finish(i: int) -> BaseModel:
+            return chunk([ChatStreamChoice(index=i, delta=DeltaMessage(), finish_reason="abort")])
+
+        roles = [
+            chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(req.n)
+        ]
+        events = self._stream(
+            req, first, gen, req.n, on_output, finish, lambda u: chunk([], u), roles
+        )
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def _chat_response(
+        self, req: ChatCompletionRequest, rid: str, created: int, outs: list[dict[str, Any]]
+    ) -> ChatCompletionResponse:
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            reason, matched = finish_reason(meta)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=ChatResponseMessage(content=out["text"]),
+                    logprobs=chat_logprobs(self.tok, meta, 0) if req.logprobs else None,
+                    finish_reason=reason,
+                    matched_stop=matched,
+                )
+            )
+        usage = make_usage([o["meta_info"] for o in outs], req.n)
+        model = self.served_model_name
+        return ChatCompletionResponse(
+            id=rid, created=created, model=model, choices=choices, usage=usage
+        )
+
+    def _chat_delta(
+        self, req: ChatCompletionRequest, i: int, c: ChoiceCursor, out: dict[str, Any]
+    ) -> ChatStreamChoice | None:
+        meta = out["meta_info"]
+        delta = out["text"][c.text_len :]
+        reason, matched = finish_reason(meta)
+        logprobs = chat_logprobs(self.tok, meta, c.num_logprobs) if req.logprobs else None
+        if not delta and reason is None and not (logprobs and logprobs.content):
+            return None
+        c.advance(out, delta, reason)
+        return ChatStreamChoice(
+            index=i,
+            delta=DeltaMessage(content=delta or None),
+            logprobs=logprobs,
+            finish_reason=reason,
+            matched_stop=matched,
+        )
+
+    # -- SSE driver shared by both endpoints ------------------------------------------------------
+    async def _stream(
+        self,
+        req: SamplingFields,
+        first: Any,
+        gen: AsyncIterator[Any],
+        num_choices: int,
+        on_output: Callable[[int, ChoiceCursor, dict[str, Any]], BaseModel | None],
+        finish: Callable[[int], BaseModel],
+        usage: Callable[[UsageInfo], BaseModel],
+        preamble: list[BaseModel] = (),  # type: ignore[assignment]
+    ) -> AsyncIterator[bytes]:
+        """Chunks per output; then exactly one finish_reason per choice (an "abort" chunk for a
+        choice that ended without one), the usage chunk if asked for, and [DONE]. Errors after
+        the first byte become an error event."""
+        cursors = [ChoiceCursor() for _ in range(num_choices)]
+        try:
+            for chunk in preamble:
+                yield sse_event(chunk)
+            async for out in chain(first, gen):
+                chunk = on_output(out.get("index", 0), cursors[out.get("index", 0)], out)
+                if chunk is not None:
+                    yield sse_event(chunk)
+        except RequestError as e:
+            yield sse_event(error_body(str(e), e.status_code))
+            yield SSE_DONE
+            return
+        except Exception as e:
+            logger.exception("streaming failed")
+            yield sse_event(error_body(f"internal error: {type(e).__name__}: {e}", 500))
+            yield SSE_DONE
+            return
+        finally:
+            await gen.aclose()
+        for i, c in enumerate(cursors):
+            if not c.finished:
+                yield sse_event(finish(i))
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse_event(usage(make_usage([c.meta for c in cursors], req.n)))
+        yield SSE_DONE
+
+
+def _as_list(out: Any) -> list[dict[str, Any]]:
+    if out is None:
+        raise ClientDisconnected
+    return out if isinstance(out, list) else [out]

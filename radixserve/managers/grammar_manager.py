@@ -1,0 +1,97 @@
+"""GrammarManager: the scheduler's side of constrained decoding (seed 003 act 6).
+
+A constrained request waits in the grammar queue while its grammar compiles on a worker thread;
+the scheduler moves it to the waiting queue once compiled (or rejects it with the compiler's
+message). Each step the manager builds the vocab mask of the batch's constrained rows, and
+after sampling it advances every matcher by the sampled token. The xgrammar backend is created
+on the first constrained request, so unconstrained serving never pays for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixserve.managers.schedule_batch import Req, finish_abort, finish_stop
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarManager:
+    def __init__(self, backend_name: str, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]):
+        self.backend_name = backend_name
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        self.queue: list[Req] = []
+        self._backend: Any = None
+
+    @property
+    def backend(self) -> Any:
+        if self._backend is None:
+            from radixserve.constrained.xgrammar_backend import XGrammarBackend
+
+            self._backend = XGrammarBackend(
+                self.tokenizer, self.vocab_size, self.eos_ids, any_whitespace=False
+            )
+        return self._backend
+
+    def key_of(self, req: Req) -> tuple[str, str] | None:
+        from radixserve.constrained.xgrammar_backend import grammar_key
+
+        sp = req.sampling_params
+        if sp.json_schema is None and sp.regex is None and sp.ebnf is None:
+            return None
+        return grammar_key(sp)
+
+    def add(self, req: Req) -> str | None:
+        """Start compiling the request's grammar; returns an error when none can be used."""
+        if self.backend_name == "none" or self.tokenizer is None:
+            return "constrained decoding is disabled (--grammar-backend none)"
+        key = self.key_of(req)
+        assert key is not None
+        req.grammar = self.backend.get_future(key)
+        self.queue.append(req)
+        return None
+
+    def pop_ready(self) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """Requests whose grammar compiled (with a fresh matcher) and those it rejected."""
+        from radixserve.constrained.xgrammar_backend import InvalidGrammar
+
+        ready, failed, still = [], [], []
+        for req in self.queue:
+            fut = req.grammar
+            if req.to_abort is not None:
+                failed.append((req, req.to_abort))
+            elif not fut.done():
+                still.append(req)
+            elif isinstance(result := fut.result(), InvalidGrammar):
+                req.grammar = None
+                failed.append((req, result.message))
+            else:
+                req.grammar = self.backend.new_matcher(result)
+                ready.append(req)
+        self.queue = still
+        return ready, failed
+
+    def vocab_mask(self, reqs: Sequence[Req]) -> torch.Tensor | None:
+        """[B, V] bool (True = forbidden) for a batch with constrained rows, else None."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_chunked]
+        if not rows:
+            return None
+        packed = self.backend.allocate_vocab_mask(len(reqs))
+        for i in rows:
+            reqs[i].grammar.fill_vocab_mask(packed, i)
+        return self.backend.unpack_vocab_mask(packed, self.vocab_size)
+
+    def accept(self, req: Req, token: int) -> None:
+        """Advance the matcher; finish the request when the grammar completes or breaks."""
+        if req.grammar is None or req.finished():
+            return
+        if not req.grammar.accept_token(token):
+            req.finished_reason = finish_abort("the sampled token violates the grammar")
+        elif req.grammar.is_terminated():
+            req.finished_reason = finish_stop(token if token in self.eos_ids else None)

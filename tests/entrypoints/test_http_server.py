@@ -1,0 +1,478 @@
+"""End-to-end tests of the HTTP server with the real default model, through the official
+`openai` client and raw HTTP: OpenAI and native APIs, streaming, concurrency, disconnects,
+bad input, control routes, SIGTERM, and a scheduler crash taking the server down.
+
+The server runs as a subprocess (`python -m radixserve serve`) in its own session so that
+the test can always kill it and its children. One server serves the TestServing class; the
+crash test starts a second one after the first has stopped (the machine has few cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from radixserve.utils import free_port
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "SmolLM2-135M-Instruct"
+STARTUP_TIMEOUT_S = 180
+MAX_TOTAL_TOKENS = 16384
+GREEDY = {"temperature": 0.0}
+IGNORE_EOS = {"ignore_eos": True}
+NEW_TOKENS_UNDER_LOAD = 6  # per request in the 64-stream test
+
+
+class ServerProcess:
+    """`python -m radixserve serve` on a free port, logging to a file."""
+
+    def __init__(self, log_dir: str, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
+        cmd = [sys.executable, "-m", "radixserve", "serve", "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--dtype", "float32"]
+        cmd += ["--max-total-tokens", str(MAX_TOTAL_TOKENS), *extra]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail(f"server not healthy within {STARTUP_TIMEOUT_S} s:\n{self.log()[-3000:]}")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL to the whole session (server and children) no matter what."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait(10)
+
+    def server_info(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/server_info", timeout=30).json()
+
+
+def wait_drained(server: ServerProcess, timeout: float = 15.0) -> dict[str, Any]:
+    """Poll until nothing runs or waits and every KV slot is free or evictable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server.server_info()
+        free = info["available_tokens"] + info["evictable_tokens"]
+        if info["running"] == 0 and info["queued"] == 0 and free == info["max_total_num_tokens"]:
+            return info
+        if time.monotonic() > deadline:
+            pytest.fail(f"server did not drain within {timeout} s: {info}")
+        time.sleep(0.2)
+
+
+def sse_events(lines: Any) -> list[Any]:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from radixserve.model_loader.weights import load_tokenizer
+
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="class")
+def server(tmp_path_factory, default_model_path):
+    proc = ServerProcess(str(tmp_path_factory.mktemp("server")))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="class")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def _stream_by_choice(chunks: list[Any]) -> dict[int, list[Any]]:
+    by_choice: dict[int, list[Any]] = defaultdict(list)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            by_choice[choice.index].append(choice)
+    return by_choice
+
+
+class TestServing:
+    def test_ready_log_line(self, server):
+        assert f"radixserve ready on http://127.0.0.1:{server.port}" in server.log()
+
+    # -- completions ------------------------------------------------------------------------------
+    def test_completion_string_and_token_ids_agree(self, client, tokenizer):
+        prompt = "The capital of France is"
+        kw = dict(model=MODEL, max_tokens=6, extra_body=IGNORE_EOS, **GREEDY)
+        by_text = client.completions.create(prompt=prompt, **kw)
+        by_ids = client.completions.create(prompt=tokenizer.encode(prompt), **kw)
+        assert by_text.choices[0].text == by_ids.choices[0].text
+        assert by_text.choices[0].finish_reason == "length"
+        assert by_text.object == "text_completion" and by_text.model == MODEL
+        usage = by_text.usage
+        assert usage.completion_tokens == 6
+        assert usage.prompt_tokens == len(tokenizer.encode(prompt))
+        assert usage.total_tokens == usage.prompt_tokens + 6
+
+    def test_completion_prompt_list_and_n(self, client):
+        prompts = ["Once upon a time", "1, 2, 3,"]
+        resp = client.completions.create(
+            model=MODEL, prompt=prompts, n=2, max_tokens=4, extra_body=IGNORE_EOS, **GREEDY
+        )
+        assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+        texts = [c.text for c in resp.choices]
+        assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: samples agree
+        assert texts[0] != texts[2]
+        assert resp.usage.completion_tokens == 16
+
+    def test_completion_echo_and_logprobs(self, client, tokenizer):
+        prompt = "Paris is the capital of"
+        resp = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, echo=True, logprobs=3, **GREEDY
+        )
+        choice = resp.choices[0]
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+        lp = choice.logprobs
+        n_prompt = len(tokenizer.encode(prompt))
+        n_out = resp.usage.completion_tokens
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + n_out
+        assert lp.token_logprobs[:n_prompt] == [None] * n_prompt  # no prompt logprobs yet
+        for token_lp, top in zip(
+            lp.token_logprobs[n_prompt:], lp.top_logprobs[n_prompt:], strict=True
+        ):
+            assert token_lp <= 0 and 1 <= len(top) <= 3
+            assert token_lp >= max(top.values()) - 1e-4  # greedy picks the most likely token
+        assert lp.text_offset == sorted(lp.text_offset)
+
+    def test_completion_stream(self, client):
+        kw = dict(model=MODEL, prompt="The sky is", max_tokens=6, extra_body=IGNORE_EOS, **GREEDY)
+        full = client.completions.create(**kw).choices[0].text
+        chunks = list(
+            client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+        )
+        by_choice = _stream_by_choice(chunks)
+        assert "".join(c.text for c in by_choice[0]) == full
+        assert [c.finish_reason for c in by_choice[0] if c.finish_reason] == ["length"]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+    # -- chat -------------------------------------------------------------------------------------
+    MESSAGES = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Name three colors."},
+    ]
+
+    def test_chat_basic_and_n(self, client):
+        resp = client.chat.completions.create(
+            model=MODEL, messages=self.MESSAGES, max_tokens=4, n=2, **GREEDY
+        )
+        assert resp.object == "chat.completion" and len(resp.choices) == 2
+        assert resp.choices[0].message.role == "assistant"
+        assert resp.choices[0].message.content == resp.choices[1].message.content
+        assert resp.choices[0].message.content
+        assert resp.usage.completion_tokens <= 8 and resp.usage.prompt_tokens > 10
+
+    def test_chat_max_tokens_and_stop(self, client):
+        kw = dict(model=MODEL, messages=self.MESSAGES, **GREEDY)
+        full = client.chat.completions.create(max_tokens=12, extra_body=IGNORE_EOS, **kw)
+        assert full.choices[0].finish_reason == "length"
+        assert full.usage.completion_tokens == 12
+        text = full.choices[0].message.content
+        words = text.split()
+        assert len(words) >= 3, text
+        stop = " " + words[2]
+        assert stop in text
+        stopped = client.chat.completions.create(max_tokens=12, stop=[stop], **kw)
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].message.content == text[: text.index(stop)]
+
+    def test_chat_logprobs(self, client):
+        resp = client.chat.completions.create(
+            model=MODEL, messages=self.MESSAGES, max_tokens=5, logprobs=True, top_logprobs=2
+        )
+        content = resp.choices[0].logprobs.content
+        assert len(content) == resp.usage.completion_tokens
+        for entry in content:
+            assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+            assert entry.bytes == list(entry.token.encode())
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+    def test_chat_stream(self, client):
+        kw = dict(model=MODEL, messages=self.MESSAGES, max_tokens=4, **GREEDY)
+        full = client.chat.completions.create(**kw).choices[0].message.content
+        chunks = list(
+            client.chat.completions.create(
+                stream=True, n=2, stream_options={"include_usage": True}, **kw
+            )
+        )
+        by_choice = _stream_by_choice(chunks)
+        assert sorted(by_choice) == [0, 1]
+        for choices in by_choice.values():
+            assert choices[0].delta.role == "assistant"
+            assert all(c.delta.role is None for c in choices[1:])
+            assert "".join(c.delta.content or "" for c in choices) == full
+            assert len([c for c in choices if c.finish_reason]) == 1
+            assert choices[-1].finish_reason is not None
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == [] and usage.total_tokens > usage.completion_tokens > 0
+
+    # -- models -----------------------------------------------------------------------------------
+    def test_models(self, client, default_model_path):
+        models = client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+        assert client.models.retrieve(MODEL).id == MODEL
+        assert client.models.retrieve(os.path.basename(default_model_path)).id == MODEL
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("no-such-model")
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+
+    # -- native API -------------------------------------------------------------------------------
+    def test_native_generate(self, server):
+        body = {"text": "Hello, my name is", "sampling_params": {"max_new_tokens": 5, **GREEDY}}
+        out = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+        assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"] <= 5
+        with httpx.stream(
+            "POST", server.url + "/generate", json={**body, "stream": True}, timeout=60
+        ) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        assert events[-2]["text"] == out["text"]
+        assert events[-2]["output_ids"] == out["output_ids"]
+        assert [e["meta_info"]["finish_reason"] is not None for e in events[:-1]].count(True) == 1
+
+    def test_native_generate_logprobs_and_batch(self, server):
+        body = {
+            "text": ["a b c", "x y z"],
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        }
+        outs = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+        assert len(outs) == 2
+        for out in outs:
+            assert len(out["meta_info"]["output_token_logprobs"]) == 3
+            assert all(len(top) == 2 for top in out["meta_info"]["output_top_logprobs"])
+
+    # -- load, disconnects, abort -----------------------------------------------------------------
+    def test_64_concurrent_streams(self, server):
+        async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[int, list[str], int]:
+            stream = await aclient.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+                max_tokens=NEW_TOKENS_UNDER_LOAD,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=IGNORE_EOS,
+            )
+            reasons, usage = [], -1
+            async for chunk in stream:
+                reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+            return i, reasons, usage
+
+        async def run() -> list[tuple[int, list[str], int]]:
+            aclient = openai.AsyncOpenAI(
+                base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0
+            )
+            try:
+                return await asyncio.gather(*(one(aclient, i) for i in range(64)))
+            finally:
+                await aclient.close()
+
+        results = asyncio.run(run())
+        assert len(results) == 64
+        for i, reasons, usage in results:
+            assert reasons == ["length"], (i, reasons)
+            assert usage == NEW_TOKENS_UNDER_LOAD, (i, usage)
+        wait_drained(server)
+
+    def test_closing_a_stream_frees_its_slots(self, server):
+        body = {"prompt": "Tell me a long story.", "max_tokens": 4000, "stream": True}
+        body.update(IGNORE_EOS)
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break
+        wait_drained(server, timeout=10)
+
+    def test_client_timeout_on_non_streaming_request_frees_its_slots(self, server):
+        body = {"prompt": "Tell me a long story.", "max_tokens": 4000, **IGNORE_EOS}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=2)
+        wait_drained(server, timeout=10)
+
+    def test_abort_request_route(self, server):
+        body = {
+            "text": "Tell me a long story.",
+            "rid": "abort-me",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 4000, **IGNORE_EOS},
+        }
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[len("data: ") :])["meta_info"]["finish_reason"] is None
+            resp = httpx.post(server.url + "/abort_request", json={"rid": "abort-me"}, timeout=30)
+            assert resp.json() == {"success": True}
+            events = sse_events(lines)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+        wait_drained(server, timeout=10)
+
+    # -- bad input --------------------------------------------------------------------------------
+    BAD = [
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.01}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "top_p": 2}, 400),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+        ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "n": -2}, 400),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user"}]}, 404),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "a"}}, 400),
+        ("/generate", {"sampling_params": {}}, 400),
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/chat/completions", b"", 400),
+    ]
+
+    @pytest.mark.parametrize("path,body,status", BAD)
+    def test_bad_input_then_next_request_is_served(self, server, path, body, status):
+        if isinstance(body, bytes):
+            r = httpx.post(server.url + path, content=body, timeout=30)
+        else:
+            r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["code"] == status and error["message"] and error["type"]
+        ok = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(server.url + "/v1/completions", json=ok, timeout=60).status_code == 200
+
+    def test_openai_client_raises_bad_request(self, client):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt="x", temperature=-1)
+
+    # -- control routes ---------------------------------------------------------------------------
+    def test_control_routes(self, server):
+        url = server.url
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        assert httpx.get(url + "/health_generate", timeout=60).status_code == 200
+        info = httpx.get(url + "/model_info", timeout=30).json()
+        assert info["is_generation"] is True and info["served_model_name"] == MODEL
+        assert info["model_path"].endswith(".gguf")
+        server_info = wait_drained(server)
+        assert server_info["port"] == server.port and server_info["dtype"] == "float32"
+        assert server_info["max_total_num_tokens"] == MAX_TOTAL_TOKENS
+        assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+        assert httpx.get(url + "/flush_cache", timeout=30).status_code == 200
+        assert server.server_info()["evictable_tokens"] == 0  # the flush emptied the tree
+        assert httpx.post(url + "/abort_request", json={"rid": "nope"}).json()["success"] is False
+
+    def test_metrics(self, server):
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name.split("{")[0]] = float(value)
+        assert values["radixserve:num_requests_total"] >= 64
+        assert values["radixserve:generation_tokens_total"] >= 64 * NEW_TOKENS_UNDER_LOAD
+        assert values["radixserve:prompt_tokens_total"] > 0
+        assert values["radixserve:time_to_first_token_seconds_count"] >= 64
+        assert values["radixserve:inter_token_latency_seconds_count"] > 0
+        assert values["radixserve:e2e_request_latency_seconds_count"] >= 64
+        assert values["radixserve:max_total_num_tokens"] == MAX_TOTAL_TOKENS
+        assert values["radixserve:num_running_reqs"] == 0
+        assert "radixserve:cached_tokens_total" in values
+
+    def test_sigterm_stops_server_and_children(self, server):
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        assert len(children) >= 2
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        _assert_gone(children)
+
+
+def _assert_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
+    gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    assert not alive, f"children still running: {alive}"
+
+
+def test_scheduler_crash_makes_server_exit_nonzero(tmp_path):
+    server = ServerProcess(str(tmp_path))
+    try:
+        server.wait_ready()
+        info = server.server_info()
+        scheduler, detokenizer = info["scheduler_pid"], info["detokenizer_pid"]
+        assert {scheduler, detokenizer} <= {
+            p.pid for p in psutil.Process(server.proc.pid).children()
+        }
+        detok = psutil.Process(detokenizer)
+        start = time.monotonic()
+        os.kill(scheduler, signal.SIGKILL)
+        code = server.proc.wait(10)
+        assert code != 0
+        assert time.monotonic() - start < 10
+        _assert_gone([detok], timeout=5)
+        log = server.log()
+        assert "radixserve-scheduler exited with code -9" in log
+    finally:
+        server.stop()

@@ -1,0 +1,326 @@
+"""Fast tests of the OpenAI adapters and of the HTTP app around a fake TokenizerManager: request
+mapping, response and stream shapes, HTTP status codes and error bodies, the API key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixserve.args import ServerArgs
+from radixserve.entrypoints.openai_api import (
+    chat_to_generate,
+    completion_to_generate,
+    finish_reason,
+    make_usage,
+    model_aliases,
+    served_model_name,
+)
+from radixserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.managers.tokenizer_manager import RequestError
+
+
+def _completion(**kw):
+    return completion_to_generate(CompletionRequest(**kw))
+
+
+def _sse(resp) -> list:
+    """The data payloads of an SSE body; [DONE] as the string itself."""
+    events = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# -- request mapping -----------------------------------------------------------------------------
+def test_completion_prompt_forms():
+    obj = _completion(prompt="hello")
+    assert obj.text == "hello" and obj.input_ids is None and obj.is_single
+    obj = _completion(prompt=["a", "b"])
+    assert obj.text == ["a", "b"] and obj.batch_size == 2
+    obj = _completion(prompt=[5, 6, 7])
+    assert obj.input_ids == [5, 6, 7] and obj.text is None and obj.is_single
+    obj = _completion(prompt=[[5], [6, 7]])
+    assert obj.input_ids == [[5], [6, 7]] and obj.batch_size == 2
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], ["a", ""], [[]], [[1], []]])
+def test_completion_empty_prompt_is_rejected(prompt):
+    with pytest.raises(RequestError, match="empty"):
+        _completion(prompt=prompt)
+
+
+def test_completion_sampling_params_mapping():
+    obj = _completion(
+        prompt="x",
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        presence_penalty=0.2,
+        frequency_penalty=-0.3,
+        repetition_penalty=1.1,
+        stop=["\n", "END"],
+        stop_token_ids=[7],
+        seed=3,
+        logit_bias={"12": -100},
+        ignore_eos=True,
+        min_tokens=2,
+        skip_special_tokens=False,
+        n=2,
+        logprobs=3,
+    )
+    sp = obj.sampling_params
+    assert sp["max_new_tokens"] == 16  # OpenAI's completions default
+    assert sp["temperature"] == 0.5 and sp["top_p"] == 0.9 and sp["top_k"] == 5
+    assert sp["min_p"] == 0.1 and sp["presence_penalty"] == 0.2
+    assert sp["frequency_penalty"] == -0.3 and sp["repetition_penalty"] == 1.1
+    assert sp["stop"] == ["\n", "END"] and sp["stop_token_ids"] == [7]
+    assert sp["seed"] == 3 and sp["logit_bias"] == {"12": -100}
+    assert sp["ignore_eos"] is True and sp["min_new_tokens"] == 2 and sp["n"] == 2
+    assert sp["skip_special_tokens"] is False
+    assert obj.return_logprob is True and obj.top_logprobs_num == 3
+    # Unset fields are left out so SamplingParams keeps SGLang's defaults.
+    assert "json_schema" not in _completion(prompt="x").sampling_params
+    assert "temperature" not in _completion(prompt="x").sampling_params
+
+
+def test_response_format_becomes_json_schema():
+    obj = _completion(prompt="x", response_format={"type": "json_object"})
+    assert json.loads(obj.sampling_params["json_schema"]) == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    obj = _completion(prompt="x", response_format=fmt)
+    assert json.loads(obj.sampling_params["json_schema"]) == schema
+    assert (
+        "json_schema"
+        not in _completion(prompt="x", response_format={"type": "text"}).sampling_params
+    )
+    with pytest.raises(RequestError):
+        _completion(prompt="x", response_format={"type": "json_schema", "json_schema": {}})
+    obj = _completion(prompt="x", regex="[ab]+")
+    assert obj.sampling_params["regex"] == "[ab]+"
+
+
+def test_chat_request_mapping(fake_tm):
+    req = ChatCompletionRequest(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        max_tokens=9,
+        max_completion_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    obj = chat_to_generate(req, fake_tm)
+    assert fake_tm.tokenizer.decode(obj.input_ids) == "<system>be brief<user>hi<assistant>"
+    assert obj.sampling_params["max_new_tokens"] == 5  # max_completion_tokens wins
+    assert obj.return_logprob and obj.top_logprobs_num == 2
+    plain = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    # OpenAI's chat default: no limit but the context window (None → the scheduler's room).
+    assert chat_to_generate(plain, fake_tm).sampling_params["max_new_tokens"] is None
+
+
+def test_chat_request_errors(fake_tm):
+    no_logprobs = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    with pytest.raises(RequestError, match="logprobs"):
+        chat_to_generate(no_logprobs, fake_tm)
+    image = [{"type": "image_url"}]
+    with pytest.raises(RequestError, match="image_url"):
+        chat_to_generate(
+            ChatCompletionRequest(messages=[{"role": "user", "content": image}]), fake_tm
+        )
+
+
+def test_finish_reason_and_usage():
+    assert finish_reason({"finish_reason": None}) == (None, None)
+    assert finish_reason({"finish_reason": {"type": "stop", "matched": 2}}) == ("stop", 2)
+    assert finish_reason({"finish_reason": {"type": "length", "length": 4}})[0] == "length"
+    assert finish_reason({"finish_reason": {"type": "abort", "message": "x"}})[0] == "abort"
+    metas = [
+        {"prompt_tokens": 10, "completion_tokens": 3, "cached_tokens": 0},
+        {"prompt_tokens": 10, "completion_tokens": 4, "cached_tokens": 9},
+        {"prompt_tokens": 6, "completion_tokens": 5, "cached_tokens": 0},
+        {"prompt_tokens": 6, "completion_tokens": 1, "cached_tokens": 5},
+    ]
+    usage = make_usage(metas, n=2)  # two prompts × two samples
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (16, 13, 29)
+    assert usage.prompt_tokens_details.cached_tokens == 14
+
+
+def test_model_names():
+    assert served_model_name(ServerArgs()) == "SmolLM2-135M-Instruct"
+    args = ServerArgs(model_path="/m/Foo-1B.Q4_1.gguf")
+    assert served_model_name(args) == "Foo-1B.Q4_1"
+    assert {"Foo-1B.Q4_1", "Foo-1B.Q4_1.gguf", "/m/Foo-1B.Q4_1.gguf"} <= model_aliases(args)
+    assert served_model_name(ServerArgs(model_path="/m/Qwen2.5-0.5B/")) == "Qwen2.5-0.5B"
+    assert served_model_name(ServerArgs(served_model_name="mine")) == "mine"
+
+
+# -- the app around a fake TokenizerManager ------------------------------------------------------
+def test_completion_response_shape(fake_tm, make_client):
+    with make_client(fake_tm) as client:
+        r = client.post("/v1/completions", json={"prompt": ["ab", "c"], "n": 2, "max_tokens": 2})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == "tiny-llama"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == "Hi" and c["finish_reason"] == "length" for c in body["choices"])
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 8,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def test_completion_echo_with_logprobs(fake_tm, make_client):
+    req = {"prompt": "ab", "echo": True, "logprobs": 2, "max_tokens": 3}
+    with make_client(fake_tm) as client:
+        choice = client.post("/v1/completions", json=req).json()["choices"][0]
+    assert choice["text"] == "abHi!"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["a", "b", "H", "i", "!"]
+    assert lp["token_logprobs"] == [None, None, -0.5, -0.5, -0.5]  # no prompt logprobs yet
+    assert lp["top_logprobs"][:2] == [None, None]
+    assert lp["top_logprobs"][2] == {"H": -0.5, "x": -1.5}
+    assert lp["text_offset"] == [0, 1, 2, 3, 4]
+
+
+def test_completion_stream_shape(fake_tm, make_client):
+    req = {"prompt": ["a", "b"], "n": 2, "stream": True, "echo": True}
+    req["stream_options"] = {"include_usage": True}
+    with make_client(fake_tm) as client:
+        events = _sse(client.post("/v1/completions", json=req))
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
+    chunks = events[:-2]
+    for i in range(4):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == "ab"[i // 2] + "Hi!"
+        assert [c["finish_reason"] for c in mine].count("length") == 1
+        assert mine[-1]["finish_reason"] == "length"
+
+
+def test_chat_stream_shape(fake_tm, make_client):
+    req = {
+        "messages": [{"role": "user", "content": "hey"}],
+        "n": 2,
+        "stream": True,
+        "logprobs": True,
+        "stream_options": {"include_usage": True},
+    }
+    with make_client(fake_tm) as client:
+        events = _sse(client.post("/v1/chat/completions", json=req))
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"]["content"] or "" for c in mine[1:]) == "Hi!"
+        assert [c["finish_reason"] for c in mine].count("length") == 1
+        tokens = [t["token"] for c in mine[1:] for t in c["logprobs"]["content"]]
+        assert tokens == ["H", "i", "!"]
+    assert events[-2]["usage"]["completion_tokens"] == 6
+
+
+def test_chat_response_logprobs(fake_tm, make_client):
+    req = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}
+    with make_client(fake_tm) as client:
+        body = client.post("/v1/chat/completions", json=req).json()
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Hi!"}
+    first = choice["logprobs"]["content"][0]
+    assert first["token"] == "H" and first["bytes"] == [72] and first["logprob"] == -0.5
+    assert [t["token"] for t in first["top_logprobs"]] == ["H", "x"]
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x", "n": 0}, 400),
+    ({"prompt": "x", "max_tokens": 0}, 400),
+    ({"prompt": "x", "max_tokens": -3}, 400),
+    ({"prompt": "x", "temperature": -0.1}, 400),
+    ({"prompt": "x", "top_p": 0}, 400),
+    ({"prompt": "x", "top_p": 1.5}, 400),
+    ({"prompt": ""}, 400),
+    ({"prompt": []}, 400),
+    ({"prompt": 5}, 400),
+    ({"prompt": "x", "max_tokens": "many"}, 400),
+    ({"prompt": "x", "stop": 3}, 400),
+    ({"prompt": "x", "logprobs": 50}, 400),
+    ({"prompt": "x", "model": "gpt-9"}, 404),
+]
+
+
+@pytest.mark.parametrize("body,status", BAD_COMPLETIONS)
+def test_bad_completion_requests(fake_tm, make_client, body, status):
+    with make_client(fake_tm) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == status
+        err = r.json()["error"]
+        assert err["code"] == status and err["message"] and err["type"]
+        assert client.post("/v1/completions", json={"prompt": "ok"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"{not json", b"[1, 2]", b'{"messages": []}', b'{"messages": "hi"}', b"", b'{"x": 1}'],
+)
+def test_bad_chat_bodies(fake_tm, make_client, raw):
+    with make_client(fake_tm) as client:
+        r = client.post("/v1/chat/completions", content=raw)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == 400
+
+
+def test_native_generate(fake_tm, make_client):
+    with make_client(fake_tm) as client:
+        out = client.post("/generate", json={"text": "ab", "sampling_params": {"n": 1}}).json()
+        assert out["text"] == "Hi!" and out["meta_info"]["finish_reason"]["type"] == "length"
+        batch = client.post("/generate", json={"input_ids": [[1], [2, 3]]}).json()
+        assert [o["meta_info"]["prompt_tokens"] for o in batch] == [1, 2]
+        events = _sse(client.post("/generate", json={"text": "ab", "stream": True}))
+        assert [e["text"] for e in events[:-1]] == ["H", "Hi", "Hi!"] and events[-1] == "[DONE]"
+        assert client.post("/generate", json={}).status_code == 400
+        assert client.post("/generate", json={"text": "a", "input_ids": [1]}).status_code == 400
+        assert client.post("/generate", json={"text": ""}).status_code == 400
+
+
+def test_info_routes(fake_tm, make_client):
+    with make_client(fake_tm) as client:
+        models = client.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny-llama"]
+        assert client.get("/v1/models/tiny-llama.gguf").json()["id"] == "tiny-llama"
+        assert client.get("/v1/models//models/tiny-llama.gguf").status_code == 200
+        assert client.get("/v1/models/other").status_code == 404
+        info = client.get("/model_info").json()
+        assert info["is_generation"] is True and info["served_model_name"] == "tiny-llama"
+        assert client.get("/server_info").json()["max_total_num_tokens"] == 100
+        assert client.get("/health").status_code == 200
+        assert client.post("/flush_cache").status_code == 200
+        assert client.get("/flush_cache").status_code == 200
+        client.post("/v1/completions", json={"prompt": "ab"})
+        metrics = client.get("/metrics")
+        assert metrics.status_code == 200
+        assert "radixserve:num_running_reqs" in metrics.text
+        assert client.get("/nope").json()["error"]["code"] == 404
+
+
+def test_api_key(fake_tm, make_client):
+    with make_client(fake_tm, api_key="sekret") as client:
+        r = client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert client.get("/v1/models", headers=wrong).status_code == 401
+        assert client.get("/server_info").status_code == 401
+        assert client.get("/health").status_code == 200
+        assert client.get("/metrics").status_code == 200
+        good = {"Authorization": "Bearer sekret"}
+        assert client.post("/v1/completions", json={"prompt": "x"}, headers=good).status_code == 200
+        assert client.get("/v1/models", headers=good).status_code == 200
