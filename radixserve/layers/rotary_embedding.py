@@ -92,15 +92,24 @@ class RotaryEmbedding(nn.Module):
         self.cos_cached = emb.cos() * attn_scale
         self.sin_cached = emb.sin() * attn_scale
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies in the input dtype."""
+        """The [T, 1, D] cos and sin rows of `positions`; computed once per step, used by all
+        layers."""
         if self.cos_cached.device != positions.device:
             self.cos_cached = self.cos_cached.to(positions.device)
             self.sin_cached = self.sin_cached.to(positions.device)
-        cos = self.cos_cached[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_cached[positions].to(q.dtype).unsqueeze(1)
+        cos = self.cos_cached[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cached[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+    @staticmethod
+    def apply(
+        cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -19,9 +19,11 @@ from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_loader.model_config import ModelConfig
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) rows of this step's positions
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -34,12 +36,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.attn = AttentionLayer(
             layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: RopeTables, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -47,7 +48,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         assert fb.attn_backend is not None
         out = fb.attn_backend.forward(q, k, v, self.attn, fb)
         return self.o_proj(out)
@@ -65,15 +66,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.self_attn = LlamaAttention(cfg, layer_id)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), fb)
+    def forward(self, rope: RopeTables, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), fb)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -81,18 +82,17 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(fb.input_ids)
+        rope = self.rotary.cos_sin(fb.positions, x.dtype)
         for layer in self.layers:
-            x = layer(fb.positions, x, fb)
+            x = layer(rope, x, fb)
         return self.norm(x)
 
 

@@ -153,7 +153,14 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
         "any_of",
         {
             "type": "object",
-            "properties": {"value": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+            "properties": {
+                "value": {
+                    "anyOf": [
+                        {"type": "string", "maxLength": 40},
+                        {"type": "integer", "minimum": -1000, "maximum": 1000},
+                    ]
+                }
+            },
             "required": ["value"],
         },
     ),
@@ -161,7 +168,7 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
         "nullable",
         {
             "type": "object",
-            "properties": {"maybe": {"type": ["string", "null"]}},
+            "properties": {"maybe": {"type": ["string", "null"], "maxLength": 40}},
             "required": ["maybe"],
         },
     ),

@@ -443,6 +443,31 @@ class TestServing:
         assert values["radixserve:num_running_reqs"] == 0
         assert "radixserve:cached_tokens_total" in values
 
+    def test_greedy_matches_offline_engine(self, server, default_model_path):
+        prompts = [
+            "The capital of France is",
+            "List three colors:",
+            "def fibonacci(n):",
+            "Once upon a time",
+            "Water boils at",
+            "The best way to learn is",
+            "Translate to French: good morning",
+            "1, 2, 3, 4,",
+        ]
+        params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+        served = []
+        for p in prompts:
+            r = httpx.post(
+                server.url + "/generate", json={"text": p, "sampling_params": params}, timeout=120
+            )
+            assert r.status_code == 200, r.text
+            served.append(r.json()["output_ids"])
+        from radixserve import Engine
+
+        with Engine(model_path=default_model_path, dtype="float32", max_total_tokens=4096) as e:
+            offline = [o["output_ids"] for o in e.generate(prompts, params)]
+        assert served == offline
+
     def test_sigterm_stops_server_and_children(self, server):
         children = psutil.Process(server.proc.pid).children(recursive=True)
         assert len(children) >= 2

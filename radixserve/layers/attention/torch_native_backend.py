@@ -71,11 +71,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
 
         q = q.view(-1, layer.num_heads, layer.head_dim)
-        q_padded = torch.cat([q, q.new_zeros(1, layer.num_heads, layer.head_dim)])[md.q_index]
+        decode = fb.forward_mode.is_decode()
+        if decode:  # one query per request: no padding to add or remove
+            q_padded = q.unsqueeze(2)  # [B, H, 1, D]
+        else:
+            zero = q.new_zeros(1, layer.num_heads, layer.head_dim)
+            q_padded = torch.cat([q, zero])[md.q_index].transpose(1, 2)  # [B, H, Q, D]
         keys = k_buf[md.kv_index].to(q.dtype)  # [B, L, Hkv, D]
         values = v_buf[md.kv_index].to(q.dtype)
         out = F.scaled_dot_product_attention(
-            q_padded.transpose(1, 2),  # [B, H, Q, D]
+            q_padded,
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=md.mask,
@@ -84,4 +89,4 @@ class TorchNativeAttnBackend(AttentionBackend):
         )
         bs, _, max_q, _ = out.shape
         out = out.transpose(1, 2).reshape(bs * max_q, layer.num_heads * layer.head_dim)
-        return out[md.token_pos]
+        return out if decode else out[md.token_pos]
