@@ -17,7 +17,9 @@ from radixserve.args import ServerArgs
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve bench offline", description=__doc__)
     p.add_argument(
-        "--dataset-name", choices=("random", "generated-shared-prefix", "sharegpt"), default="random"
+        "--dataset-name",
+        choices=("random", "generated-shared-prefix", "sharegpt"),
+        default="random",
     )
     p.add_argument("--dataset-path", default=None)
     p.add_argument("--num-prompts", type=int, default=64)

@@ -70,15 +70,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
 
-        q = q.view(-1, layer.num_heads, layer.head_dim)
-        decode = fb.forward_mode.is_decode()
-        if decode:  # one query per request: no padding to add or remove
-            q_padded = q.unsqueeze(2)  # [B, H, 1, D]
-        else:
-            zero = q.new_zeros(1, layer.num_heads, layer.head_dim)
-            q_padded = torch.cat([q, zero])[md.q_index].transpose(1, 2)  # [B, H, Q, D]
         keys = k_buf[md.kv_index].to(q.dtype)  # [B, L, Hkv, D]
         values = v_buf[md.kv_index].to(q.dtype)
+        if fb.forward_mode.is_decode():
+            return self._decode(q, keys, values, layer, md.mask)
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        zero = q.new_zeros(1, layer.num_heads, layer.head_dim)
+        q_padded = torch.cat([q, zero])[md.q_index].transpose(1, 2)  # [B, H, Q, D]
         out = F.scaled_dot_product_attention(
             q_padded,
             keys.transpose(1, 2),
@@ -89,4 +87,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         )
         bs, _, max_q, _ = out.shape
         out = out.transpose(1, 2).reshape(bs * max_q, layer.num_heads * layer.head_dim)
-        return out if decode else out[md.token_pos]
+        return out[md.token_pos]
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layer: AttentionLayer,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One query per request as two batched matmuls: the CPU flash kernel is slow for
+        q_len 1. Query heads are grouped under their KV head (GQA) so K/V are never repeated."""
+        bs, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
+        q = q.view(bs, hkv, layer.num_heads // hkv, d)  # [B, Hkv, G, D]
+        scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * layer.scaling  # [B,Hkv,G,L]
+        scores = scores.masked_fill(~mask, float("-inf"))  # mask: [B, 1, 1, L]
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hkv, G, D]
+        return out.reshape(bs, layer.num_heads * d)
