@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model_dir
-from rs_testing import load_hf_reference
+from rs_testing import load_hf_reference, make_tiny_model_dir
 
 from radixserve.args import ServerArgs
 from radixserve.managers.schedule_batch import Req, ScheduleBatch
