@@ -237,6 +237,7 @@ class Engine:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.tokenizer_manager.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -314,6 +314,8 @@ def build_app(
             yield
         finally:
             watchdog.cancel()
+            if hasattr(tm, "close"):
+                tm.close()
 
     app = FastAPI(title="radixserve", lifespan=lifespan)
     app.state.rs = state

@@ -83,6 +83,17 @@ class TokenizerManager:
         self.last_receive_time = time.monotonic()
         self._loop_task: asyncio.Task | None = None
 
+    def close(self) -> None:
+        """Stop receiving and close both sockets and their context (call on the loop's thread);
+        a context left to the garbage collector blocks whichever thread collects it."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for sock in (self.send_to_scheduler, self.recv_from_detokenizer):
+            sock.close(linger=0)
+        ctx = getattr(self.recv_from_detokenizer, "context", None)
+        if ctx is not None:
+            ctx.term()
+
     # -- background receive loop ----------------------------------------------------------------
     def start(self) -> None:
         if self._loop_task is None:
