@@ -224,3 +224,64 @@ def load_tokenizer(path: str | None) -> Any:
 
         path = ensure_default_model()
     return load_model_tokenizer(path)
+
+
+def add_dataset_args(parser: Any) -> None:
+    """The dataset flags shared by `bench serving` and `bench offline`."""
+    parser.add_argument(
+        "--dataset-name",
+        choices=["random", "generated-shared-prefix", "sharegpt"],
+        default="random",
+    )
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file.")
+    # Defaults are the ANCHORS.md workloads (32 x 200 in / 128 out; 8 x 8 x (1024 + 32) / 64).
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--random-input-len", type=int, default=200)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=1.0)
+    parser.add_argument("--gsp-num-groups", type=int, default=8)
+    parser.add_argument("--gsp-prompts-per-group", type=int, default=8)
+    parser.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    parser.add_argument("--gsp-question-len", type=int, default=32)
+    parser.add_argument("--gsp-output-len", type=int, default=64)
+    parser.add_argument("--gsp-no-shuffle", action="store_true")
+    parser.add_argument("--sharegpt-output-len", type=int, default=None)
+    parser.add_argument("--sharegpt-context-len", type=int, default=None)
+    parser.add_argument("--tokenize-prompt", action="store_true", help="Send token ids, not text.")
+
+
+def build_dataset(args: Any, tokenizer: Any) -> list[BenchRequest]:
+    return_text = not args.tokenize_prompt
+    if args.dataset_name == "random":
+        return sample_random_requests(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            seed=args.seed,
+            return_text=return_text,
+        )
+    if args.dataset_name == "generated-shared-prefix":
+        return sample_generated_shared_prefix_requests(
+            tokenizer,
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            seed=args.seed,
+            shuffle=not args.gsp_no_shuffle,
+            return_text=return_text,
+        )
+    if not args.dataset_path:
+        raise SystemExit("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
+    return sample_sharegpt_requests(
+        tokenizer,
+        args.dataset_path,
+        args.num_prompts,
+        fixed_output_len=args.sharegpt_output_len,
+        context_len=args.sharegpt_context_len,
+        seed=args.seed,
+        return_text=return_text,
+    )

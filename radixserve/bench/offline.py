@@ -12,60 +12,19 @@ import time
 from typing import Any
 
 from radixserve.args import ServerArgs
+from radixserve.bench import datasets
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve bench offline", description=__doc__)
-    p.add_argument(
-        "--dataset-name",
-        choices=("random", "generated-shared-prefix", "sharegpt"),
-        default="random",
-    )
-    p.add_argument("--dataset-path", default=None)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--random-input-len", type=int, default=256)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=1.0)
-    p.add_argument("--gsp-num-groups", type=int, default=8)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=8)
-    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
-    p.add_argument("--gsp-question-len", type=int, default=64)
-    p.add_argument("--gsp-output-len", type=int, default=64)
+    datasets.add_dataset_args(p)
+    p.set_defaults(num_prompts=64, random_input_len=256, random_output_len=128)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--extra-sampling-params", default=None, help="JSON merged into each request.")
     p.add_argument("--output-file", default=None, help="Append one JSON line with the result.")
     ServerArgs.add_cli_args(p)
     return p
-
-
-def _dataset(ns: argparse.Namespace, tokenizer: Any) -> list[Any]:
-    from radixserve.bench import datasets
-
-    if ns.dataset_name == "random":
-        return datasets.sample_random_requests(
-            tokenizer,
-            ns.num_prompts,
-            ns.random_input_len,
-            ns.random_output_len,
-            ns.random_range_ratio,
-            seed=ns.seed,
-            return_text=False,
-        )
-    if ns.dataset_name == "generated-shared-prefix":
-        return datasets.sample_generated_shared_prefix_requests(
-            tokenizer,
-            ns.gsp_num_groups,
-            ns.gsp_prompts_per_group,
-            ns.gsp_system_prompt_len,
-            ns.gsp_question_len,
-            ns.gsp_output_len,
-            seed=ns.seed,
-            return_text=False,
-        )
-    return datasets.sample_sharegpt_requests(
-        tokenizer, ns.dataset_path, ns.num_prompts, seed=ns.seed, return_text=False
-    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -76,7 +35,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configure_logging(ns.log_level)
     extra = json.loads(ns.extra_sampling_params) if ns.extra_sampling_params else {}
     with Engine(ServerArgs.from_cli_args(ns)) as engine:
-        reqs = _dataset(ns, engine.tokenizer)
+        ns.tokenize_prompt = True  # the Engine takes token ids
+        reqs = datasets.build_dataset(ns, engine.tokenizer)
         params = [
             {
                 "max_new_tokens": r.output_len,

@@ -134,26 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model", default=None, help="Model name (openai); default: /v1/models.")
     p.add_argument("--tokenizer", default=None, help="HF dir or .gguf; default: default model.")
-    p.add_argument(
-        "--dataset-name",
-        choices=["random", "generated-shared-prefix", "sharegpt"],
-        default="random",
-    )
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file.")
-    # Defaults are the ANCHORS.md workloads (32 x 200 in / 128 out; 8 x 8 x (1024 + 32) / 64).
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--random-input-len", type=int, default=200)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=1.0)
-    p.add_argument("--gsp-num-groups", type=int, default=8)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=8)
-    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
-    p.add_argument("--gsp-question-len", type=int, default=32)
-    p.add_argument("--gsp-output-len", type=int, default=64)
-    p.add_argument("--gsp-no-shuffle", action="store_true")
-    p.add_argument("--sharegpt-output-len", type=int, default=None)
-    p.add_argument("--sharegpt-context-len", type=int, default=None)
-    p.add_argument("--tokenize-prompt", action="store_true", help="Send token ids, not text.")
+    datasets.add_dataset_args(p)
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = burst.")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=1)
@@ -167,43 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=3600.0, help="Seconds per request.")
     p.add_argument("--tag", default=None, help="Free-form label stored in the output file.")
     return p
-
-
-def build_dataset(args: argparse.Namespace, tokenizer: Any) -> list[BenchRequest]:
-    return_text = not args.tokenize_prompt
-    if args.dataset_name == "random":
-        return datasets.sample_random_requests(
-            tokenizer,
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            seed=args.seed,
-            return_text=return_text,
-        )
-    if args.dataset_name == "generated-shared-prefix":
-        return datasets.sample_generated_shared_prefix_requests(
-            tokenizer,
-            args.gsp_num_groups,
-            args.gsp_prompts_per_group,
-            args.gsp_system_prompt_len,
-            args.gsp_question_len,
-            args.gsp_output_len,
-            seed=args.seed,
-            shuffle=not args.gsp_no_shuffle,
-            return_text=return_text,
-        )
-    if not args.dataset_path:
-        raise SystemExit("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
-    return datasets.sample_sharegpt_requests(
-        tokenizer,
-        args.dataset_path,
-        args.num_prompts,
-        fixed_output_len=args.sharegpt_output_len,
-        context_len=args.sharegpt_context_len,
-        seed=args.seed,
-        return_text=return_text,
-    )
 
 
 def client_config(args: argparse.Namespace) -> ClientConfig:
@@ -228,7 +172,7 @@ def run(
     cfg = client_config(args)
     if tokenizer is None:
         tokenizer = datasets.load_tokenizer(args.tokenizer)
-    requests = build_dataset(args, tokenizer)
+    requests = datasets.build_dataset(args, tokenizer)
     if not requests:
         raise SystemExit("the dataset produced no requests")
     print(datasets.summarize(requests), flush=True)
