@@ -32,7 +32,7 @@ for dtype in bfloat16 float32; do
   serve "$dtype"
   for c in 1 8 32 64; do
     n=$(( c < 8 ? 4 : (c < 64 ? 2 * c : c) ))
-    bench "radixserve-$dtype-c$c" --dataset-name random --random-input-len 256 \
+    bench "radixserve-$dtype-c$c" --flush-cache --dataset-name random --random-input-len 256 \
       --random-output-len 128 --num-prompts "$n" --max-concurrency "$c"
   done
   stop

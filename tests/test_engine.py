@@ -15,7 +15,12 @@ pytestmark = pytest.mark.real_model
 def engine(default_model_path):
     from radixserve import Engine
 
-    with Engine(model_path=default_model_path, dtype="float32", max_total_tokens=8192) as e:
+    with Engine(
+        model_path=default_model_path,
+        dtype="float32",
+        max_total_tokens=8192,
+        enable_integrity_checks=True,
+    ) as e:
         yield e
 
 

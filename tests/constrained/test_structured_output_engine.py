@@ -27,7 +27,12 @@ num ::= [0-9]+
 def engine(default_model_path):
     from radixserve import Engine
 
-    with Engine(model_path=default_model_path, dtype="float32", max_total_tokens=32768) as e:
+    with Engine(
+        model_path=default_model_path,
+        dtype="float32",
+        max_total_tokens=32768,
+        enable_integrity_checks=True,
+    ) as e:
         yield e
 
 

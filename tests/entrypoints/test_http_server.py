@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from collections import defaultdict
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import psutil
 import pytest
@@ -45,7 +47,7 @@ class ServerProcess:
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
         cmd = [sys.executable, "-m", "radixserve", "serve", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), "--dtype", "float32"]
-        cmd += ["--max-total-tokens", str(MAX_TOTAL_TOKENS), *extra]
+        cmd += ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--enable-integrity-checks", *extra]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -442,6 +444,65 @@ class TestServing:
         assert values["radixserve:max_total_num_tokens"] == MAX_TOTAL_TOKENS
         assert values["radixserve:num_running_reqs"] == 0
         assert "radixserve:cached_tokens_total" in values
+
+    def test_structured_output_through_both_apis(self, server, client):
+        from constrained.schemas import SCHEMAS
+
+        for name, schema in SCHEMAS[:6]:
+            reply = client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"Give me an example of {name}."}],
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": name, "schema": schema},
+                },
+                max_tokens=256,
+                temperature=1.0,
+            )
+            choice = reply.choices[0]
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), schema)
+        name, schema = SCHEMAS[6]
+        r = httpx.post(
+            server.url + "/generate",
+            json={
+                "text": "Example:",
+                "sampling_params": {"json_schema": json.dumps(schema), "max_new_tokens": 256},
+            },
+            timeout=120,
+        )
+        jsonschema.validate(json.loads(r.json()["text"]), schema)
+        r = httpx.post(
+            server.url + "/generate",
+            json={
+                "text": "Phone:",
+                "sampling_params": {"regex": r"\d{3}-\d{4}", "max_new_tokens": 16},
+            },
+            timeout=120,
+        )
+        assert re.fullmatch(r"\d{3}-\d{4}", r.json()["text"])
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Any JSON object."}],
+            response_format={"type": "json_object"},
+            max_tokens=128,
+            temperature=0.0,
+        )
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+        bad = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "bad", "schema": {"type": "nope"}},
+                },
+            },
+            timeout=60,
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["message"]
+        wait_drained(server)
 
     def test_greedy_matches_offline_engine(self, server, default_model_path):
         prompts = [

@@ -48,6 +48,7 @@ def harness_factory(default_model_path):
         kwargs.setdefault("max_total_tokens", 12000)
         return SchedulerHarness(model_path=default_model_path, **kwargs)
 
+    make.model_path = default_model_path
     return make
 
 
@@ -135,4 +136,21 @@ def test_retraction_under_a_small_pool_is_token_exact(harness_factory, prompts, 
         got = results[rid]
         assert got == reference[i][: len(got)], f"prompt {i} differs"
         assert len(got) == NEW_TOKENS or got[-1] in eos
+    h.scheduler.assert_drained()
+
+
+def test_requests_sharing_a_cached_prefix_decode_exactly(harness_factory, tokenizer):
+    """Several requests decode together on one cached 200-token prefix (cascade attention)."""
+    base = make_prompts(tokenizer, [200])[0]
+    tails = make_prompts(tokenizer, [6, 9, 14, 20, 11])
+    prompts = [base + t for t in tails]
+    ref = hf_greedy(load_hf_reference(harness_factory.model_path), prompts, 16)
+    h = harness_factory()
+    first = h.submit(prompts[0], **{**_params(), "max_new_tokens": 16})
+    h.step()  # the prefix is in the tree before the others arrive
+    rids = [first] + [h.submit(p, **{**_params(), "max_new_tokens": 16}) for p in prompts[1:]]
+    h.run_until_idle()
+    results = h.results()
+    assert [results[r] for r in rids] == ref
+    assert h.scheduler.stats.cached_tokens >= 4 * 200
     h.scheduler.assert_drained()

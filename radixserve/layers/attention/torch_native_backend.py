@@ -14,6 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers.attention.base import AttentionBackend, AttentionLayer
+from radixserve.layers.attention.cascade_decode import (
+    CascadePlan,
+    build_cascade_plan,
+    cascade_decode,
+)
 from radixserve.model_executor.forward_batch import ForwardBatch
 
 
@@ -23,6 +28,7 @@ class TorchNativeMetadata:
     q_index: torch.Tensor  # [B, Q] packed token index (padding -> T, a zero row)
     token_pos: torch.Tensor  # [T] index of each packed token inside the flattened [B*Q]
     mask: torch.Tensor  # [B, 1, Q, L] True = attend
+    cascade: CascadePlan | None = None  # decode only: requests that share a cached prefix
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -54,7 +60,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         mask = kv_pos[None, None, :] <= abs_q[:, :, None]
         mask = mask & (kv_pos[None, None, :] < seq_lens[:, None, None])
         mask[:, :, 0] |= ~q_valid  # padded query rows attend slot 0 so softmax stays finite
-        fb.attn_metadata = TorchNativeMetadata(kv_index, q_index, token_pos, mask.unsqueeze(1))
+        cascade = build_cascade_plan(kv_index, seq_lens) if fb.forward_mode.is_decode() else None
+        fb.attn_metadata = TorchNativeMetadata(
+            kv_index, q_index, token_pos, mask.unsqueeze(1), cascade
+        )
 
     def forward(
         self,
@@ -70,6 +79,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
 
+        if md.cascade is not None:
+            return cascade_decode(q, k_buf, v_buf, md.cascade, layer)
         keys = k_buf[md.kv_index].to(q.dtype)  # [B, L, Hkv, D]
         values = v_buf[md.kv_index].to(q.dtype)
         if fb.forward_mode.is_decode():
