@@ -343,7 +343,7 @@ class Scheduler(SchedulerOutputMixin):
             - self.tree_cache.evictable_size()
         )
         return self.stats.snapshot(
-            running=len(self.running_batch.reqs),
+            running=sum(not r.finished() for r in self.running_batch.reqs),
             queued=len(self.waiting_queue),
             token_usage=used / self.max_total_num_tokens,
             new_token_ratio=self.ratio.value,
