@@ -89,7 +89,6 @@ class Req:
         self.output_token_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.arrival_time = time.monotonic()
-        self.wait_steps = 0
         self.grammar: Any = None
 
     # -- lengths --------------------------------------------------------------------------------

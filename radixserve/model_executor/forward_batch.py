@@ -8,7 +8,7 @@ Layout: tokens of all requests are packed back to back ("ragged"); request b own
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING
 
@@ -16,7 +16,6 @@ import torch
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.base import AttentionBackend
-    from radixserve.layers.sampler import SamplingBatchInfo
     from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 
@@ -47,10 +46,6 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]  # decode: 1
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: MHATokenToKVPool | None = None
-    # Which rows of the hidden states produce logits (one per request: its last token), and
-    # for requests that asked for prompt logprobs, all their positions (see logits_processor).
-    sampling_info: SamplingBatchInfo | None = None
-    return_input_logprobs: list[bool] = field(default_factory=list)
     attn_backend: AttentionBackend | None = None
     attn_metadata: object | None = None  # filled by the attention backend once per step
 

@@ -36,10 +36,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 @dataclass
 class LogitsOutput:
-    next_token_logits: torch.Tensor  # [B, V] fp32, one row per request
-    # Prompt logprobs (requests that asked): per request, logprob of each extend token given
-    # the tokens before it (None for the first position of the prompt).
-    hidden_states: torch.Tensor | None = None
+    next_token_logits: torch.Tensor  # [B, V] fp32, one row per request (its last token)
 
 
 class ModelRunner:
@@ -117,7 +114,7 @@ class ModelRunner:
         hidden = self.model(fb)
         last = hidden if fb.forward_mode.is_decode() else hidden[fb.last_token_indices()]
         logits = torch.matmul(last, self.model.lm_head_weight.t()).float()
-        return LogitsOutput(logits, hidden)
+        return LogitsOutput(logits)
 
     @torch.inference_mode()
     def sample(
