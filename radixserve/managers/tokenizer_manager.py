@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ class TokenizerManager:
         self.metrics = metrics
         self.eos_token_ids = list(eos_token_ids or [])
         self._grammar_backend: Any = None  # created on the first constrained request
+        self._grammar_lock = threading.Lock()  # grammar checks run on executor threads
         self.rid_to_state: dict[str, ReqState] = {}
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
         self.last_receive_time = time.monotonic()
@@ -175,7 +177,6 @@ class TokenizerManager:
         except SamplingParamsError as e:
             raise RequestError(str(e)) from None
         self._check_length(len(input_ids), sp)
-        self._check_grammar(sp)
         return TokenizedGenerateReqInput(
             rid=obj.rid if isinstance(obj.rid, str) else new_rid(),
             input_text=text,
@@ -215,6 +216,15 @@ class TokenizerManager:
             raise RequestError(f"cannot apply the chat template: {e}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    async def tokenize_and_check(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        """tokenize_one, then the grammar check on a worker thread (compiling a large schema
+        must not stall the event loop that serves every other request)."""
+        tokenized = self.tokenize_one(obj)
+        sp = tokenized.sampling_params
+        if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._check_grammar, sp)
+        return tokenized
+
     def _check_grammar(self, sp: SamplingParams) -> None:
         """Compile the grammar here first so a bad one is a 400 with the compiler's message."""
         if sp.json_schema is None and sp.regex is None and sp.ebnf is None:
@@ -223,10 +233,11 @@ class TokenizerManager:
             raise RequestError("constrained decoding is disabled (--grammar-backend none)")
         from radixserve.constrained.xgrammar_backend import XGrammarBackend, grammar_key
 
-        if self._grammar_backend is None:
-            self._grammar_backend = XGrammarBackend(
-                self.tokenizer, self.vocab_size, self.eos_token_ids
-            )
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                self._grammar_backend = XGrammarBackend(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
         key = grammar_key(sp)
         assert key is not None
         message = self._grammar_backend.validate(*key)
@@ -241,14 +252,14 @@ class TokenizerManager:
         self.start()
         n = _n_of(obj)
         if obj.is_single and n == 1:
-            tokenized = self.tokenize_one(obj)
+            tokenized = await self.tokenize_and_check(obj)
             async for out in self._wait_one(self._send(tokenized), request):
                 yield out
             return
         singles = [obj[i] for i in range(obj.batch_size)] if not obj.is_single else [obj]
         tokenized_list = []
         for single in singles:
-            base = self.tokenize_one(single)
+            base = await self.tokenize_and_check(single)
             for _ in range(n):
                 t = copy.copy(base)
                 t.rid = new_rid()
