@@ -17,6 +17,7 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
@@ -30,6 +31,16 @@ LPM_FALLBACK_QUEUE_LEN = 128
 IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32
 CACHE_AWARE = ("lpm", "dfs-weight")
+
+
+@dataclass
+class RoundOrder:
+    """What calc_priority decided for this round, besides the order of the queue."""
+
+    held: set[str] = field(default_factory=set)  # rids held back (in-batch prefix caching)
+    # Every waiting request was matched against the tree this round; otherwise (no cache-aware
+    # policy, or lpm's fallback on a long queue) the scheduler matches each one before admission.
+    matched: bool = False
 
 
 class SchedulePolicy:
@@ -47,16 +58,17 @@ class SchedulePolicy:
 
     def calc_priority(
         self, waiting: list[Req], running: list[Req] | None = None, chunked: Req | None = None
-    ) -> set[str]:
-        """Sort `waiting` in place; returns rids held back this round (in-batch caching)."""
+    ) -> RoundOrder:
+        """Sort `waiting` in place; say which requests are held back and whether all were
+        matched against the tree (a match from an earlier round is stale: nodes move)."""
         policy = self.effective_policy(len(waiting))
-        deprioritized: set[str] = set()
-        if policy in CACHE_AWARE:
+        order = RoundOrder(matched=policy in CACHE_AWARE)
+        if order.matched:
             for r in waiting:
                 r.init_next_round_input(self.tree_cache)
         if policy == "lpm":
-            deprioritized = self._in_batch_prefix_caching(waiting, chunked)
-            waiting.sort(key=lambda r: (r.rid in deprioritized, -len(r.prefix_indices)))
+            order.held = self._in_batch_prefix_caching(waiting, chunked)
+            waiting.sort(key=lambda r: (r.rid in order.held, -len(r.prefix_indices)))
         elif policy == "dfs-weight":
             self._sort_dfs_weight(waiting)
         elif policy == "lof":
@@ -68,7 +80,7 @@ class SchedulePolicy:
         elif policy == "routing-key":
             counts = Counter(r.routing_key for r in running or [] if r.routing_key is not None)
             waiting.sort(key=lambda r: -counts.get(r.routing_key, 0))
-        return deprioritized
+        return order
 
     def _in_batch_prefix_caching(self, waiting: list[Req], chunked: Req | None) -> set[str]:
         """Hold back requests that would recompute, in this round, >= 32 tokens that a request
@@ -176,8 +188,10 @@ class PrefillAdder:
             self.tree_cache.dec_lock_ref(node)
 
     def add_chunked_req(self, req: Req) -> Req | None:
-        """Continue a chunked request first; returns it again if it is still not complete."""
-        budget = int(min(self.rem_chunk_tokens or req.extend_input_len, self.rem_total_tokens))
+        """Continue a chunked request first; returns it again if it is still not complete (it
+        is in can_run_list only when this round computes part of it)."""
+        chunk = req.extend_input_len if self.rem_chunk_tokens is None else self.rem_chunk_tokens
+        budget = int(min(chunk, self.rem_total_tokens))
         budget = budget // self.page_size * self.page_size
         if budget <= 0:
             return req

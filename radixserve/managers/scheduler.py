@@ -35,6 +35,8 @@ from radixserve.mem_cache.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
 
+ABORTED_BY_CLIENT = "aborted by the client"
+
 
 class Scheduler(SchedulerOutputMixin):
     def __init__(
@@ -169,24 +171,55 @@ class Scheduler(SchedulerOutputMixin):
         return None
 
     def abort_request(self, recv: AbortReq) -> None:
-        for req in list(self.grammar_manager.queue):
-            if recv.abort_all or req.rid == recv.rid:
-                self.grammar_manager.queue.remove(req)
-                req.finished_reason = finish_abort("aborted by the client")
-                self.stats.num_aborted += 1
-                self.stream_output([req])
-        for req in list(self.waiting_queue):
-            if recv.abort_all or req.rid == recv.rid:
-                self.waiting_queue.remove(req)
-                req.finished_reason = finish_abort("aborted by the client")
-                self.stats.num_aborted += 1
-                self.stream_output([req])
-        running = list(self.running_batch.reqs)
-        if self.chunked_req is not None:
-            running.append(self.chunked_req)
-        for req in running:
-            if recv.abort_all or req.rid == recv.rid:
-                req.to_abort = "aborted by the client"  # released at its next result
+        """Abort wherever the request is: the grammar queue, the waiting queue (queued requests
+        hold no KV and finish at once), or in flight — running, chunked, or only in the batch
+        that just ran (before it merges into running) — where it is released at the next
+        round (`release_aborted`) or at its next result."""
+
+        def hit(r: Req) -> bool:
+            return recv.abort_all or r.rid == recv.rid
+
+        for queue in (self.grammar_manager.queue, self.waiting_queue):
+            for req in [r for r in queue if hit(r)]:
+                queue.remove(req)
+                self._finish_queued_abort(req, ABORTED_BY_CLIENT)
+        for req in self._in_flight_reqs():
+            if hit(req) and not req.finished():
+                req.to_abort = ABORTED_BY_CLIENT
+
+    def _in_flight_reqs(self) -> list[Req]:
+        reqs = list(self.running_batch.reqs)
+        if self.last_batch is not None:
+            reqs += [r for r in self.last_batch.reqs if all(r is not x for x in reqs)]
+        if self.chunked_req is not None and all(self.chunked_req is not x for x in reqs):
+            reqs.append(self.chunked_req)
+        return reqs
+
+    def _finish_queued_abort(self, req: Req, message: str) -> None:
+        """A request that holds no KV (queued, or retracted) ends here."""
+        req.finished_reason = finish_abort(message)
+        self.stats.num_aborted += 1
+        self.stream_output([req])
+
+    def release_aborted(self) -> None:
+        """Finish the aborted requests between steps, so they free their KV now rather than
+        after another forward: waiting (e.g. retracted while the abort was pending), running,
+        and the chunked request."""
+        for req in [r for r in self.waiting_queue if r.to_abort is not None]:
+            self.waiting_queue.remove(req)
+            self._finish_queued_abort(req, req.to_abort)
+        aborted = [r for r in self.running_batch.reqs if r.to_abort is not None]
+        for req in aborted:
+            req.finished_reason = finish_abort(req.to_abort)
+            self.tree_cache.cache_finished_req(req)
+            self.stats.num_aborted += 1
+        if aborted:
+            self.running_batch.filter_batch()
+            self.stream_output(aborted)
+        chunked = self.chunked_req
+        if chunked is not None and chunked.to_abort is not None:
+            self._abort_chunked(chunked)
+            self.stream_output([chunked])
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> ScheduleBatch | None:
@@ -232,6 +265,7 @@ class Scheduler(SchedulerOutputMixin):
             if last.reqs:
                 self.running_batch.merge_batch(last)
         self.running_batch.filter_batch()
+        self.release_aborted()
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
@@ -247,15 +281,22 @@ class Scheduler(SchedulerOutputMixin):
         running = self.running_batch.reqs
         if len(running) >= self.max_running_requests and self.chunked_req is None:
             return None
-        held = self.policy.calc_priority(self.waiting_queue, running, self.chunked_req)
-        mixed = self.server_args.enable_mixed_chunk and bool(running)
+        order = self.policy.calc_priority(self.waiting_queue, running, self.chunked_req)
+        # Mixed decode tokens come out of the chunk budget; with as many running requests as
+        # the chunk holds, mixing would leave no room for any prefill, so this round does not mix.
+        chunk = self.chunked_prefill_size
+        mixed = (
+            self.server_args.enable_mixed_chunk
+            and bool(running)
+            and (chunk is None or len(running) < chunk)
+        )
         adder = PrefillAdder(
             self.tree_cache,
             self.allocator,
             running,
             self.ratio.value,
             self.server_args.max_prefill_tokens,
-            self.chunked_prefill_size,
+            chunk,
             self.max_running_requests,
             self.page_size,
             mixed_decode_tokens=len(running) if mixed else 0,
@@ -266,16 +307,16 @@ class Scheduler(SchedulerOutputMixin):
         for req in list(self.waiting_queue):
             if adder.new_chunked_req is not None or self.chunked_req is not None:
                 break
-            if req.rid in held and adder.can_run_list:
+            if req.rid in order.held and adder.can_run_list:
                 continue  # in-batch prefix caching: a representative computes it first
-            if self.policy.policy not in ("lpm", "dfs-weight"):
+            if not order.matched:
                 req.init_next_round_input(self.tree_cache)
             if adder.add_one_req(req) != AddReqResult.CONTINUE:
                 break
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
-        if self.chunked_req is not None:
-            self.chunked_req.is_chunked += 1
+        if self.chunked_req is not None and self.chunked_req in adder.can_run_list:
+            self.chunked_req.is_chunked += 1  # this round computes an intermediate chunk
         can_run = adder.can_run_list
         if not can_run:
             return None

@@ -227,6 +227,6 @@ def test_in_batch_prefix_caching_holds_back_duplicates():
     other = Req("solo", [30] * 40, SamplingParams())
     p = SchedulePolicy("lpm", cache)
     q = reqs + [other]
-    held = p.calc_priority(q)
-    assert held == {"g1", "g2", "g3"}
+    order = p.calc_priority(q)
+    assert order.held == {"g1", "g2", "g3"} and order.matched
     assert [r.rid for r in q][:2] == ["g0", "solo"]
