@@ -68,6 +68,11 @@ class ServerArgs:
     port: int = _f(30000, "HTTP port.")
     api_key: str | None = _f(None, "Require this key as a Bearer token.")
     stream_interval: int = _f(1, "Stream every N tokens.")
+    max_queued_requests: int | None = _f(
+        None,
+        "Requests allowed to wait beyond --max-running-requests; past it a request gets HTTP "
+        "503 with Retry-After at once (default: no bound).",
+    )
     log_level: str = _f("info", "Logging level.")
     watchdog_timeout: float = _f(300.0, "Seconds a child may stay silent before the server exits.")
 
@@ -83,6 +88,10 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be positive")
         if self.max_running_requests is not None and self.max_running_requests <= 0:
             raise ValueError("--max-running-requests must be positive")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
 
     # -- resolution of "auto" values -------------------------------------------------------------
     def resolve(self) -> ServerArgs:

@@ -163,6 +163,18 @@ class BatchStrOutput:
     input_top_logprobs: list[list[list[tuple[float, int]] | None] | None] = field(
         default_factory=list
     )
+    # Requests the detokenizer could not decode: they finish here with an abort, and the
+    # TokenizerManager stops them in the scheduler.
+    failed_rids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerHeartbeat:
+    """Scheduler → (Detokenizer) → TokenizerManager, about once a second from the event loop:
+    the server's liveness watchdog listens to this, not to request output (a long
+    non-streaming generation sends nothing for minutes)."""
+
+    time: float
 
 
 @dataclass

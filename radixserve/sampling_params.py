@@ -6,6 +6,7 @@ request is dispatched, then carried inside the request DTO to the Scheduler.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,21 +73,32 @@ class SamplingParams:
 
     @property
     def effective_top_k(self) -> int:
-        return TOP_K_ALL if self.top_k in (-1, 0) else self.top_k
+        return TOP_K_ALL if self.top_k in (-1, 0) else min(self.top_k, TOP_K_ALL)
 
     def verify(self, vocab_size: int | None = None) -> None:
         """Raise SamplingParamsError naming the first field that is out of range."""
-        _check_type("temperature", self.temperature, (int, float))
-        _check_type("top_p", self.top_p, (int, float))
-        _check_type("top_k", self.top_k, int)
-        _check_type("min_p", self.min_p, (int, float))
-        if self.max_new_tokens is not None:
-            _check_type("max_new_tokens", self.max_new_tokens, int)
-            if self.max_new_tokens < 0:
+        for name in _REALS:
+            _check_type(name, getattr(self, name), (int, float))
+            if not math.isfinite(getattr(self, name)):
                 raise SamplingParamsError(
-                    f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}"
+                    f"{name} must be a finite number, got {getattr(self, name)}"
                 )
-        _check_type("min_new_tokens", self.min_new_tokens, int)
+        for name in _INTS:
+            _check_type(name, getattr(self, name), int)
+        for name in _OPTIONAL_INTS:
+            if getattr(self, name) is not None:
+                _check_type(name, getattr(self, name), int)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise SamplingParamsError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        for name in _STRINGS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise SamplingParamsError(f"{name} must be a string, got {type(value).__name__}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise SamplingParamsError(f"max_new_tokens must be >= 0, got {self.max_new_tokens!r}")
         if self.temperature < 0.0:
             raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -114,12 +126,10 @@ class SamplingParams:
                 f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
                 f"({self.max_new_tokens})"
             )
-        if not isinstance(self.n, int) or self.n < 1:
+        if self.n < 1:
             raise SamplingParamsError(f"n must be >= 1, got {self.n}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise SamplingParamsError(f"seed must be an integer, got {self.seed!r}")
         for tid in self.stop_token_ids or []:
-            if not isinstance(tid, int) or tid < 0 or (vocab_size and tid >= vocab_size):
+            if not _is_int(tid) or tid < 0 or (vocab_size and tid >= vocab_size):
                 raise SamplingParamsError(f"stop_token_ids has an invalid token id {tid!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strs):
             raise SamplingParamsError("stop must be a non-empty string or a list of them")
@@ -127,6 +137,8 @@ class SamplingParams:
         if len(grammars) > 1:
             raise SamplingParamsError("only one of json_schema, regex and ebnf may be set")
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingParamsError("logit_bias must be a map of token id to bias")
             for k, v in self.logit_bias.items():
                 try:
                     tid = int(k)
@@ -134,8 +146,26 @@ class SamplingParams:
                     raise SamplingParamsError(f"logit_bias key {k!r} is not a token id") from None
                 if tid < 0 or (vocab_size and tid >= vocab_size):
                     raise SamplingParamsError(f"logit_bias token id {tid} is out of range")
-                if not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
                     raise SamplingParamsError(f"logit_bias value for {k} must be in [-100, 100]")
+
+
+_REALS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_INTS = ("min_new_tokens", "top_k", "n")
+_OPTIONAL_INTS = ("max_new_tokens", "seed")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_STRINGS = ("json_schema", "regex", "ebnf")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_type(name: str, value: Any, types: type | tuple[type, ...]) -> None:

@@ -161,7 +161,7 @@ class XGrammarBackend:
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             return self.compiler.compile_grammar(text)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except Exception as e:  # whatever the compiler raises belongs to this grammar only
             return InvalidGrammar(key, _clean_message(kind, e))
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> Grammar:

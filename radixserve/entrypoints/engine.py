@@ -29,6 +29,7 @@ from radixserve.utils import PortArgs, zmq_socket
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600
+CHILD_POLL_S = 0.5
 
 
 class Subprocesses:
@@ -116,6 +117,7 @@ def create_tokenizer_manager(
         vocab_size=info["vocab_size"],
         metrics=metrics,
         eos_token_ids=info.get("eos_token_ids"),
+        max_running_requests=info.get("max_running_requests"),
     )
 
 
@@ -130,6 +132,20 @@ class Engine:
         self._thread.start()
         self.tokenizer_manager: TokenizerManager = self._run(self._init_tm())
         self.tokenizer = self.tokenizer_manager.tokenizer
+        self._closed = threading.Event()
+        self._monitor = threading.Thread(target=self._watch_children, daemon=True)
+        self._monitor.start()
+
+    def _watch_children(self) -> None:
+        """A dead scheduler or detokenizer fails every pending and later request (RequestError,
+        status 503) instead of leaving the caller waiting forever."""
+        while not self._closed.wait(CHILD_POLL_S):
+            procs = self.procs
+            reason = procs.dead_child() if procs is not None else None
+            if reason is not None:
+                logger.error("%s; the engine can serve no more requests", reason)
+                self.loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason)
+                return
 
     async def _init_tm(self) -> TokenizerManager:
         tm = create_tokenizer_manager(self.server_args, self.procs)
@@ -224,6 +240,8 @@ class Engine:
         return self._run(self.tokenizer_manager.get_server_info())
 
     def shutdown(self) -> None:
+        if hasattr(self, "_closed"):
+            self._closed.set()
         if getattr(self, "procs", None) is not None:
             self.procs.shutdown()
             self.procs = None  # type: ignore[assignment]

@@ -80,7 +80,10 @@ class AppState:
         return self._silent_scheduler()
 
     def _silent_scheduler(self) -> str | None:
-        """Requests are pending but the scheduler has sent nothing for watchdog_timeout s."""
+        """Requests are pending but nothing, not even the scheduler's heartbeat (sent about once
+        a second from its event loop, between steps), came for watchdog_timeout s: the
+        scheduler is stuck in one step, or the path through the detokenizer is broken. A long
+        generation that streams nothing keeps the heartbeat going."""
         tm, timeout = self.tokenizer_manager, self.server_args.watchdog_timeout
         states = getattr(tm, "rid_to_state", None)
         if not states or not timeout or timeout <= 0:
@@ -89,7 +92,7 @@ class AppState:
         silent = time.monotonic() - max(tm.last_receive_time, oldest)
         if silent <= timeout:
             return None
-        return f"the scheduler sent nothing for {silent:.0f} s with {len(states)} requests pending"
+        return f"no heartbeat from the scheduler for {silent:.0f} s with {len(states)} requests pending"
 
     def request_exit(self, code: int) -> None:
         self.exit_code = code
@@ -129,6 +132,8 @@ async def _watchdog(state: AppState) -> None:
         if reason is not None:
             state.failure = reason
             logger.error("%s; shutting the server down", reason)
+            if hasattr(state.tokenizer_manager, "fail_all"):
+                state.tokenizer_manager.fail_all(reason)  # waiting clients get a 503 now
             state.request_exit(1)
             return
 

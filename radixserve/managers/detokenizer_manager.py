@@ -33,14 +33,34 @@ class DetokenizerManager:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeStatus] = {}
+        self.failed: set[str] = set()  # failed here; still running in the scheduler
 
     def handle_batch_token_id_out(self, out: BatchTokenIDOutput) -> BatchStrOutput:
+        """Decode each request's delta. A request whose decoding fails finishes with an abort
+        naming the error (its later deltas are dropped); the others are unaffected."""
         texts: list[str] = []
+        reasons = list(out.finished_reasons)
+        failed_now: list[str] = []
         for i, rid in enumerate(out.rids):
-            texts.append(self._decode_one(out, i, rid))
+            if rid in self.failed:
+                texts.append("")
+                if reasons[i] is not None:
+                    self.failed.discard(rid)  # the scheduler is done with it too
+                continue
+            try:
+                texts.append(self._decode_one(out, i, rid))
+            except Exception as e:
+                logger.exception("detokenizing request %s failed", rid)
+                self.states.pop(rid, None)
+                texts.append("")
+                if reasons[i] is None:
+                    self.failed.add(rid)
+                    failed_now.append(rid)
+                reasons[i] = {"type": "abort", "message": f"detokenization failed: {e!r}"}
         return BatchStrOutput(
             rids=out.rids,
-            finished_reasons=out.finished_reasons,
+            finished_reasons=reasons,
+            failed_rids=failed_now,
             output_strs=texts,
             output_ids=out.output_ids,
             prompt_tokens=out.prompt_tokens,
@@ -115,7 +135,10 @@ def run_detokenizer_process(server_args: Any, port_args: Any, ready: Any = None)
         ready.send({"status": "ready"})
         ready.close()
     while True:
-        msg = recv.recv_pyobj()
-        if isinstance(msg, BatchTokenIDOutput):
-            msg = manager.handle_batch_token_id_out(msg)
-        send.send_pyobj(msg)
+        try:
+            msg = recv.recv_pyobj()
+            if isinstance(msg, BatchTokenIDOutput):
+                msg = manager.handle_batch_token_id_out(msg)
+            send.send_pyobj(msg)
+        except Exception:  # one bad message must not take the process down
+            logger.exception("the detokenizer failed to handle a message")

@@ -68,12 +68,18 @@ class GrammarManager:
                 failed.append((req, req.to_abort))
             elif not fut.done():
                 still.append(req)
-            elif isinstance(result := fut.result(), InvalidGrammar):
-                req.grammar = None
-                failed.append((req, result.message))
             else:
-                req.grammar = self.backend.new_matcher(result)
-                ready.append(req)
+                try:
+                    result = fut.result()
+                    if not isinstance(result, InvalidGrammar):
+                        req.grammar = self.backend.new_matcher(result)
+                        ready.append(req)
+                        continue
+                    message = result.message
+                except Exception as e:  # a failed compile fails this request, not the server
+                    message = f"the grammar could not be compiled: {e!r}"
+                req.grammar = None
+                failed.append((req, message))
         self.queue = still
         return ready, failed
 
@@ -84,14 +90,25 @@ class GrammarManager:
             return None
         packed = self.backend.allocate_vocab_mask(len(reqs))
         for i in rows:
-            reqs[i].grammar.fill_vocab_mask(packed, i)
+            try:
+                reqs[i].grammar.fill_vocab_mask(packed, i)
+            except Exception as e:  # this row stays unmasked; its request ends at its result
+                logger.exception("grammar mask of %s failed", reqs[i].rid)
+                packed[i] = -1
+                reqs[i].to_abort = f"the grammar failed: {e!r}"
         return self.backend.unpack_vocab_mask(packed, self.vocab_size)
 
     def accept(self, req: Req, token: int) -> None:
         """Advance the matcher; finish the request when the grammar completes or breaks."""
         if req.grammar is None or req.finished():
             return
-        if not req.grammar.accept_token(token):
+        try:
+            accepted = req.grammar.accept_token(token)
+        except Exception as e:
+            logger.exception("grammar of %s failed", req.rid)
+            req.finished_reason = finish_abort(f"the grammar failed: {e!r}")
+            return
+        if not accepted:
             req.finished_reason = finish_abort("the sampled token violates the grammar")
         elif req.grammar.is_terminated():
             req.finished_reason = finish_stop(token if token in self.eos_ids else None)

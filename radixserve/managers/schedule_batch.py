@@ -144,7 +144,11 @@ class Req:
                 self.finished_reason = finish_stop(last)
                 return
             if sp.stop_strs and tokenizer is not None:
-                matched = self._match_stop_str(tokenizer)
+                try:
+                    matched = self._match_stop_str(tokenizer)
+                except Exception as e:  # fails this request only, never the scheduler
+                    self.finished_reason = finish_abort(f"matching stop strings failed: {e!r}")
+                    return
                 if matched is not None:
                     self.finished_reason = finish_stop(matched)
                     return

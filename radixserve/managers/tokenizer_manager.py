@@ -28,34 +28,47 @@ from radixserve.io_struct import (
     TokenizedGenerateReqInput,
     new_rid,
 )
+from radixserve.managers.request_checks import (
+    RequestError,
+    check_length,
+    num_choices,
+    verify_request_fields,
+)
 from radixserve.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
-
-class RequestError(ValueError):
-    """A request the server refuses (HTTP 400 unless status_code says otherwise)."""
-
-    def __init__(self, message: str, status_code: int = 400) -> None:
-        super().__init__(message)
-        self.status_code = status_code
+RETRY_AFTER_S = 1  # what a 503 for overload tells the client to wait
+__all__ = ["RequestError", "ReqState", "TokenizerManager"]
 
 
 @dataclass
 class ReqState:
+    """What the waiter of one request needs: the latest cumulative output (never a list of
+    every intermediate one, so a slow streaming client costs O(output), not O(output²))."""
+
     rid: str
     stream: bool
     prompt_len: int
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
-    out_list: list[dict[str, Any]] = field(default_factory=list)
+    error: dict[str, Any] | None = None  # {"message", "status_code"}: the request was refused
     finished: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     last_time: float = 0.0
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The output dict as of now. Its lists are the state's own (read-only for the caller,
+        valid until the next await): copying them per token would cost O(output²)."""
+        meta = dict(self.meta)
+        if self.output_token_logprobs:
+            meta["output_token_logprobs"] = self.output_token_logprobs
+            meta["output_top_logprobs"] = self.output_top_logprobs
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
 
 
 class TokenizerManager:
@@ -69,6 +82,7 @@ class TokenizerManager:
         vocab_size: int,
         metrics: Any = None,
         eos_token_ids: list[int] | None = None,
+        max_running_requests: int | None = None,
     ) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
@@ -81,6 +95,14 @@ class TokenizerManager:
         self._grammar_backend: Any = None  # created on the first constrained request
         self._grammar_lock = threading.Lock()  # grammar checks run on executor threads
         self.rid_to_state: dict[str, ReqState] = {}
+        self._draining: set[str] = set()  # aborted here, not yet finished in the scheduler
+        self.dead: str | None = None  # why no request can be served any more (fail_all)
+        queued = getattr(server_args, "max_queued_requests", None)
+        self.max_in_flight = (
+            None
+            if queued is None or max_running_requests is None
+            else max_running_requests + queued
+        )
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
         self.last_receive_time = time.monotonic()
         self._loop_task: asyncio.Task | None = None
@@ -120,17 +142,21 @@ class TokenizerManager:
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
         now = time.monotonic()
+        for rid in out.failed_rids:  # the detokenizer failed these; stop them in the scheduler
+            self._abort_in_scheduler(rid)
         for i, rid in enumerate(out.rids):
+            finished = out.finished_reasons[i]
             state = self.rid_to_state.get(rid)
-            if state is None:
-                continue  # aborted by us; late output
+            if state is None:  # aborted by us: late output
+                if finished is not None:
+                    self._draining.discard(rid)
+                continue
             state.text += out.output_strs[i]
             state.output_ids.extend(out.output_ids[i])
             if out.output_token_logprobs and out.output_token_logprobs[i] is not None:
                 state.output_token_logprobs.extend(out.output_token_logprobs[i])
                 state.output_top_logprobs.extend(out.output_top_logprobs[i] or [])
-            finished = out.finished_reasons[i]
-            meta = {
+            state.meta = {
                 "id": rid,
                 "prompt_tokens": out.prompt_tokens[i],
                 "completion_tokens": out.completion_tokens[i],
@@ -138,37 +164,40 @@ class TokenizerManager:
                 "finish_reason": _public_finish_reason(finished),
                 "e2e_latency": now - state.created,
             }
-            if state.output_token_logprobs:
-                meta["output_token_logprobs"] = list(state.output_token_logprobs)
-                meta["output_top_logprobs"] = list(state.output_top_logprobs)
             if self.metrics is not None:
                 self.metrics.on_output(state, len(out.output_ids[i]), now, finished)
             state.last_time = now
-            state.meta = meta
-            item = {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
-            if finished is not None and finished.get("status_code"):
-                item["error"] = {
-                    "message": finished["message"],
-                    "status_code": finished["status_code"],
-                }
-            state.out_list.append(item)
             if finished is not None:
+                if finished.get("status_code"):
+                    state.error = {
+                        "message": finished["message"],
+                        "status_code": finished["status_code"],
+                    }
                 state.finished = True
                 self.rid_to_state.pop(rid, None)
             state.event.set()
 
+    def fail_all(self, message: str, status_code: int = 503) -> None:
+        """The scheduler or detokenizer is gone: every waiter gets an error now, not never."""
+        for state in list(self.rid_to_state.values()):
+            state.error = {"message": message, "status_code": status_code}
+            state.finished = True
+            state.event.set()
+        self.rid_to_state.clear()
+        self.dead = message
+
     # -- requests -------------------------------------------------------------------------------
     def tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        """Tokenize and verify one (single) request; RequestError names a bad field."""
+        verify_request_fields(obj)
         if obj.input_ids is not None:
             input_ids = list(obj.input_ids)  # type: ignore[arg-type]
-            if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in input_ids):
+            if any(t < 0 or t >= self.vocab_size for t in input_ids):  # type: ignore[operator]
                 raise RequestError("input_ids must be token ids in [0, vocab_size)")
             text = None
-        elif isinstance(obj.text, str):
-            text = obj.text
-            input_ids = self.tokenizer.encode(text)
         else:
-            raise RequestError("either text or input_ids must be given")
+            text = obj.text  # type: ignore[assignment]
+            input_ids = self.tokenizer.encode(text)
         if not input_ids:
             raise RequestError("the prompt is empty")
         try:
@@ -176,7 +205,7 @@ class TokenizerManager:
             sp.verify(self.vocab_size)
         except SamplingParamsError as e:
             raise RequestError(str(e)) from None
-        self._check_length(len(input_ids), sp)
+        check_length(len(input_ids), sp, self.context_len)
         return TokenizedGenerateReqInput(
             rid=obj.rid if isinstance(obj.rid, str) else new_rid(),
             input_text=text,
@@ -190,19 +219,6 @@ class TokenizerManager:
             priority=obj.priority,
             routing_key=obj.routing_key,
         )
-
-    def _check_length(self, n: int, sp: SamplingParams) -> None:
-        if n >= self.context_len:
-            raise RequestError(
-                f"The prompt has {n} tokens, which exceeds the model's context length of "
-                f"{self.context_len} tokens."
-            )
-        if sp.max_new_tokens is not None and n + sp.max_new_tokens > self.context_len:
-            raise RequestError(
-                f"Requested {n + sp.max_new_tokens} tokens ({n} in the prompt, "
-                f"{sp.max_new_tokens} to generate), which exceeds the model's context length "
-                f"of {self.context_len} tokens."
-            )
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -247,31 +263,45 @@ class TokenizerManager:
     async def generate_request(
         self, obj: GenerateReqInput, request: Any = None
     ) -> AsyncIterator[Any]:
-        """Yield output dicts (streaming: one per delta; otherwise one final dict). A batch input
-        yields one list of dicts (non-streaming) or dicts tagged with "index" (streaming)."""
+        """Yield output dicts (streaming: one per wake-up, cumulative; otherwise one final dict).
+        A batch or n > 1 yields one list of dicts (non-streaming) or dicts tagged with "index"
+        (streaming). Nothing is dispatched unless every sub-request is valid."""
         self.start()
-        n = _n_of(obj)
-        if obj.is_single and n == 1:
-            tokenized = await self.tokenize_and_check(obj)
-            async for out in self._wait_one(self._send(tokenized), request):
-                yield out
-            return
-        singles = [obj[i] for i in range(obj.batch_size)] if not obj.is_single else [obj]
+        if self.dead is not None:
+            raise RequestError(self.dead, 503)
+        verify_request_fields(obj)
+        n = num_choices(obj)
+        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
         tokenized_list = []
         for single in singles:
             base = await self.tokenize_and_check(single)
-            for _ in range(n):
-                t = copy.copy(base)
-                t.rid = new_rid()
-                t.sampling_params = copy.deepcopy(base.sampling_params)
-                tokenized_list.append(t)
+            tokenized_list += [base] if n == 1 else _choices(base, n)
+        self._admit(tokenized_list)
         states = [self._send(t) for t in tokenized_list]
-        if obj.stream:
+        if obj.is_single and n == 1:
+            async for out in self._wait_one(states[0], request):
+                yield out
+        elif obj.stream:
             async for out in self._merge_streams(states, request):
                 yield out
         else:
-            results = await asyncio.gather(*(self._last(s, request) for s in states))
-            yield list(results)
+            yield await self._gather(states, request)
+
+    def _admit(self, tokenized_list: list[TokenizedGenerateReqInput]) -> None:
+        """Refuse a duplicate live rid (400) and load past the queue bound (503), before any
+        sub-request is sent."""
+        rids = [t.rid for t in tokenized_list]
+        for rid in rids:
+            if rid in self.rid_to_state or rid in self._draining or rids.count(rid) > 1:
+                raise RequestError(f"a request with rid {rid!r} is already running")
+        limit = self.max_in_flight
+        if limit is not None and len(self.rid_to_state) + len(rids) > limit:
+            raise RequestError(
+                f"the server is overloaded: more than {limit} requests in flight "
+                "(--max-queued-requests); retry later",
+                503,
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def _send(self, tokenized: TokenizedGenerateReqInput) -> ReqState:
         state = ReqState(tokenized.rid, tokenized.stream, len(tokenized.input_ids))
@@ -291,17 +321,26 @@ class TokenizerManager:
                         self.abort_request(state.rid)
                         return
                     continue
-                outs, state.out_list = state.out_list, []
                 state.event.clear()
-                for out in outs:
-                    _raise_if_rejected(out)
-                    if state.stream or out["meta_info"]["finish_reason"] is not None:
-                        yield out
+                if state.error is not None:
+                    raise RequestError(state.error["message"], state.error["status_code"])
+                if state.stream or state.finished:
+                    yield state.snapshot()
                 if state.finished:
                     return
         finally:
             if not state.finished:  # the consumer went away (disconnect, cancel, error)
                 self.abort_request(state.rid)
+
+    async def _gather(self, states: list[ReqState], request: Any) -> list[dict[str, Any]]:
+        """Every sub-request's final output; when one fails, the others are aborted."""
+        tasks = [asyncio.ensure_future(self._last(s, request)) for s in states]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()  # a no-op for the finished ones; aborts the rest (see _wait_one)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _last(self, state: ReqState, request: Any) -> dict[str, Any]:
         last: dict[str, Any] = {}
@@ -344,9 +383,15 @@ class TokenizerManager:
         return True
 
     def abort_request(self, rid: str) -> None:
-        state = self.rid_to_state.pop(rid, None)
-        if state is not None:
-            self.send_to_scheduler.send_pyobj(AbortReq(rid))
+        """The waiter is gone: drop its state and stop the request in the scheduler."""
+        if self.rid_to_state.pop(rid, None) is not None:
+            self._abort_in_scheduler(rid)
+
+    def _abort_in_scheduler(self, rid: str) -> None:
+        # The rid stays taken until the scheduler's final output for it passes (so a new
+        # request reusing it never receives the old one's output).
+        self._draining.add(rid)
+        self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
     # -- control --------------------------------------------------------------------------------
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
@@ -366,28 +411,22 @@ class TokenizerManager:
         return out.info
 
 
-def _n_of(obj: GenerateReqInput) -> int:
-    sp = obj.sampling_params
-    if isinstance(sp, dict):
-        n = sp.get("n", 1)
-        if not isinstance(n, int) or n < 1:
-            raise RequestError(f"n must be >= 1, got {n!r}")
-        if n > 1:
-            sp = dict(sp)
-            sp["n"] = 1
-            obj.sampling_params = sp
-        return n
-    return 1
+def _choices(base: TokenizedGenerateReqInput, n: int) -> list[TokenizedGenerateReqInput]:
+    """n sub-requests of one prompt, each its own rid and, with a seed, its own stream of
+    random numbers (seed + i), so that seeded choices differ yet reproduce."""
+    out = []
+    for i in range(n):
+        t = copy.copy(base)
+        t.rid = new_rid()
+        t.sampling_params = copy.deepcopy(base.sampling_params)
+        t.sampling_params.n = 1
+        if t.sampling_params.seed is not None:
+            t.sampling_params.seed += i
+        out.append(t)
+    return out
 
 
 def _public_finish_reason(reason: dict[str, Any] | None) -> dict[str, Any] | None:
     if reason is None:
         return None
     return {k: v for k, v in reason.items() if k != "status_code"}
-
-
-def _raise_if_rejected(out: dict[str, Any]) -> None:
-    """The scheduler rejected the request (e.g. it can never fit in the KV cache)."""
-    error = out.get("error")
-    if error is not None:
-        raise RequestError(error["message"], error["status_code"])

@@ -1,0 +1,121 @@
+"""Checks of a GenerateReqInput before it is dispatched: the one validation path that the HTTP
+server and the offline Engine share (both reach the scheduler through the TokenizerManager).
+
+Every refusal is a RequestError naming the field; the scheduler never sees a bad value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.io_struct import GenerateReqInput
+from radixserve.sampling_params import SamplingParams
+
+MAX_N = 128  # choices per prompt
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and SGLang's practical one
+
+
+class RequestError(ValueError):
+    """A request the server refuses (HTTP 400 unless status_code says otherwise)."""
+
+    def __init__(
+        self, message: str, status_code: int = 400, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.headers = headers or {}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expect(name: str, value: Any, ok: bool, what: str) -> None:
+    if not ok:
+        raise RequestError(f"{name} must be {what}, got {value!r}")
+
+
+def verify_request_fields(obj: GenerateReqInput) -> None:
+    """Types and ranges of the request's own fields (sampling params are SamplingParams')."""
+    _expect("stream", obj.stream, isinstance(obj.stream, bool), "a boolean")
+    _expect("return_logprob", obj.return_logprob, isinstance(obj.return_logprob, bool), "a boolean")
+    n_top = obj.top_logprobs_num
+    _expect(
+        "top_logprobs_num",
+        n_top,
+        _is_int(n_top) and 0 <= n_top <= MAX_TOP_LOGPROBS,
+        f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+    )
+    _expect(
+        "logprob_start_len", obj.logprob_start_len, obj.logprob_start_len == -1, "-1 (the default)"
+    )
+    _expect(
+        "return_text_in_logprobs",
+        obj.return_text_in_logprobs,
+        obj.return_text_in_logprobs is False,
+        "false (text in logprobs is not supported yet)",
+    )
+    _expect("priority", obj.priority, obj.priority is None or _is_int(obj.priority), "an integer")
+    for name in ("extra_key", "routing_key"):
+        value = getattr(obj, name)
+        _expect(name, value, value is None or isinstance(value, str), "a string")
+    _verify_prompt_and_rid(obj)
+
+
+def _verify_prompt_and_rid(obj: GenerateReqInput) -> None:
+    text, ids = obj.text, obj.input_ids
+    if (text is None) == (ids is None):
+        raise RequestError("give exactly one of text and input_ids")
+    if text is not None:
+        ok = isinstance(text, str) or (
+            isinstance(text, list) and bool(text) and all(isinstance(t, str) for t in text)
+        )
+        _expect("text", text, ok, "a string or a non-empty list of strings")
+    else:
+        ok = isinstance(ids, list) and (
+            all(_is_int(t) for t in ids)
+            or (bool(ids) and all(isinstance(p, list) and all(map(_is_int, p)) for p in ids))
+        )
+        _expect("input_ids", ids, ok, "a list of token ids or a non-empty list of such lists")
+    rid = obj.rid
+    if obj.is_single:
+        _expect("rid", rid, rid is None or isinstance(rid, str), "a string")
+    elif rid is not None:
+        ok = isinstance(rid, list) and len(rid) == obj.batch_size
+        _expect("rid", rid, ok and all(isinstance(r, str) for r in rid), "one string per prompt")
+    sp = obj.sampling_params
+    if isinstance(sp, list) and (obj.is_single or len(sp) != obj.batch_size):
+        raise RequestError("sampling_params must be one dict, or one dict per prompt")
+    for one in sp if isinstance(sp, list) else [sp]:
+        _expect(
+            "sampling_params", one, one is None or isinstance(one, (dict, SamplingParams)), "a dict"
+        )
+
+
+def num_choices(obj: GenerateReqInput) -> int:
+    """`n` of the request (the same for every prompt of a batch), checked."""
+    sps = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
+    ns = {_n_of(sp) for sp in sps}
+    if len(ns) > 1:
+        raise RequestError("n must be the same for every prompt of a batch")
+    return ns.pop()
+
+
+def _n_of(sp: Any) -> int:
+    n = sp.n if isinstance(sp, SamplingParams) else (sp or {}).get("n", 1)
+    _expect("n", n, _is_int(n) and 1 <= n <= MAX_N, f"an integer in [1, {MAX_N}]")
+    return n
+
+
+def check_length(n: int, sp: SamplingParams, context_len: int) -> None:
+    if n >= context_len:
+        raise RequestError(
+            f"The prompt has {n} tokens, which exceeds the model's context length of "
+            f"{context_len} tokens."
+        )
+    if sp.max_new_tokens is not None and n + sp.max_new_tokens > context_len:
+        raise RequestError(
+            f"Requested {n + sp.max_new_tokens} tokens ({n} in the prompt, "
+            f"{sp.max_new_tokens} to generate), which exceeds the model's context length "
+            f"of {context_len} tokens."
+        )
