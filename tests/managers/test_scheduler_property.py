@@ -21,6 +21,9 @@ request_st = st.fixed_dictionaries(
         "max_new": st.integers(1, 40),
         "arrive": st.integers(0, 30),  # step at which it arrives
         "abort_at": st.one_of(st.none(), st.integers(0, 60)),
+        # Abort k steps after the request first ran (0: right after the step of its first
+        # prefill or chunk, while it lives only in last_batch).
+        "abort_after_run": st.one_of(st.none(), st.integers(0, 6)),
         "seed": st.integers(0, 1000),
     }
 )
@@ -62,8 +65,27 @@ def _check_invariants(s: Scheduler, streamed: dict[str, list[int]], admitted: se
     mixed=st.booleans(),
 )
 def test_scheduler_invariants(reqs, page_size, pool_pages, chunk, policy, radix, mixed):
-    total = pool_pages * 16  # a multiple of every page size
-    worker = FakeWorker(total_tokens=total, max_running=6, context_len=512, page_size=page_size)
+    _drive(reqs, page_size, pool_pages * 16, chunk, policy, radix, mixed, max_running=6)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(request_st, min_size=140, max_size=200),
+    page_size=st.sampled_from([1, 16]),
+    chunk=st.sampled_from([None, 16]),
+    policy=st.sampled_from(["lpm", "dfs-weight", "fcfs"]),
+    mixed=st.booleans(),
+)
+def test_scheduler_invariants_at_load(reqs, page_size, chunk, policy, mixed):
+    """More waiting requests than lpm's fallback threshold (128) and more running requests
+    than the chunk holds, on a pool that forces eviction and retraction."""
+    _drive(reqs, page_size, 2048, chunk, policy, True, mixed, max_running=40)
+
+
+def _drive(reqs, page_size, total, chunk, policy, radix, mixed, max_running) -> None:
+    worker = FakeWorker(
+        total_tokens=total, max_running=max_running, context_len=512, page_size=page_size
+    )
     args = ServerArgs(
         device="cpu",
         dtype="float32",
@@ -80,20 +102,29 @@ def test_scheduler_invariants(reqs, page_size, pool_pages, chunk, policy, radix,
     prompts = {rid: _prompt(spec) for rid, spec in specs.items()}
     streamed: dict[str, list[int]] = {}
     finished: dict[str, dict] = {}
+    first_ran: dict[str, int] = {}
+    abort_sent: set[str] = set()  # aborted while not finished: must end as "abort"
     admitted: set[str] = set()
     step = 0
-    while step < 2000:
+    while step < 5000:
         for rid, spec in specs.items():
             if spec["arrive"] == step:
                 sp = SamplingParams(
                     max_new_tokens=spec["max_new"], temperature=0.0, ignore_eos=True
                 )
                 s.process_input_requests([TokenizedGenerateReqInput(rid, None, prompts[rid], sp)])
-            if spec["abort_at"] == step:
+            after = spec["abort_after_run"]
+            if spec["abort_at"] == step or (
+                after is not None and first_ran.get(rid, -99) + after + 1 == step
+            ):
+                if rid not in finished and spec["arrive"] <= step:
+                    abort_sent.add(rid)
                 s.process_input_requests([AbortReq(rid)])
         if step > 30 and not s.has_work():
             break
-        s.step()
+        batch = s.step()
+        for r in batch.reqs if batch is not None else []:
+            first_ran.setdefault(r.rid, step)
         for msg in outputs:
             for rid, ids, reason in zip(
                 msg.rids, msg.output_ids, msg.finished_reasons, strict=True
@@ -112,6 +143,8 @@ def test_scheduler_invariants(reqs, page_size, pool_pages, chunk, policy, radix,
         assert reason is not None, f"{rid} never finished"
         want = expected_output(prompts[rid], spec["max_new"])
         got = streamed.get(rid, [])
+        if rid in abort_sent:
+            assert reason["type"] == "abort", f"{rid}: the abort was lost ({reason})"
         if reason["type"] == "abort":
             assert got == want[: len(got)]
         else:

@@ -1,0 +1,353 @@
+"""The TokenizerManager over fake sockets (issue 9, items 3, 6, 9–12 and the detokenizer's side
+of 4): what it sends to the scheduler, what it refuses before sending anything, and how its
+waiters wake. The "scheduler" here is the test, which feeds BatchStrOutputs back."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+
+from radixserve.args import ServerArgs
+from radixserve.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    GenerateReqInput,
+    TokenizedGenerateReqInput,
+)
+from radixserve.managers.detokenizer_manager import DetokenizerManager
+from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
+
+VOCAB = 320
+
+
+class FakeSockets:
+    """Both ZMQ sockets of the TokenizerManager: records what it sends, replays outputs."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.inbox: asyncio.Queue = asyncio.Queue()
+
+    def send_pyobj(self, obj: Any) -> None:
+        self.sent.append(obj)
+
+    async def recv_pyobj(self) -> Any:
+        return await self.inbox.get()
+
+    def close(self, linger: int = 0) -> None:
+        pass
+
+    def requests(self) -> list[TokenizedGenerateReqInput]:
+        return [m for m in self.sent if isinstance(m, TokenizedGenerateReqInput)]
+
+    def aborts(self) -> list[str]:
+        return [m.rid for m in self.sent if isinstance(m, AbortReq)]
+
+
+class ByteTokenizer:
+    def encode(self, text: str, **_: Any) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+def _output(rid: str, text: str, ids: list[int], reason: dict | None, **extra: Any):
+    return BatchStrOutput(
+        rids=[rid],
+        finished_reasons=[reason],
+        output_strs=[text],
+        output_ids=[ids],
+        prompt_tokens=[3],
+        completion_tokens=[len(ids)],
+        cached_tokens=[0],
+        **extra,
+    )
+
+
+LENGTH = {"type": "length", "length": 1}
+
+
+def _make_tm(**args: Any) -> tuple[TokenizerManager, FakeSockets]:
+    sockets = FakeSockets()
+    tm = TokenizerManager(
+        ServerArgs(**args),
+        ByteTokenizer(),
+        sockets,
+        sockets,
+        context_len=256,
+        vocab_size=VOCAB,
+        max_running_requests=2,
+    )
+    return tm, sockets
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def _req(rid: str | None = None, **sp: Any) -> GenerateReqInput:
+    return GenerateReqInput(input_ids=[5, 6, 7], sampling_params=sp or None, rid=rid)
+
+
+async def _collect(tm: TokenizerManager, obj: GenerateReqInput) -> Any:
+    out = None
+    async for item in tm.generate_request(obj):
+        out = item
+    return out
+
+
+# -- item 6: duplicate rids ----------------------------------------------------------------------
+def test_duplicate_live_rid_is_refused_and_the_first_still_answers():
+    async def body():
+        tm, sockets = _make_tm()
+        first = asyncio.create_task(_collect(tm, _req("same")))
+        await _settle()
+        with pytest.raises(RequestError) as e:
+            await _collect(tm, _req("same"))
+        assert e.value.status_code == 400 and "same" in str(e.value)
+        assert [r.rid for r in sockets.requests()] == ["same"]
+        await sockets.inbox.put(_output("same", "hi", [1], LENGTH))
+        assert (await first)["text"] == "hi"
+
+    run(body())
+
+
+def test_a_rid_stays_taken_until_the_scheduler_finishes_its_aborted_request():
+    async def body():
+        tm, sockets = _make_tm()
+        first = asyncio.create_task(_collect(tm, _req("r")))
+        await _settle()
+        first.cancel()  # the client went away: the TokenizerManager aborts it
+        await asyncio.gather(first, return_exceptions=True)
+        assert sockets.aborts() == ["r"]
+        with pytest.raises(RequestError):  # the scheduler may still send output for "r"
+            await _collect(tm, _req("r"))
+        await sockets.inbox.put(_output("r", "late", [1], {"type": "abort", "message": "x"}))
+        await _settle()
+        again = asyncio.create_task(_collect(tm, _req("r")))
+        await _settle()
+        await sockets.inbox.put(_output("r", "new", [2], LENGTH))
+        assert (await again)["text"] == "new"
+
+    run(body())
+
+
+def test_duplicate_rids_inside_a_batch_send_nothing():
+    async def body():
+        tm, sockets = _make_tm()
+        obj = GenerateReqInput(input_ids=[[5], [6]], rid=["a", "a"])
+        with pytest.raises(RequestError):
+            await _collect(tm, obj)
+        assert sockets.sent == []
+
+    run(body())
+
+
+# -- item 9: n > 1 with a seed -------------------------------------------------------------------
+def test_seeded_choices_get_their_own_seeds():
+    async def body():
+        tm, sockets = _make_tm()
+        task = asyncio.create_task(_collect(tm, _req(n=3, seed=41)))
+        await _settle()
+        sent = sockets.requests()
+        assert [t.sampling_params.seed for t in sent] == [41, 42, 43]
+        assert all(t.sampling_params.n == 1 for t in sent)
+        assert len({t.rid for t in sent}) == 3
+        for t in sent:
+            await sockets.inbox.put(_output(t.rid, "x", [1], LENGTH))
+        assert len(await task) == 3
+
+    run(body())
+
+
+# -- item 10: sub-requests cancelled together ----------------------------------------------------
+def test_a_failed_choice_aborts_its_siblings():
+    async def body():
+        tm, sockets = _make_tm()
+        task = asyncio.create_task(_collect(tm, _req(n=3)))
+        await _settle()
+        rids = [t.rid for t in sockets.requests()]
+        rejected = {"type": "abort", "message": "does not fit", "status_code": 400}
+        await sockets.inbox.put(_output(rids[1], "", [], rejected))
+        with pytest.raises(RequestError, match="does not fit"):
+            await task
+        assert sorted(sockets.aborts()) == sorted([rids[0], rids[2]])
+        assert tm.rid_to_state == {}
+
+    run(body())
+
+
+def test_cancelling_a_batch_aborts_every_sub_request():
+    async def body():
+        tm, sockets = _make_tm()
+        obj = GenerateReqInput(input_ids=[[5], [6], [7]])
+        task = asyncio.create_task(_collect(tm, obj))
+        await _settle()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert sorted(sockets.aborts()) == sorted(t.rid for t in sockets.requests())
+        assert tm.rid_to_state == {}
+
+    run(body())
+
+
+# -- item 11: the queue bound --------------------------------------------------------------------
+def test_past_the_queue_bound_a_request_gets_503_at_once():
+    async def body():
+        tm, sockets = _make_tm(max_queued_requests=1)  # 2 running + 1 queued
+        tasks = [asyncio.create_task(_collect(tm, _req())) for _ in range(3)]
+        await _settle()
+        with pytest.raises(RequestError) as e:
+            await _collect(tm, _req())
+        assert e.value.status_code == 503 and e.value.headers["Retry-After"] == "1"
+        with pytest.raises(RequestError):  # n counts: 2 choices would pass the bound too
+            await _collect(tm, _req(n=2))
+        assert len(sockets.requests()) == 3
+        for t in sockets.requests():
+            await sockets.inbox.put(_output(t.rid, "ok", [1], LENGTH))
+        assert [o["text"] for o in await asyncio.gather(*tasks)] == ["ok"] * 3
+
+    run(body())
+
+
+# -- item 12: a slow streaming client ------------------------------------------------------------
+def test_a_slow_stream_reader_sees_the_latest_state_not_a_backlog():
+    async def body():
+        tm, sockets = _make_tm()
+        obj = GenerateReqInput(input_ids=[5], stream=True)
+        gen = tm.generate_request(obj)
+        first = asyncio.create_task(gen.__anext__())
+        await _settle()
+        rid = sockets.requests()[0].rid
+        for i in range(500):
+            await sockets.inbox.put(_output(rid, "a", [i % 200], None))
+        await sockets.inbox.put(_output(rid, "!", [1], LENGTH))
+        await _settle()
+        for _ in range(600):
+            if not tm.rid_to_state:
+                break
+            await asyncio.sleep(0)
+        item = await first  # the reader wakes once: one cumulative item, nothing queued
+        assert item["text"] == "a" * 500 + "!" and len(item["output_ids"]) == 501
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()
+
+    run(body())
+
+
+# -- item 3: one validation path -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field, obj",
+    [
+        ("top_logprobs_num", GenerateReqInput(input_ids=[5], top_logprobs_num=1_000_000)),
+        ("top_logprobs_num", GenerateReqInput(input_ids=[5], top_logprobs_num=-1)),
+        ("temperature", _req(temperature=math.nan)),
+        ("temperature", _req(temperature=math.inf)),
+        ("top_p", _req(top_p=math.nan)),
+        ("frequency_penalty", _req(frequency_penalty="x")),
+        ("presence_penalty", _req(presence_penalty=[1])),
+        ("repetition_penalty", _req(repetition_penalty=None)),
+        ("max_new_tokens", _req(max_new_tokens=1.5)),
+        ("top_k", _req(top_k=True)),
+        ("seed", _req(seed=-3)),
+        ("seed", _req(seed="7")),
+        ("ignore_eos", _req(ignore_eos="yes")),
+        ("json_schema", _req(json_schema={"type": "object"})),
+        ("logit_bias", _req(logit_bias=[1, 2])),
+        ("n", _req(n=0)),
+        ("n", _req(n=10_000)),
+        ("priority", GenerateReqInput(input_ids=[5], priority="high")),
+        ("stream", GenerateReqInput(input_ids=[5], stream="yes")),
+        ("return_logprob", GenerateReqInput(input_ids=[5], return_logprob=1)),
+        ("rid", GenerateReqInput(input_ids=[5], rid=7)),
+        ("rid", GenerateReqInput(input_ids=[[5], [6]], rid=["a"])),
+        ("input_ids", GenerateReqInput(input_ids=[5.0, 6])),
+        ("input_ids", GenerateReqInput(input_ids=[[5], "x"])),
+        ("text", GenerateReqInput(text=[1, 2])),
+        ("sampling_params", GenerateReqInput(input_ids=[5], sampling_params="greedy")),
+        ("logprob_start_len", GenerateReqInput(input_ids=[5], logprob_start_len=0)),
+        ("extra_key", GenerateReqInput(input_ids=[5], extra_key=3)),
+        ("unknown sampling parameter", _req(temprature=0.5)),
+    ],
+)
+def test_bad_fields_are_refused_before_dispatch(field, obj):
+    async def body():
+        tm, sockets = _make_tm()
+        with pytest.raises(RequestError) as e:
+            await _collect(tm, obj)
+        assert e.value.status_code == 400 and field in str(e.value)
+        assert sockets.sent == []
+
+    run(body())
+
+
+# -- item 8 (the TokenizerManager's part): a dead child fails every waiter -------------------------
+def test_fail_all_wakes_every_waiter_and_refuses_new_requests():
+    async def body():
+        tm, sockets = _make_tm()
+        tasks = [asyncio.create_task(_collect(tm, _req())) for _ in range(2)]
+        await _settle()
+        tm.fail_all("radixserve-scheduler exited with code -9")
+        for t in tasks:
+            with pytest.raises(RequestError) as e:
+                await t
+            assert e.value.status_code == 503 and "exited" in str(e.value)
+        with pytest.raises(RequestError):
+            await _collect(tm, _req())
+
+    run(body())
+
+
+# -- item 4: a request the detokenizer cannot decode --------------------------------------------
+class FlakyTokenizer(ByteTokenizer):
+    def decode(self, ids: list[int], **kw: Any) -> str:
+        if 255 in ids:
+            raise RuntimeError("cannot decode token 255")
+        return super().decode(ids, **kw)
+
+
+def _token_out(rids: list[str], ids: list[list[int]], reasons: list[dict | None]):
+    k = len(rids)
+    return BatchTokenIDOutput(
+        rids, reasons, ids, [True] * k, [True] * k, [False] * k, [[]] * k, [3] * k, [1] * k, [0] * k
+    )
+
+
+def test_detokenizer_fails_only_the_request_it_cannot_decode():
+    detok = DetokenizerManager(FlakyTokenizer())
+    out = detok.handle_batch_token_id_out(_token_out(["bad", "good"], [[255], [104]], [None] * 2))
+    assert out.output_strs[1] == "h" and out.finished_reasons[1] is None
+    assert out.finished_reasons[0]["type"] == "abort"
+    assert "cannot decode" in out.finished_reasons[0]["message"]
+    assert out.failed_rids == ["bad"]
+    # Later deltas of the failed request are dropped; its final one passes (nothing to decode).
+    later = detok.handle_batch_token_id_out(
+        _token_out(["bad", "good"], [[104], [105]], [None, None])
+    )
+    assert later.output_strs == ["", "i"] and later.failed_rids == []
+    last = detok.handle_batch_token_id_out(_token_out(["bad"], [[104]], [LENGTH]))
+    assert last.output_strs == [""] and last.finished_reasons == [LENGTH]
+    assert detok.failed == set() and "bad" not in detok.states
+
+
+def test_tokenizer_manager_stops_a_request_the_detokenizer_failed():
+    async def body():
+        tm, sockets = _make_tm()
+        task = asyncio.create_task(_collect(tm, _req("r")))
+        await _settle()
+        failed = {"type": "abort", "message": "detokenization failed: boom"}
+        await sockets.inbox.put(_output("r", "", [], failed, failed_rids=["r"]))
+        out = await task
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert sockets.aborts() == ["r"]
+
+    run(body())
