@@ -169,15 +169,6 @@ class BatchStrOutput:
 
 
 @dataclass
-class SchedulerHeartbeat:
-    """Scheduler → (Detokenizer) → TokenizerManager, about once a second from the event loop:
-    the server's liveness watchdog listens to this, not to request output (a long
-    non-streaming generation sends nothing for minutes)."""
-
-    time: float
-
-
-@dataclass
 class SchedulerError:
     """Scheduler → TokenizerManager: a request was rejected before or while running."""
 

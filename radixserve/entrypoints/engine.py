@@ -40,9 +40,11 @@ class Subprocesses:
         self.port_args = PortArgs.new()
         sched_r, sched_w = ctx.Pipe(duplex=False)
         detok_r, detok_w = ctx.Pipe(duplex=False)
+        # The scheduler loop's last time.monotonic(), written each iteration (see liveness).
+        self.heartbeat = ctx.Value("d", time.monotonic(), lock=False)
         self.scheduler = ctx.Process(
             target=run_scheduler_process,
-            args=(server_args, self.port_args, sched_w),
+            args=(server_args, self.port_args, sched_w, self.heartbeat),
             name="radixserve-scheduler",
             daemon=True,
         )
@@ -84,6 +86,9 @@ class Subprocesses:
             if not p.is_alive():
                 return f"{p.name} exited with code {p.exitcode}"
         return None
+
+    def seconds_since_heartbeat(self) -> float:
+        return time.monotonic() - self.heartbeat.value
 
     def shutdown(self) -> None:
         for p in (self.scheduler, self.detokenizer):

@@ -80,19 +80,19 @@ class AppState:
         return self._silent_scheduler()
 
     def _silent_scheduler(self) -> str | None:
-        """Requests are pending but nothing, not even the scheduler's heartbeat (sent about once
-        a second from its event loop, between steps), came for watchdog_timeout s: the
-        scheduler is stuck in one step, or the path through the detokenizer is broken. A long
-        generation that streams nothing keeps the heartbeat going."""
-        tm, timeout = self.tokenizer_manager, self.server_args.watchdog_timeout
-        states = getattr(tm, "rid_to_state", None)
-        if not states or not timeout or timeout <= 0:
+        """Requests are pending but the scheduler's loop has not come round for
+        watchdog_timeout s: it is stuck in one step. Liveness comes from the loop's heartbeat,
+        not from request output (a long generation that streams nothing is healthy)."""
+        timeout, procs = self.server_args.watchdog_timeout, self.procs
+        states = getattr(self.tokenizer_manager, "rid_to_state", None)
+        if procs is None or not states or not timeout or timeout <= 0:
             return None
-        oldest = min(s.created for s in states.values())
-        silent = time.monotonic() - max(tm.last_receive_time, oldest)
+        silent = procs.seconds_since_heartbeat()
         if silent <= timeout:
             return None
-        return f"no heartbeat from the scheduler for {silent:.0f} s with {len(states)} requests pending"
+        return (
+            f"the scheduler has been stuck for {silent:.0f} s with {len(states)} requests pending"
+        )
 
     def request_exit(self, code: int) -> None:
         self.exit_code = code

@@ -1,9 +1,10 @@
 """The scheduler process: ZMQ in (TokenizerManager), ZMQ out (Detokenizer), the event loop.
 
 A crash here is logged with its traceback and ends the process with a non-zero status; the
-parent watches its children and shuts the server down rather than hang. The loop sends a
-heartbeat about once a second (through the detokenizer, which also proves that one alive), so
-the server can tell a hung scheduler from a long generation that streams nothing.
+parent watches its children and shuts the server down rather than hang. Every loop iteration
+writes the time into a shared `heartbeat` value, so the server can tell a scheduler stuck in
+one step from a long generation that streams nothing (and reads it without depending on its
+own event loop keeping up with the output).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
-HEARTBEAT_INTERVAL_S = 1.0
 
 
-def run_scheduler_process(server_args: Any, port_args: Any, ready: Any = None) -> None:
+def run_scheduler_process(
+    server_args: Any, port_args: Any, ready: Any = None, heartbeat: Any = None
+) -> None:
     from radixserve.utils import configure_child_process, zmq_socket
 
     configure_child_process("scheduler", server_args.log_level)
@@ -54,16 +56,12 @@ def run_scheduler_process(server_args: Any, port_args: Any, ready: Any = None) -
             timeout = 0
         return msgs
 
-    from radixserve.io_struct import SchedulerHeartbeat
-
-    last_beat = 0.0
     try:
         while True:
+            if heartbeat is not None:
+                heartbeat.value = time.monotonic()  # system-wide clock: the parent compares
             scheduler.process_input_requests(recv_requests())
             scheduler.step()
-            if (now := time.monotonic()) - last_beat >= HEARTBEAT_INTERVAL_S:
-                send.send_pyobj(SchedulerHeartbeat(now))  # the server's liveness signal
-                last_beat = now
     except Exception as e:
         logger.error("scheduler crashed: %s\n%s", e, traceback.format_exc())
         sys.exit(1)

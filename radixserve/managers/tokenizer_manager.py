@@ -104,7 +104,6 @@ class TokenizerManager:
             else max_running_requests + queued
         )
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
-        self.last_receive_time = time.monotonic()
         self._loop_task: asyncio.Task | None = None
 
     def close(self) -> None:
@@ -126,7 +125,6 @@ class TokenizerManager:
     async def handle_loop(self) -> None:
         while True:
             msg = await self.recv_from_detokenizer.recv_pyobj()
-            self.last_receive_time = time.monotonic()
             try:
                 self._dispatch(msg)
             except Exception:  # a bad message must not kill the loop that serves everyone
