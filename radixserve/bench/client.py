@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,8 +169,9 @@ async def _exchange(
             rec.end_time = clock()
             parser.on_event(json.loads(body_bytes), rec.end_time)
         else:
-            async for line in resp.aiter_lines():
+            async for raw in sse_lines(resp):
                 now = clock()
+                line = raw.decode()
                 if not line.startswith("data:"):
                     continue
                 chunk = line[len("data:") :].strip()
@@ -223,3 +224,16 @@ async def discover_model(client: httpx.AsyncClient) -> str:
         return str(resp.json()["data"][0]["id"])
     except Exception:  # servers without /v1/models take any name
         return "default"
+
+
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """Lines split at LF only, as SSE says; httpx's aiter_lines also splits at U+2028, U+0085
+    and other characters that JSON carries unescaped inside a string."""
+    buffer = b""
+    async for chunk in resp.aiter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if buffer:
+        yield buffer
