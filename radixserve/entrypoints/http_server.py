@@ -35,6 +35,7 @@ from radixserve.entrypoints.http_utils import (
     error_response,
     first_item,
     install_error_handlers,
+    install_request_bodies,
     json_response,
     parse_body,
     sse_event,
@@ -187,10 +188,6 @@ async def health_generate(request: Request) -> Response:
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateRequest)
-    if (body.text is None) == (body.input_ids is None):
-        raise RequestError("give exactly one of text and input_ids")
-    if isinstance(body.text, list) and not body.text:
-        raise RequestError("the prompt must not be empty")
     obj = GenerateReqInput(**body.model_dump())
     gen = _tm(request).generate_request(obj, None)
     if not obj.stream:
@@ -263,7 +260,8 @@ async def server_info(request: Request) -> Response:
     return json_response({**dataclasses.asdict(st.server_args), **info, **pids})
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.get("/flush_cache", operation_id="flush_cache_get")
+@router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(request: Request) -> Response:
     out = await _tm(request).flush_cache()
     if not out.success:
@@ -273,6 +271,15 @@ async def flush_cache(request: Request) -> Response:
 
 class AbortRequestBody(BaseModel):
     rid: str
+
+
+# The bodies that routes read with parse_body, for the OpenAPI document.
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/generate": GenerateRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/abort_request": AbortRequestBody,
+}
 
 
 @router.post("/abort_request")
@@ -325,6 +332,7 @@ def build_app(
     app = FastAPI(title="radixserve", lifespan=lifespan)
     app.state.rs = state
     app.include_router(router)
+    install_request_bodies(app, REQUEST_BODIES)
     install_error_handlers(app)
     if server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)

@@ -1,5 +1,6 @@
-"""HTTP plumbing shared by the native and the OpenAI routes: JSON/SSE responses, body parsing,
-waiting on the TokenizerManager while watching for client disconnects, error handlers, API key.
+"""HTTP plumbing shared by the native and the OpenAI routes: JSON/SSE responses, body parsing
+(and its description in the OpenAPI document), waiting on the TokenizerManager while watching
+for client disconnects, error handlers, API key.
 
 Used by `http_server` (routes, app) and `openai_api` (OpenAI endpoints).
 """
@@ -7,6 +8,7 @@ Used by `http_server` (routes, app) and `openai_api` (OpenAI endpoints).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable
@@ -16,11 +18,14 @@ import orjson
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.entrypoints.openai_protocol import error_body
+from radixserve.entrypoints.openai_protocol import (
+    error_body,
+)
 from radixserve.managers.tokenizer_manager import RequestError
 
 logger = logging.getLogger(__name__)
@@ -28,6 +33,8 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 1.0
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
 BodyT = TypeVar("BodyT", bound=BaseModel)
+REF_TEMPLATE = "#/components/schemas/{model}"
+UNION_TAGS = frozenset(("str", "int", "float", "bool", "none", "list", "dict", "any"))
 
 
 class ClientDisconnected(Exception):
@@ -42,8 +49,12 @@ def json_response(content: Any, status_code: int = 200) -> Response:
     return Response(body, status_code=status_code, media_type="application/json")
 
 
-def error_response(message: str, status_code: int = 400) -> Response:
-    return json_response(error_body(message, status_code), status_code)
+def error_response(
+    message: str, status_code: int = 400, headers: dict[str, str] | None = None
+) -> Response:
+    response = json_response(error_body(message, status_code), status_code)
+    response.headers.update(headers or {})
+    return response
 
 
 def sse_event(data: Any) -> bytes:
@@ -58,23 +69,78 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
     """Parse a JSON body whatever its Content-Type (curl -d sends a form type)."""
-
-    try:
-        data = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as e:
-        raise RequestError(f"the body is not valid JSON: {e}") from None
+    data = loads_json(await request.body())
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestError(validation_message(e.errors())) from None
 
 
+def loads_json(raw: bytes) -> Any:
+    """orjson, else Python's parser, which also reads NaN, Infinity and 1e999: such a number is
+    then refused by validation with a message that names its field. What orjson refuses for
+    another reason (a lone surrogate, which no tokenizer takes) stays refused."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        error = RequestError(f"the body is not valid JSON: {e}")
+    try:
+        data = json.loads(raw)
+        orjson.dumps(data)  # raises on a lone surrogate; NaN and inf pass (as null)
+    except (ValueError, TypeError, RecursionError):
+        raise error from None
+    return data
+
+
 def validation_message(errors: list[Any]) -> str:
-    parts = []
-    for err in errors[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    """Pydantic errors as one line that names each field: unknown fields first, together; then
+    per field the reasons it failed (a union's members each add one)."""
+    unknown = [_loc(err) for err in errors if err.get("type") == "extra_forbidden"]
+    reasons: dict[str, list[str]] = {}
+    for err in errors:
+        if err.get("type") != "extra_forbidden":
+            msgs = reasons.setdefault(_loc(err), [])
+            if err.get("msg") not in msgs:
+                msgs.append(str(err.get("msg")))
+    # A union member that failed higher up (a dict is not a list) hides the deeper reason.
+    deepest = [loc for loc in reasons if not any(o.startswith(loc + ".") for o in reasons)]
+    parts = [f"unsupported field(s): {', '.join(unknown)}"] if unknown else []
+    for loc in deepest[:5]:
+        why = " or ".join(reasons[loc])
+        parts.append(f"{loc}: {why}" if loc else why)
     return "; ".join(parts) or "invalid request"
+
+
+def _loc(err: Any) -> str:
+    """The field's path, without FastAPI's "body" and pydantic's union member tags."""
+    return ".".join(str(x) for x in err.get("loc", ()) if not _is_tag(x))
+
+
+def _is_tag(x: Any) -> bool:
+    return isinstance(x, str) and (x == "body" or "[" in x or x in UNION_TAGS)
+
+
+def with_request_bodies(
+    schema: dict[str, Any], bodies: dict[str, type[BaseModel]]
+) -> dict[str, Any]:
+    """Add to an OpenAPI document the JSON body of each POST route in `bodies` (path → model):
+    routes that read their body with parse_body are otherwise documented without one."""
+    refs, defs = models_json_schema(
+        [(m, "validation") for m in bodies.values()], ref_template=REF_TEMPLATE
+    )
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    for path, model in bodies.items():
+        operation = schema["paths"][path]["post"]
+        content = {"application/json": {"schema": refs[(model, "validation")]}}
+        operation["requestBody"] = {"required": True, "content": content}
+        operation["responses"].setdefault("400", {"description": "Invalid request"})
+    return schema
+
+
+def install_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Make the app's /openapi.json describe the bodies that parse_body reads."""
+    original = app.openapi
+    app.openapi = lambda: with_request_bodies(original(), bodies)  # type: ignore[method-assign]
 
 
 async def until_disconnected(aw: Awaitable[Any], request: Request | None) -> Any:
@@ -129,7 +195,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, exc: RequestError) -> Response:
-        return error_response(str(exc), exc.status_code)
+        return error_response(str(exc), exc.status_code, exc.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:

@@ -4,8 +4,9 @@ TokenizerManager's output dicts become OpenAI choices, logprobs and usage.
 Pure functions (no I/O), used by `openai_serving`. Defaults follow OpenAI: completions generate
 at most 16 tokens unless `max_tokens` says otherwise (set in `openai_protocol`); chat completions
 generate up to the context window. `n > 1` and prompt lists become choices in prompt-major order
-(choice index = prompt index × n + sample index). Prompt logprobs are not computed yet: with
-`echo` and `logprobs` the prompt tokens are listed with null logprobs.
+(choice index = prompt index × n + sample index). Prompt logprobs are not computed yet, so
+`echo` with `logprobs` is refused (`openai_protocol.CompletionRequest`) rather than answered
+with null logprobs for the prompt tokens.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from typing import Any
 from radixserve.args import ServerArgs
 from radixserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
+    ChatContentPart,
+    CompletionRequest,
+    SamplingFields,
+)
+from radixserve.entrypoints.openai_responses import (
     ChoiceLogprobs,
     CompletionLogprobs,
-    CompletionRequest,
     PromptTokensDetails,
-    SamplingFields,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -32,6 +36,12 @@ from radixserve.managers.tokenizer_manager import RequestError
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# Parameters of transformers' apply_chat_template (not template variables).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    "conversation tools documents chat_template add_generation_prompt continue_final_message "
+    "tokenize padding truncation max_length return_tensors return_dict "
+    "return_assistant_tokens_mask tokenizer_kwargs messages self".split()
+)
 
 
 # -- model names ---------------------------------------------------------------------------------
@@ -166,10 +176,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for m in req.messages:
         content = m.content
         if isinstance(content, list):
-            bad = [p.type for p in content if p.type != "text" or p.text is None]
-            if bad:
-                raise RequestError(f"unsupported content part type {bad[0]!r}; only text")
-            content = "\n".join(p.text for p in content)  # type: ignore[misc]
+            content = "\n".join(_text_of(p) for p in content)
         msg: dict[str, Any] = {
             "role": "system" if m.role == "developer" else m.role,
             "content": content or "",
@@ -180,10 +187,28 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def _text_of(part: ChatContentPart) -> str:
+    if part.type != "text" or part.text is None:
+        raise RequestError(f"unsupported content part type {part.type!r}; only text")
+    if part.model_extra:
+        raise RequestError(f"unsupported field(s) in a text part: {', '.join(part.model_extra)}")
+    return part.text
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs are variables of the template (enable_thinking, ...); the names of
+    apply_chat_template's own parameters would change how it runs, not what it renders."""
+    kwargs = req.chat_template_kwargs or {}
+    reserved = sorted(kwargs.keys() & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    return kwargs
+
+
 def chat_to_generate(req: ChatCompletionRequest, tokenizer_manager: Any) -> GenerateReqInput:
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true")
-    input_ids = tokenizer_manager.apply_chat_template(chat_messages(req))
+    input_ids = tokenizer_manager.apply_chat_template(chat_messages(req), **template_kwargs(req))
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return GenerateReqInput(
         input_ids=input_ids,
@@ -238,22 +263,11 @@ class TokenStrings:
 
 
 def completion_logprobs(
-    tok: TokenStrings,
-    meta: dict[str, Any],
-    start: int,
-    offset: int,
-    prompt_ids: list[int] | None = None,
+    tok: TokenStrings, meta: dict[str, Any], start: int, offset: int
 ) -> CompletionLogprobs:
-    """Legacy logprobs of output tokens [start:], after the (echoed) prompt tokens whose logprobs
-    are null; text_offset continues from `offset` characters."""
+    """Legacy logprobs of output tokens [start:]; text_offset continues from `offset`, the
+    characters of this choice already sent."""
     out = CompletionLogprobs()
-    for tid in prompt_ids or []:
-        s = tok(tid)
-        out.tokens.append(s)
-        out.token_logprobs.append(None)
-        out.top_logprobs.append(None)
-        out.text_offset.append(offset)
-        offset += len(s)
     pairs = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
     for k in range(start, len(pairs)):

@@ -1,21 +1,71 @@
-"""Pydantic models of the OpenAI Completions / Chat Completions wire format (and the native
-`/generate` body), plus the OpenAI error body.
+"""Pydantic models of the OpenAI Completions / Chat Completions requests (and the native
+`/generate` body), plus the OpenAI error body; the responses are in `openai_responses`.
 
-Requests are validated here (types and simple ranges → HTTP 400 via the server's validation
-handler); everything that needs the tokenizer or the model is checked in `openai_api`.
-Fields beyond OpenAI's (top_k, min_p, repetition_penalty, regex, ...) are SGLang's extensions and
-reach us through the client's `extra_body`. Unknown fields are ignored, as SGLang and vLLM do.
+Requests are validated here (types, simple ranges, finite numbers → HTTP 400 through
+`http_utils.parse_body`); what needs the tokenizer or the model is checked in `openai_api`.
+Fields beyond OpenAI's (top_k, min_p, regex, ...) are SGLang's, sent through `extra_body`.
+An unknown field is a 400 naming it: dropping one that changes the meaning of a request (tools,
+best_of, ...) would answer another question than the one asked. Harmless metadata (user, store,
+...) and what SGLang's router adds to every request are accepted; a field in NOOP_ONLY is
+accepted only with a value that asks for nothing (false, null, the default).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+import dataclasses
+from typing import Annotated, Any, Literal, get_type_hints
 
-from pydantic import BaseModel, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    create_model,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from radixserve.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+# SGLang's ranges of the sampling params shared by all APIs (SamplingParams.verify checks them
+# again for the Engine; top_k 0 is refused there). Temperature above 2 is accepted, as in SGLang.
+RANGES = {
+    "n": Field(ge=1, le=MAX_N),
+    "temperature": Field(ge=0.0),
+    "top_p": Field(gt=0.0, le=1.0),
+    "top_k": Field(ge=-1),
+    "min_p": Field(ge=0.0, le=1.0),
+    "presence_penalty": Field(ge=-2.0, le=2.0),
+    "frequency_penalty": Field(ge=-2.0, le=2.0),
+    "repetition_penalty": Field(gt=0.0, le=2.0),
+    "max_new_tokens": Field(ge=0),
+    "min_new_tokens": Field(ge=0),
+}
+TokenId = Annotated[int, Field(ge=0)]
+TOOLS = "function calling is not implemented yet"
+# Fields we know but do not implement: (the values that ask for nothing, why another is a 400).
+NOOP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), TOOLS),
+    "tool_choice": ((None, "none"), TOOLS),
+    "functions": ((None, []), TOOLS),
+    "function_call": ((None, "none"), TOOLS),
+    "tool_calls": ((None, []), TOOLS),
+    "suffix": ((None, ""), "insertion is not implemented"),
+    "continue_final_message": ((False,), "not implemented yet"),
+    "continuous_usage_stats": ((False,), "usage comes in the last chunk only"),
+    "audio": ((None,), "text only"),
+    "reasoning_content": ((None,), "no reasoning parser"),
+    "return_hidden_states": ((False,), ""),
+    "data_parallel_rank": ((None, 0), "this server has a single data-parallel rank, 0"),
+    "logprob_start_len": ((-1,), "prompt logprobs are not computed yet"),
+    "return_text_in_logprobs": ((False,), "not implemented yet"),
+    "background": ((False,), ""),
+    "return_bytes": ((False,), ""),
+    "return_entropy": ((False,), ""),
+}
 
 
 def error_body(message: str, status_code: int, err_type: str | None = None) -> dict[str, Any]:
@@ -29,38 +79,85 @@ def error_body(message: str, status_code: int, err_type: str | None = None) -> d
     return {"error": {"message": message, "type": err_type, "param": None, "code": status_code}}
 
 
+def unsupported(field: str, why: str = "") -> PydanticCustomError:
+    """The validation error of a field we know but do not implement (the message names it)."""
+    message = f"{field} is not supported" + (f" ({why})" if why else "")
+    return PydanticCustomError("unsupported", message)
+
+
 # -- requests ------------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+def _document_noop_values(schema: dict[str, Any]) -> None:
+    """Say in the JSON schema (so in /openapi.json) which values a NOOP_ONLY field accepts."""
+    for name, prop in schema.get("properties", {}).items():
+        if name in NOOP_ONLY:
+            noop, why = NOOP_ONLY[name]
+            prop.clear()  # the declared type says what a client may send, not what we accept
+            prop.update(enum=list(noop), description=f"accepted only as a no-op. {why}".strip())
+
+
+class RequestModel(BaseModel):
+    """Base of every request body: unknown fields and non-finite numbers are rejected; a field
+    named in NOOP_ONLY must hold one of its no-op values."""
+
+    model_config = ConfigDict(
+        extra="forbid", allow_inf_nan=False, json_schema_extra=_document_noop_values
+    )
+
+    @model_validator(mode="after")
+    def _only_noop_values(self) -> RequestModel:
+        for name in type(self).model_fields.keys() & NOOP_ONLY.keys():
+            noop, why = NOOP_ONLY[name]
+            if getattr(self, name) not in noop:
+                raise unsupported(name, why)
+        return self
+
+
+class RoutingFields(RequestModel):
+    """What SGLang's router adds to every kind of request. The bootstrap fields pair a prefill
+    server with a decode server; a server without disaggregation ignores them, as SGLang's does."""
+
+    data_parallel_rank: int | None = Field(None, exclude=True)
+    bootstrap_host: str | None = Field(None, exclude=True)
+    bootstrap_port: int | None = Field(None, exclude=True)
+    bootstrap_room: int | list[int] | None = Field(None, exclude=True)
+    return_hidden_states: bool = Field(False, exclude=True)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestModel):
     name: str | None = None
+    description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RoutingFields):
     """Fields shared by both endpoints; `openai_api.sampling_params` maps them to SGLang names."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    n: Annotated[int, RANGES["n"]] = 1
+    temperature: Annotated[float | None, RANGES["temperature"]] = None
+    top_p: Annotated[float | None, RANGES["top_p"]] = None
+    top_k: Annotated[int | None, RANGES["top_k"]] = None
+    min_p: Annotated[float | None, RANGES["min_p"]] = None
+    presence_penalty: Annotated[float | None, RANGES["presence_penalty"]] = None
+    frequency_penalty: Annotated[float | None, RANGES["frequency_penalty"]] = None
+    repetition_penalty: Annotated[float | None, RANGES["repetition_penalty"]] = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     seed: int | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}}
+    )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
@@ -72,28 +169,65 @@ class SamplingFields(BaseModel):
     ebnf: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     rid: str | None = None
+    # Metadata that changes nothing about the answer.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in v or {}:
+            try:
+                int(key)
+            except ValueError:
+                msg = f"logit_bias key {key!r} is not a token id"
+                raise PydanticCustomError("token_id", msg) from None
+        return v
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     # OpenAI's default for the legacy completions endpoint is 16 tokens; None = up to the context.
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _supported_combinations(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported("best_of", "only best_of == n, which returns every sample")
+        if self.echo and self.logprobs is not None:
+            msg = "echo with logprobs (prompt logprobs) is not supported yet"
+            raise PydanticCustomError("unsupported", msg)
+        return self
 
 
 class ChatContentPart(BaseModel):
+    """A content part; `openai_api.chat_messages` rejects all but plain text parts."""
+
+    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    # What clients send back when they replay an assistant message as they received it.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -103,14 +237,59 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # a no-op without tools
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    continue_final_message: bool = False
+    # No reasoning parser: the whole output is content, whatever these say.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
-class GenerateRequest(BaseModel):
-    """Body of the native SGLang `/generate` endpoint."""
+class _StrictRequestModel(RequestModel):
+    model_config = ConfigDict(strict=True)  # SGLang's own API: "0.5" is not a number
 
+
+def _sampling_params_body() -> type[RequestModel]:
+    """`sampling_params` of /generate: a model of the fields of `SamplingParams` (built from
+    them, so the two never drift apart) with RANGES; SamplingParams.verify() checks the rest."""
+    hints = get_type_hints(SamplingParams)
+    fields = {
+        f.name: (Annotated[hints[f.name], RANGES.get(f.name, Field())], _default(f))
+        for f in dataclasses.fields(SamplingParams)
+        if f.init
+    }
+    return create_model("SamplingParamsBody", __base__=_StrictRequestModel, **fields)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    missing = f.default is dataclasses.MISSING
+    return Field(default_factory=f.default_factory) if missing else f.default
+
+
+SamplingParamsBody = _sampling_params_body()
+
+
+def _one_prompt_source(schema: dict[str, Any]) -> None:
+    _document_noop_values(schema)
+    given = {"not": {"type": "null"}}
+    schema["oneOf"] = [
+        {"required": [name], "properties": {name: given}} for name in ("text", "input_ids")
+    ]
+
+
+class GenerateRequest(RoutingFields):
+    """Body of the native `/generate` endpoint. `model_dump()` gives fields of `GenerateReqInput`
+    (not the accepted no-op fields), with only the sampling params the client set, so that
+    SamplingParams keeps its own defaults."""
+
+    model_config = ConfigDict(json_schema_extra=_one_prompt_source)
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool = False
@@ -118,125 +297,31 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     priority: int | None = None
+    # Added by SGLang's router; no-ops here (the model is the one this server serves).
+    model: str | None = Field(None, exclude=True)
+    log_metrics: bool = Field(True, exclude=True)
+    no_logs: bool = Field(False, exclude=True)
+    background: bool = Field(False, exclude=True)
+    return_bytes: bool = Field(False, exclude=True)
+    return_entropy: bool = Field(False, exclude=True)
 
+    @field_serializer("sampling_params")
+    def _set_fields_only(self, sp: Any) -> Any:
+        if isinstance(sp, list):
+            return [p.model_dump(exclude_unset=True) for p in sp]
+        return sp.model_dump(exclude_unset=True) if sp is not None else None
 
-# -- responses -----------------------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: str = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-    refusal: list[TokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: str = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "radixserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: str = "list"
-    data: list[ModelCard]
+    @model_validator(mode="after")
+    def _batch_shape(self) -> GenerateRequest:
+        """One prompt source; per-prompt lists (sampling_params, rid) match the prompts."""
+        if (self.text is None) == (self.input_ids is None):
+            raise PydanticCustomError("prompt", "give exactly one of text and input_ids")
+        prompts: Any = self.text if self.text is not None else self.input_ids
+        single = isinstance(prompts, str) or not prompts or isinstance(prompts[0], int)
+        for name in ("sampling_params", "rid"):
+            value = getattr(self, name)
+            if isinstance(value, list) and (single or len(value) != len(prompts)):
+                n = 1 if single else len(prompts)
+                msg = f"{name} is a list of {len(value)} for {n} prompt(s)"
+                raise PydanticCustomError("batch", msg)
+        return self

@@ -42,22 +42,24 @@ from radixserve.entrypoints.openai_api import (
     num_logprobs,
 )
 from radixserve.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    error_body,
+)
+from radixserve.entrypoints.openai_responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     ModelCard,
     ModelList,
-    SamplingFields,
     UsageInfo,
-    error_body,
 )
 from radixserve.io_struct import new_rid
 from radixserve.managers.tokenizer_manager import RequestError
@@ -83,9 +85,6 @@ class ChoiceCursor:
         self.num_logprobs = num_logprobs(self.meta)
         self.chars_sent += len(delta)
         self.finished = reason is not None
-
-
-EchoParts = list[tuple[str, list[int] | None]]
 
 
 # -- the endpoints -------------------------------------------------------------------------------
@@ -120,17 +119,17 @@ class OpenAIServing:
     # -- completions ------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
         self.check_model(req.model)
-        if req.suffix:
-            raise RequestError("suffix is not supported")
         obj = completion_to_generate(req)
         prompts, _ = normalize_prompt(req.prompt)
-        echo = self._echo_parts(req, prompts) if req.echo else None
         rid, created = "cmpl-" + new_rid(), int(time.time())
         gen = self.tm.generate_request(obj, None)
+        # The echo decodes the prompt ids, so only once the TokenizerManager has checked them.
         if not req.stream:
             outs = _as_list(await collect(gen, request))
+            echo = self._echo_parts(prompts) if req.echo else None
             return json_response(self._completion_response(req, rid, created, outs, echo))
         first = await first_item(gen, request)
+        echo = self._echo_parts(prompts) if req.echo else None
         model = self.served_model_name
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
@@ -150,17 +149,11 @@ class OpenAIServing:
         )
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
-    def _echo_parts(self, req: CompletionRequest, prompts: Prompts) -> EchoParts:
-        """Per prompt: (text to prepend, its token ids when logprobs are listed)."""
-        tokenizer = self.tm.tokenizer
-        parts: EchoParts = []
-        for j in range(len(prompts)):
-            text = prompts.texts[j] if prompts.texts else tokenizer.decode(prompts.ids[j])  # type: ignore[index]
-            ids = None
-            if req.logprobs is not None:
-                ids = prompts.ids[j] if prompts.ids else tokenizer.encode(text)
-            parts.append((text, ids))
-        return parts
+    def _echo_parts(self, prompts: Prompts) -> list[str]:
+        """Per prompt: the text to prepend to its choices."""
+        if prompts.texts is not None:
+            return prompts.texts
+        return [self.tm.tokenizer.decode(ids) for ids in prompts.ids or []]
 
     def _completion_response(
         self,
@@ -168,15 +161,15 @@ class OpenAIServing:
         rid: str,
         created: int,
         outs: list[dict[str, Any]],
-        echo: EchoParts | None,
+        echo: list[str] | None,
     ) -> CompletionResponse:
         choices = []
         for i, out in enumerate(outs):
             meta = out["meta_info"]
-            prefix, prompt_ids = echo[i // req.n] if echo else ("", None)
+            prefix = echo[i // req.n] if echo else ""
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(self.tok, meta, 0, 0, prompt_ids)
+                logprobs = completion_logprobs(self.tok, meta, 0, 0)
             reason, matched = finish_reason(meta)
             choices.append(
                 CompletionChoice(
@@ -196,18 +189,18 @@ class OpenAIServing:
     def _completion_delta(
         self,
         req: CompletionRequest,
-        echo: EchoParts | None,
+        echo: list[str] | None,
         i: int,
         c: ChoiceCursor,
         out: dict[str, Any],
     ) -> CompletionChoice | None:
         meta = out["meta_info"]
-        prefix, prompt_ids = echo[i // req.n] if echo and not c.started else ("", None)
+        prefix = echo[i // req.n] if echo and not c.started else ""
         delta = prefix + out["text"][c.text_len :]
         reason, matched = finish_reason(meta)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(self.tok, meta, c.num_logprobs, c.chars_sent, prompt_ids)
+            logprobs = completion_logprobs(self.tok, meta, c.num_logprobs, c.chars_sent)
         if not delta and reason is None and not (logprobs and logprobs.tokens):
             return None
         c.advance(out, delta, reason)

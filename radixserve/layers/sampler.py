@@ -17,6 +17,12 @@ import torch
 
 from radixserve.sampling_params import TOP_K_ALL, SamplingParams
 
+# Extreme but valid parameters overflow float32: a temperature past ~3.4e38 is inf (and
+# -inf / inf is NaN); dividing by a repetition penalty of 5e-324 gives inf. Beyond these bounds
+# the distribution no longer changes in any way a user could see.
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY = 1e-6
+
 
 class SamplingReq(Protocol):
     """What the sampler reads from a request (Req satisfies this)."""
@@ -48,7 +54,10 @@ class SamplingBatchInfo:
     ) -> SamplingBatchInfo:
         sps = [r.sampling_params for r in reqs]
         greedy = [sp.temperature < 1e-6 for sp in sps]
-        temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, sps, strict=True)]
+        temps = [
+            1.0 if g else min(sp.temperature, MAX_TEMPERATURE)
+            for g, sp in zip(greedy, sps, strict=True)
+        ]
         top_ks = [min(sp.effective_top_k, vocab_size) for sp in sps]
         need_filter = any(
             not g and (sp.top_p < 1.0 or k < vocab_size or sp.min_p > 0.0)
@@ -102,7 +111,8 @@ def apply_request_processors(logits: torch.Tensor, r: SamplingReq) -> torch.Tens
     if sp.repetition_penalty != 1.0:
         seen = torch.tensor(r.origin_input_ids + r.output_ids, dtype=torch.int64, device=dev)
         score = logits[seen]
-        score = torch.where(score < 0, score * sp.repetition_penalty, score / sp.repetition_penalty)
+        penalty = max(sp.repetition_penalty, MIN_REPETITION_PENALTY)  # x / 5e-324 is inf
+        score = torch.where(score < 0, score * penalty, score / penalty)
         logits = logits.scatter(0, seen, score)
     if (sp.frequency_penalty or sp.presence_penalty) and r.output_ids:
         out = torch.tensor(r.output_ids, dtype=torch.int64, device=dev)
@@ -159,6 +169,7 @@ class Sampler:
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         if info.need_filter:
             probs = _filter_probs(probs, info)
+        probs = _repair_degenerate_rows(probs, logits)
         choice = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
         unseeded = [i for i, s in enumerate(info.seeds) if s is None]
         if unseeded:
@@ -184,6 +195,18 @@ def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     drop |= sorted_probs < (sorted_probs[:, :1] * info.min_ps.view(-1, 1))
     drop[:, 0] = False  # the most likely token always survives
     return probs.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), 0.0)
+
+
+def _repair_degenerate_rows(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """A row whose distribution is not one (NaN/inf from extreme parameters, or nothing left
+    with any mass) becomes its argmax, so one request's numbers never crash the batch's draw."""
+    bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
+    if not bool(bad.any()):
+        return probs
+    best = torch.nan_to_num(logits[bad], nan=float("-inf")).argmax(dim=-1)
+    probs = probs.clone()
+    probs[bad] = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
+    return probs
 
 
 def _seeded_draw(probs: torch.Tensor, seed: int, step: int) -> torch.Tensor:

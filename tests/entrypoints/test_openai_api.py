@@ -16,7 +16,10 @@ from radixserve.entrypoints.openai_api import (
     model_aliases,
     served_model_name,
 )
-from radixserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from radixserve.managers.tokenizer_manager import RequestError
 
 
@@ -178,17 +181,21 @@ def test_completion_response_shape(fake_tm, make_client):
     }
 
 
-def test_completion_echo_with_logprobs(fake_tm, make_client):
-    req = {"prompt": "ab", "echo": True, "logprobs": 2, "max_tokens": 3}
+def test_completion_logprobs_and_echo(fake_tm, make_client):
+    req = {"prompt": "ab", "logprobs": 2, "max_tokens": 3}
     with make_client(fake_tm) as client:
         choice = client.post("/v1/completions", json=req).json()["choices"][0]
-    assert choice["text"] == "abHi!"
+        echoed = client.post("/v1/completions", json={**req, "logprobs": None, "echo": True})
+        both = client.post("/v1/completions", json={**req, "echo": True})
     lp = choice["logprobs"]
-    assert lp["tokens"] == ["a", "b", "H", "i", "!"]
-    assert lp["token_logprobs"] == [None, None, -0.5, -0.5, -0.5]  # no prompt logprobs yet
-    assert lp["top_logprobs"][:2] == [None, None]
-    assert lp["top_logprobs"][2] == {"H": -0.5, "x": -1.5}
-    assert lp["text_offset"] == [0, 1, 2, 3, 4]
+    assert choice["text"] == "Hi!" and lp["tokens"] == ["H", "i", "!"]
+    assert lp["token_logprobs"] == [-0.5, -0.5, -0.5]
+    assert lp["top_logprobs"][0] == {"H": -0.5, "x": -1.5}
+    assert lp["text_offset"] == [0, 1, 2]
+    assert echoed.json()["choices"][0]["text"] == "abHi!"
+    # Prompt logprobs are not computed: refused rather than answered with nulls.
+    assert both.status_code == 400
+    assert "echo with logprobs" in both.json()["error"]["message"]
 
 
 def test_completion_stream_shape(fake_tm, make_client):
@@ -324,3 +331,22 @@ def test_api_key(fake_tm, make_client):
         good = {"Authorization": "Bearer sekret"}
         assert client.post("/v1/completions", json={"prompt": "x"}, headers=good).status_code == 200
         assert client.get("/v1/models", headers=good).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_of_token_ids_outside_the_vocabulary_is_400(fake_tm, make_client, monkeypatch, stream):
+    """The echo decodes the prompt only after the TokenizerManager has checked its ids (found
+    by the HTTP fuzz: decoding 10**17 first was a 500)."""
+    generate = fake_tm.generate_request
+
+    async def checked(obj, request=None):
+        if any(t >= fake_tm.vocab_size for t in obj.input_ids):
+            raise RequestError("input_ids must be token ids in [0, vocab_size)")
+        async for out in generate(obj, request):
+            yield out
+
+    monkeypatch.setattr(fake_tm, "generate_request", checked)
+    body = {"prompt": [5, 10**17], "echo": True, "stream": stream}
+    with make_client(fake_tm) as client:
+        r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and "vocab_size" in r.json()["error"]["message"]

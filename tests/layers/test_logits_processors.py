@@ -238,3 +238,25 @@ def test_seeded_row_reproduces_when_batched_with_filtered_rows():
     for seed in range(20):
         r = make_req(seed=seed)
         assert _seeded_token([r], logits[:1]) == _seeded_token([r, make_req(top_p=0.5)], logits)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"repetition_penalty": 5e-324},
+        {"temperature": 1e300, "min_new_tokens": 2},
+        {"temperature": 1e39, "logit_bias": {"3": -100}},
+        {"temperature": 1e39, "seed": 5},
+    ],
+)
+def test_extreme_parameters_never_break_the_draw(params):
+    """Values inside the accepted ranges that overflow float32 (found by fuzzing the server:
+    each one crashed the scheduler in torch.multinomial)."""
+    torch.manual_seed(0)
+    reqs = [make_req(max_new_tokens=4, **params), make_req(max_new_tokens=4, temperature=0.7)]
+    info = SamplingBatchInfo.from_reqs(reqs, V, "cpu")
+    logits = random_logits(rows=2) * 2
+    logits[0, 7] = float("-inf")  # a banned token, as a grammar mask leaves it
+    out = Sampler()(logits, info, return_logprob=True)
+    assert out.next_token_ids.shape == (2,)
+    assert all(0 <= t < V for t in out.next_token_ids.tolist())

@@ -1,0 +1,176 @@
+"""The live server under the inputs, timings and load of issue 9: 200 concurrent requests under
+lpm with 8 running, duplicate rids, aborts right after submission, a long silent generation
+with a short watchdog, the queue bound, and the offline Engine when its scheduler dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from test_http_server import ServerProcess, wait_drained
+
+pytestmark = pytest.mark.real_model
+
+SHORT_WATCHDOG_S = 5
+
+
+@pytest.fixture(scope="module")
+def lpm_server(tmp_path_factory, default_model_path):
+    server = ServerProcess(
+        str(tmp_path_factory.mktemp("hardening")),
+        "--schedule-policy",
+        "lpm",
+        "--max-running-requests",
+        "8",
+        "--chunked-prefill-size",
+        "64",
+        "--enable-mixed-chunk",
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory, default_model_path):
+    """2 running + 1 queued request at most, and a watchdog of a few seconds."""
+    server = ServerProcess(
+        str(tmp_path_factory.mktemp("small")),
+        "--max-running-requests",
+        "2",
+        "--max-queued-requests",
+        "1",
+        "--watchdog-timeout",
+        str(SHORT_WATCHDOG_S),
+    )
+    try:
+        server.wait_ready()
+        warm_up = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(server.url + "/generate", json=warm_up, timeout=120).status_code == 200
+        yield server
+    finally:
+        server.stop()
+
+
+async def _post_all(url: str, bodies: list[dict[str, Any]], path: str = "/generate") -> list:
+    limits = httpx.Limits(max_connections=len(bodies))
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        return await asyncio.gather(*(client.post(path, json=b) for b in bodies))
+
+
+def test_200_concurrent_requests_under_lpm_with_8_running(lpm_server):
+    prefixes = ["You are a helpful assistant. " * 8, "Translate into French: " * 6, ""]
+    bodies = [
+        {
+            "text": prefixes[i % 3] + f"Question {i}: name a colour.",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        }
+        for i in range(200)
+    ]
+    replies = asyncio.run(_post_all(lpm_server.url, bodies))
+    assert [r.status_code for r in replies] == [200] * 200
+    assert all(r.json()["meta_info"]["completion_tokens"] == 4 for r in replies)
+    info = wait_drained(lpm_server)
+    assert info["protected_tokens"] == 0
+
+
+def test_duplicate_rid_is_a_400_and_the_first_request_answers(lpm_server):
+    body = {"text": "Count slowly:", "rid": "dup-1", "sampling_params": {"max_new_tokens": 24}}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=lpm_server.url, timeout=120) as client:
+            first = asyncio.create_task(client.post("/generate", json=body))
+            await asyncio.sleep(0.3)
+            second = await client.post("/generate", json=body)
+            return [await first, second]
+
+    first, second = asyncio.run(run())
+    assert first.status_code == 200 and first.json()["meta_info"]["id"] == "dup-1"
+    assert second.status_code == 400 and "dup-1" in second.json()["error"]["message"]
+    wait_drained(lpm_server)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.15, 0.3, 0.6, 1.0])
+def test_abort_soon_after_submission_is_never_lost(lpm_server, delay):
+    rid = f"abort-{delay}"
+    body = {
+        "text": "Write a long story about a dragon.",
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+    }
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=lpm_server.url, timeout=120) as client:
+            task = asyncio.create_task(client.post("/generate", json=body))
+            await asyncio.sleep(delay)
+            for _ in range(50):  # until the request is registered
+                ack = await client.post("/abort_request", json={"rid": rid})
+                if ack.json()["success"]:
+                    break
+                await asyncio.sleep(0.01)
+            return ack, await task
+
+    ack, reply = asyncio.run(run())
+    assert ack.json()["success"]
+    meta = reply.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort", meta
+    assert meta["completion_tokens"] < 200
+    wait_drained(lpm_server)
+
+
+def test_past_the_queue_bound_requests_get_503_with_retry_after(small_server):
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    replies = asyncio.run(_post_all(small_server.url, [body] * 12))
+    codes = [r.status_code for r in replies]
+    assert set(codes) == {200, 503} and codes.count(200) >= 3, codes
+    refused = next(r for r in replies if r.status_code == 503)
+    assert refused.headers["Retry-After"] == "1"
+    assert "overloaded" in refused.json()["error"]["message"]
+    ok = [r for r in replies if r.status_code == 200]
+    assert all(r.json()["meta_info"]["completion_tokens"] == 40 for r in ok)
+    wait_drained(small_server)
+
+
+def test_long_silent_generation_outlives_a_short_watchdog(small_server):
+    """Nothing is streamed for longer than the watchdog timeout; the scheduler's heartbeat
+    keeps the server up (it used to exit, taking every request with it)."""
+    start = time.monotonic()
+    reply = httpx.post(
+        small_server.url + "/generate",
+        json={"text": "Once", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}},
+        timeout=300,
+    )
+    assert reply.status_code == 200
+    assert time.monotonic() - start > SHORT_WATCHDOG_S + 1, "too fast to prove anything"
+    assert small_server.proc.poll() is None
+    assert httpx.get(small_server.url + "/health", timeout=30).status_code == 200
+
+
+def test_engine_raises_when_its_scheduler_dies(default_model_path):
+    from radixserve import Engine
+    from radixserve.managers.tokenizer_manager import RequestError
+
+    engine = Engine(model_path=default_model_path, dtype="float32", max_total_tokens=4096)
+    try:
+        params = {"max_new_tokens": 2000, "ignore_eos": True}
+        pool = ThreadPoolExecutor(1)
+        fut = pool.submit(engine.generate, "Tell me everything.", params)
+        time.sleep(1.0)
+        os.kill(engine.procs.scheduler.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            fut.result(timeout=15)
+        assert e.value.status_code == 503 and "scheduler" in str(e.value)
+        assert time.monotonic() - start < 10
+        with pytest.raises(RequestError):
+            engine.generate("Hello", {"max_new_tokens": 2})
+    finally:
+        engine.shutdown()
