@@ -322,9 +322,12 @@ class TokenizerManager:
                 state.event.clear()
                 if state.error is not None:
                     raise RequestError(state.error["message"], state.error["status_code"])
-                if state.stream or state.finished:
+                # Decide on this snapshot: more output (the finish, even) can arrive while the
+                # consumer holds it, and must then be yielded on the next round, not skipped.
+                finished = state.finished
+                if state.stream or finished:
                     yield state.snapshot()
-                if state.finished:
+                if finished:
                     return
         finally:
             if not state.finished:  # the consumer went away (disconnect, cancel, error)

@@ -244,6 +244,24 @@ def test_a_slow_stream_reader_sees_the_latest_state_not_a_backlog():
     run(body())
 
 
+def test_a_finish_that_arrives_while_the_reader_holds_an_item_is_still_yielded():
+    async def body():
+        tm, sockets = _make_tm()
+        gen = tm.generate_request(GenerateReqInput(input_ids=[5], stream=True))
+        first = asyncio.create_task(gen.__anext__())
+        await _settle()
+        rid = sockets.requests()[0].rid
+        await sockets.inbox.put(_output(rid, "a", [1], None))
+        assert (await first)["meta_info"]["finish_reason"] is None
+        # The reader is busy with "a" (sending it) when the finish comes in.
+        await sockets.inbox.put(_output(rid, "b", [2], LENGTH))
+        await _settle()
+        last = await gen.__anext__()
+        assert last["text"] == "ab" and last["meta_info"]["finish_reason"]["type"] == "length"
+
+    run(body())
+
+
 # -- item 3: one validation path -----------------------------------------------------------------
 @pytest.mark.parametrize(
     "field, obj",
