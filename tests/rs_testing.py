@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import torch
@@ -100,8 +102,6 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list
 
 
 def load_hf_reference(model_path: str) -> Any:
-    import os
-
     import transformers
 
     if model_path.endswith(".gguf"):
@@ -148,4 +148,40 @@ def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0) -> str:
             if "norm" not in name:
                 p.normal_(0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+# A byte-level tokenizer for the tiny models, so that a real server can serve them.
+SPECIALS = ["<unk>", "<s>", "</s>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_byte_tokenizer(path: str, vocab_size: int) -> None:
+    """A byte-level tokenizer with exactly `vocab_size` ids: the specials (ids 0-2 match the
+    tiny model's bos/eos), the 256 bytes, then fillers that decode to plain text."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = SPECIALS + pre_tokenizers.ByteLevel.alphabet()
+    tokens += [f"<x{i}>" for i in range(vocab_size - len(tokens))]
+    tok = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def make_tiny_served_model(path: str) -> str:
+    """A tiny random Llama with a byte-level tokenizer and a chat template: a model directory
+    that `python -m radixserve serve --model-path` and the Engine load in seconds."""
+    make_tiny_model_dir(path, "llama")
+    with open(os.path.join(path, "config.json")) as f:
+        save_byte_tokenizer(path, json.load(f)["vocab_size"])
     return path

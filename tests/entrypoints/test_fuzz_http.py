@@ -23,7 +23,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
-from rs_testing import make_tiny_model_dir
+from rs_testing import make_tiny_served_model
 from schemathesis.generation import GenerationMode
 from test_http_server import ServerProcess
 
@@ -38,37 +38,11 @@ SEED = os.environ.get("RADIXSERVE_FUZZ_SEED")
 GENERATION = ("POST /generate", "POST /v1/completions", "POST /v1/chat/completions")
 REQUEST_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 30.0
-SPECIALS = ["<unk>", "<s>", "</s>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def save_byte_tokenizer(path: str, vocab_size: int) -> None:
-    """A byte-level tokenizer with exactly `vocab_size` ids: the specials (ids 0-2 match the
-    tiny model's bos/eos), the 256 bytes, then fillers that decode to plain text."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
-    tokens = SPECIALS + pre_tokenizers.ByteLevel.alphabet()
-    tokens += [f"<x{i}>" for i in range(vocab_size - len(tokens))]
-    tok = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, [], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
-    model = make_tiny_model_dir(str(tmp_path_factory.mktemp("fuzz_model")), "llama")
-    with open(os.path.join(model, "config.json")) as f:
-        save_byte_tokenizer(model, json.load(f)["vocab_size"])
+    model = make_tiny_served_model(str(tmp_path_factory.mktemp("fuzz_model")))
     extra = ["--model-path", model, "--context-length", str(CONTEXT_LENGTH)]
     proc = ServerProcess(str(tmp_path_factory.mktemp("fuzz_server")), *extra)
     try:

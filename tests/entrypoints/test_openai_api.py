@@ -4,6 +4,7 @@ mapping, response and stream shapes, HTTP status codes and error bodies, the API
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -350,3 +351,27 @@ def test_echo_of_token_ids_outside_the_vocabulary_is_400(fake_tm, make_client, m
     with make_client(fake_tm) as client:
         r = client.post("/v1/completions", json=body)
     assert r.status_code == 400 and "vocab_size" in r.json()["error"]["message"]
+
+
+async def _refuse_overloaded(obj: Any, request: Any = None):
+    """What the real TokenizerManager does past --max-queued-requests."""
+    raise RequestError("the server is overloaded; retry later", 503, {"Retry-After": "1"})
+    yield  # an async generator, like the real one
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/generate", {"text": "hi"}),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+    ],
+)
+def test_overload_is_a_503_with_retry_after(make_client, fake_tm, path, body):
+    fake_tm.generate_request = _refuse_overloaded
+    with make_client(fake_tm) as client:
+        resp = client.post(path, json=body)
+    assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+    assert resp.json()["error"]["type"] == "service_unavailable"
+    assert "overloaded" in resp.json()["error"]["message"]

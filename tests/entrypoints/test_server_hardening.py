@@ -1,6 +1,7 @@
 """The live server under the inputs, timings and load of issue 9: 200 concurrent requests under
 lpm with 8 running, duplicate rids, aborts right after submission, a long silent generation
-with a short watchdog, the queue bound, and the offline Engine when its scheduler dies."""
+with a short watchdog, and the offline Engine when its scheduler dies. (The queue bound is
+tested in the TokenizerManager's tests, over HTTP in test_openai_api and live in the soak.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from rs_testing import make_tiny_served_model
 from test_http_server import ServerProcess, wait_drained
 
 pytestmark = pytest.mark.real_model
@@ -31,29 +33,12 @@ def lpm_server(tmp_path_factory, default_model_path):
         "--chunked-prefill-size",
         "64",
         "--enable-mixed-chunk",
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def small_server(tmp_path_factory, default_model_path):
-    """2 running + 1 queued request at most, and a watchdog of a few seconds."""
-    server = ServerProcess(
-        str(tmp_path_factory.mktemp("small")),
-        "--max-running-requests",
-        "2",
-        "--max-queued-requests",
-        "1",
         "--watchdog-timeout",
         str(SHORT_WATCHDOG_S),
     )
     try:
         server.wait_ready()
-        warm_up = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+        warm_up = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}  # first forward
         assert httpx.post(server.url + "/generate", json=warm_up, timeout=120).status_code == 200
         yield server
     finally:
@@ -126,44 +111,33 @@ def test_abort_soon_after_submission_is_never_lost(lpm_server, delay):
     wait_drained(lpm_server)
 
 
-def test_past_the_queue_bound_requests_get_503_with_retry_after(small_server):
-    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
-    replies = asyncio.run(_post_all(small_server.url, [body] * 12))
-    codes = [r.status_code for r in replies]
-    assert set(codes) == {200, 503} and codes.count(200) >= 3, codes
-    refused = next(r for r in replies if r.status_code == 503)
-    assert refused.headers["Retry-After"] == "1"
-    assert "overloaded" in refused.json()["error"]["message"]
-    ok = [r for r in replies if r.status_code == 200]
-    assert all(r.json()["meta_info"]["completion_tokens"] == 40 for r in ok)
-    wait_drained(small_server)
-
-
-def test_long_silent_generation_outlives_a_short_watchdog(small_server):
+def test_long_silent_generation_outlives_a_short_watchdog(lpm_server):
     """Nothing is streamed for longer than the watchdog timeout; the scheduler's heartbeat
     keeps the server up (it used to exit, taking every request with it)."""
     start = time.monotonic()
     reply = httpx.post(
-        small_server.url + "/generate",
-        json={"text": "Once", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}},
+        lpm_server.url + "/generate",
+        json={"text": "Once", "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}},
         timeout=300,
     )
     assert reply.status_code == 200
     assert time.monotonic() - start > SHORT_WATCHDOG_S + 1, "too fast to prove anything"
-    assert small_server.proc.poll() is None
-    assert httpx.get(small_server.url + "/health", timeout=30).status_code == 200
+    assert lpm_server.proc.poll() is None
+    assert httpx.get(lpm_server.url + "/health", timeout=30).status_code == 200
 
 
-def test_engine_raises_when_its_scheduler_dies(default_model_path):
+def test_engine_raises_when_its_scheduler_dies(tmp_path):
     from radixserve import Engine
     from radixserve.managers.tokenizer_manager import RequestError
 
-    engine = Engine(model_path=default_model_path, dtype="float32", max_total_tokens=4096)
+    model = make_tiny_served_model(str(tmp_path / "tiny"))
+    engine = Engine(model_path=model, dtype="float32", max_total_tokens=4096)
     try:
-        params = {"max_new_tokens": 2000, "ignore_eos": True}
+        params = {"max_new_tokens": 1000, "ignore_eos": True}
         pool = ThreadPoolExecutor(1)
-        fut = pool.submit(engine.generate, "Tell me everything.", params)
-        time.sleep(1.0)
+        fut = pool.submit(engine.generate, [f"Tell me story {i}." for i in range(8)], params)
+        time.sleep(0.5)
+        assert not fut.done(), "the generation must still be running when the scheduler dies"
         os.kill(engine.procs.scheduler.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(RequestError) as e:
