@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from radixserve.io_struct import (
     TokenizedGenerateReqInput,
     new_rid,
 )
+from radixserve.managers.grammar_check import GrammarCheck
 from radixserve.managers.request_checks import (
     RequestError,
     check_length,
@@ -92,8 +92,9 @@ class TokenizerManager:
         self.vocab_size = vocab_size
         self.metrics = metrics
         self.eos_token_ids = list(eos_token_ids or [])
-        self._grammar_backend: Any = None  # created on the first constrained request
-        self._grammar_lock = threading.Lock()  # grammar checks run on executor threads
+        self._grammar_check = GrammarCheck(
+            server_args.grammar_backend, tokenizer, vocab_size, self.eos_token_ids
+        )
         self.rid_to_state: dict[str, ReqState] = {}
         self._draining: set[str] = set()  # aborted here, not yet finished in the scheduler
         self.dead: str | None = None  # why no request can be served any more (fail_all)
@@ -236,27 +237,8 @@ class TokenizerManager:
         tokenized = self.tokenize_one(obj)
         sp = tokenized.sampling_params
         if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._check_grammar, sp)
+            await asyncio.get_running_loop().run_in_executor(None, self._grammar_check.check, sp)
         return tokenized
-
-    def _check_grammar(self, sp: SamplingParams) -> None:
-        """Compile the grammar here first so a bad one is a 400 with the compiler's message."""
-        if sp.json_schema is None and sp.regex is None and sp.ebnf is None:
-            return
-        if self.server_args.grammar_backend == "none":
-            raise RequestError("constrained decoding is disabled (--grammar-backend none)")
-        from radixserve.constrained.xgrammar_backend import XGrammarBackend, grammar_key
-
-        with self._grammar_lock:
-            if self._grammar_backend is None:
-                self._grammar_backend = XGrammarBackend(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids
-                )
-        key = grammar_key(sp)
-        assert key is not None
-        message = self._grammar_backend.validate(*key)
-        if message is not None:
-            raise RequestError(message)
 
     async def generate_request(
         self, obj: GenerateReqInput, request: Any = None
