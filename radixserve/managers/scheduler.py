@@ -139,9 +139,7 @@ class Scheduler(SchedulerOutputMixin):
         self.waiting_queue.append(req)
 
     def _reject(self, req: Req, message: str) -> None:
-        req.finished_reason = finish_abort(message, status_code=400)
-        self.stats.num_aborted += 1
-        self.stream_output([req])
+        self._finish_queued_abort(req, message, status_code=400)
 
     def move_ready_grammar_requests(self) -> None:
         ready, failed = self.grammar_manager.pop_ready()
@@ -195,9 +193,9 @@ class Scheduler(SchedulerOutputMixin):
             reqs.append(self.chunked_req)
         return reqs
 
-    def _finish_queued_abort(self, req: Req, message: str) -> None:
-        """A request that holds no KV (queued, or retracted) ends here."""
-        req.finished_reason = finish_abort(message)
+    def _finish_queued_abort(self, req: Req, message: str, status_code: int | None = None) -> None:
+        """A request that holds no KV (new, queued, or retracted) ends here."""
+        req.finished_reason = finish_abort(message, status_code)
         self.stats.num_aborted += 1
         self.stream_output([req])
 

@@ -187,8 +187,8 @@ class TokenizerManager:
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
-        """Tokenize and verify one (single) request; RequestError names a bad field."""
-        verify_request_fields(obj)
+        """Tokenize one single request whose fields generate_request has checked (for the whole
+        batch at once) and verify its sampling params; RequestError names a bad field."""
         if obj.input_ids is not None:
             input_ids = list(obj.input_ids)  # type: ignore[arg-type]
             if any(t < 0 or t >= self.vocab_size for t in input_ids):  # type: ignore[operator]
@@ -271,9 +271,11 @@ class TokenizerManager:
         """Refuse a duplicate live rid (400) and load past the queue bound (503), before any
         sub-request is sent."""
         rids = [t.rid for t in tokenized_list]
+        seen: set[str] = set()
         for rid in rids:
-            if rid in self.rid_to_state or rid in self._draining or rids.count(rid) > 1:
+            if rid in self.rid_to_state or rid in self._draining or rid in seen:
                 raise RequestError(f"a request with rid {rid!r} is already running")
+            seen.add(rid)
         limit = self.max_in_flight
         if limit is not None and len(self.rid_to_state) + len(rids) > limit:
             raise RequestError(
