@@ -57,6 +57,11 @@ class ServerArgs:
     radix_eviction_policy: str = _f("lru", "Radix cache eviction policy.", EVICTION_POLICIES)
     disable_radix_cache: bool = _f(False, "Disable prefix caching.")
     enable_mixed_chunk: bool = _f(False, "Run decode requests inside prefill batches.")
+    disable_overlap_schedule: bool = _f(
+        False,
+        "Run each step's forward and its result processing one after the other (the normal "
+        "loop) instead of overlapping the forward with the previous step's processing.",
+    )
     enable_integrity_checks: bool = _f(False, "Check cache/pool integrity after every step.")
     random_seed: int = _f(0, "Seed for weights of the dummy format and for sampling.")
     num_threads: int | None = _f(None, "Torch threads on CPU (default: physical cores).")

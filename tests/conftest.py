@@ -11,6 +11,25 @@ from rs_testing import make_tiny_model_dir
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def _close_schedulers(monkeypatch):
+    """Stop the forward thread of every in-process Scheduler a test builds (the thread holds
+    the model; left running, each test's model would stay in memory)."""
+    from radixserve.managers.scheduler import Scheduler
+
+    built: list[Scheduler] = []
+    init = Scheduler.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(Scheduler, "__init__", tracking_init)
+    yield
+    for s in built:
+        s.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_llama")), "llama")

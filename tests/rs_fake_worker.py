@@ -1,7 +1,10 @@
 """A fake TpModelWorker for scheduler tests: no model, but a "KV pool" that stores the token id
-written at each slot, so every step can check that each request's req_to_token row points at
-slots holding exactly its tokens (prefix cache hits included). The next token is a fixed
-function of the whole sequence, so outputs do not depend on batching or caching."""
+and the position written at each slot. Every step checks that the req_to_token rows it was
+given point, position by position, at written slots (prefix cache hits included), and the next
+token is a fixed function of the whole sequence read back from those slots: a row pointing at
+a wrong slot changes that request's output, which the tests compare with `expected_output`.
+It works as the real worker does, from the step's snapshot (ModelWorkerBatch) only, so the
+overlap loop can run it on its forward thread with future input ids."""
 
 from __future__ import annotations
 
@@ -9,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.managers.tp_worker import GenerationBatchResult
+from radixserve.layers.sampler import Sampler
+from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixserve.model_executor.forward_batch import ModelWorkerBatch
 
 VOCAB = 97
 EOS = 2
@@ -41,9 +46,14 @@ class FakeModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_running, context_len + 8)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total_tokens, page_size)
         self.kv = torch.full((total_tokens + page_size,), -1, dtype=torch.int64)
+        self.kv_pos = torch.full((total_tokens + page_size,), -1, dtype=torch.int64)
+        self.sampler = Sampler()
+
+    def sample(self, logits, info, return_logprob=False, top_logprobs_num=0):
+        return self.sampler(logits, info, return_logprob, top_logprobs_num)
 
 
-class FakeWorker:
+class FakeWorker(TpModelWorker):
     def __init__(
         self,
         total_tokens: int = 4096,
@@ -52,25 +62,31 @@ class FakeWorker:
         page_size: int = 1,
     ) -> None:
         self.model_runner = FakeModelRunner(total_tokens, max_running, context_len, page_size)
+        self.device = "cpu"
+        self.vocab_size = VOCAB
         self.steps = 0
 
-    def forward_batch_generation(self, batch) -> GenerationBatchResult:
+    def forward(self, mwb: ModelWorkerBatch, input_ids: torch.Tensor | None = None):
+        """Logits [B, VOCAB] whose argmax is next_token(the row's sequence)."""
         mr = self.model_runner
-        loc = batch.out_cache_loc
-        assert len(loc) == len(batch.input_ids)
+        ids = input_ids if input_ids is not None else torch.tensor(mwb.input_ids)
+        assert bool((ids >= 0).all()), "an unresolved future input id"
+        loc = mwb.out_cache_loc
+        assert len(loc) == len(ids)
         assert len(torch.unique(loc)) == len(loc), "two new tokens share a slot"
-        mr.kv[loc] = torch.tensor(batch.input_ids, dtype=torch.int64)
-        table = mr.req_to_token_pool.req_to_token
-        out = []
-        for r, seq_len in zip(batch.reqs, batch.seq_lens, strict=True):
-            seq = (r.origin_input_ids + r.output_ids)[:seq_len]
-            slots = table[r.req_pool_idx, :seq_len].long()
-            got = mr.kv[slots].tolist()
-            assert got == seq, f"{r.rid}: KV slots hold {got[:8]}... expected {seq[:8]}..."
+        mr.kv[loc] = ids
+        mr.kv_pos[loc] = torch.tensor(mwb.positions, dtype=torch.int64)
+        logits = torch.zeros(mwb.batch_size, VOCAB)
+        for b, seq_len in enumerate(mwb.seq_lens):
+            slots = mwb.kv_rows[b, :seq_len]
+            pos = mr.kv_pos[slots].tolist()
+            assert pos == list(range(seq_len)), (
+                f"{mwb.rids[b]}: its row points at slots of positions {pos[:8]}..."
+            )
             # Ignored for intermediate chunks; otherwise seq_len covers prompt + outputs.
-            out.append(next_token(r.origin_input_ids + r.output_ids))
+            logits[b, next_token(mr.kv[slots].tolist())] = 1.0
         self.steps += 1
-        return GenerationBatchResult(out)
+        return logits
 
     def get_memory_info(self) -> dict:
         mr = self.model_runner

@@ -1,7 +1,8 @@
 """Batched sampling with per-request parameters, and the logits processors that run before it.
 
 SamplingBatchInfo is rebuilt from the batch's requests every step (so filtering or merging a
-batch can never misalign it). Order, as in SGLang: logits processors (penalties, logit_bias,
+batch can never misalign it); it copies what it reads from them, so the overlap scheduler can
+go on changing the requests while a forward thread samples. Order, as in SGLang: logits processors (penalties, logit_bias,
 min_new_tokens masking, grammar vocab mask) → greedy rows take argmax → other rows: temperature,
 softmax, top-k / top-p / min-p filtering, then a draw. Seeded rows draw from a generator
 seeded by (seed, output position), so a seeded request reproduces whatever it is batched with.
@@ -45,13 +46,21 @@ class SamplingBatchInfo:
     seeds: list[int | None]
     steps: list[int]
     vocab_size: int
-    reqs: Sequence[SamplingReq]
+    processed_rows: list[tuple[int, SamplingReq]]  # rows with penalties, bias or min tokens
     vocab_mask: torch.Tensor | None = None  # [B, V] bool, True = forbidden (grammar)
 
     @classmethod
     def from_reqs(
-        cls, reqs: Sequence[SamplingReq], vocab_size: int, device: str
+        cls,
+        reqs: Sequence[SamplingReq],
+        vocab_size: int,
+        device: str,
+        pending: Sequence[int] | None = None,
     ) -> SamplingBatchInfo:
+        """`pending[i]`: tokens request i has sampled that are not in its output_ids yet (the
+        overlap loop launches a step before the previous step's result is processed); they
+        count in the position a seeded draw uses. Requests with a logits processor must have
+        no pending token (the overlap loop delays their sampling until it does)."""
         sps = [r.sampling_params for r in reqs]
         greedy = [sp.temperature < 1e-6 for sp in sps]
         temps = [
@@ -72,25 +81,45 @@ class SamplingBatchInfo:
             is_all_greedy=all(greedy),
             need_filter=need_filter,
             seeds=[sp.seed for sp in sps],
-            steps=[len(r.output_ids) for r in reqs],
+            steps=[len(r.output_ids) + (pending[i] if pending else 0) for i, r in enumerate(reqs)],
             vocab_size=vocab_size,
-            reqs=reqs,
+            processed_rows=[(i, _ReqView.of(r)) for i, r in enumerate(reqs) if needs_processing(r)],
         )
 
     # -- logits processors -------------------------------------------------------------------
     def apply_logits_processors(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalties, logit_bias, min_new_tokens and grammar masks, per row. Returns logits."""
-        rows = [i for i, r in enumerate(self.reqs) if _needs_processing(r)]
-        if rows:
+        if self.processed_rows:
             logits = logits.clone()
-            for i in rows:
-                logits[i] = apply_request_processors(logits[i], self.reqs[i])
+            for i, r in self.processed_rows:
+                logits[i] = apply_request_processors(logits[i], r)
         if self.vocab_mask is not None:
             logits = logits.masked_fill(self.vocab_mask, float("-inf"))
         return logits
 
 
-def _needs_processing(r: SamplingReq) -> bool:
+@dataclass(frozen=True)
+class _ReqView:
+    """What the logits processors read from a request, copied when the step is built."""
+
+    sampling_params: SamplingParams
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    eos_token_ids: Sequence[int]
+    grammar: object | None
+
+    @classmethod
+    def of(cls, r: SamplingReq) -> _ReqView:
+        return cls(
+            r.sampling_params,
+            r.origin_input_ids,  # never changed after arrival
+            list(r.output_ids),
+            r.eos_token_ids,
+            getattr(r, "grammar", None),
+        )
+
+
+def needs_processing(r: SamplingReq) -> bool:
     sp = r.sampling_params
     return bool(
         sp.frequency_penalty

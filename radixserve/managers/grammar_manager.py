@@ -83,9 +83,16 @@ class GrammarManager:
         self.queue = still
         return ready, failed
 
-    def vocab_mask(self, reqs: Sequence[Req]) -> torch.Tensor | None:
-        """[B, V] bool (True = forbidden) for a batch with constrained rows, else None."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_chunked]
+    def vocab_mask(
+        self, reqs: Sequence[Req], skip: Sequence[bool] | None = None
+    ) -> torch.Tensor | None:
+        """[B, V] bool (True = forbidden) for a batch with constrained rows, else None. Rows in
+        `skip` (intermediate prefill chunks) and finished requests are left open."""
+        rows = [
+            i
+            for i, r in enumerate(reqs)
+            if r.grammar is not None and not r.finished() and not (skip and skip[i])
+        ]
         if not rows:
             return None
         packed = self.backend.allocate_vocab_mask(len(reqs))

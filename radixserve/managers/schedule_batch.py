@@ -21,7 +21,7 @@ import torch
 
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import RadixKey
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.sampling_params import SamplingParams
 
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -79,7 +79,10 @@ class Req:
         self.kv_committed_len = 0
         self.kv_allocated_len = 0
         self.cache_protected_len = 0
-        self.is_chunked = 0  # > 0 while an intermediate prefill chunk is in flight
+        self.chunk_to_cache = False  # an intermediate chunk ran; insert it before the next one
+        # Overlap loop: the future slot holding the token sampled by the step in flight, which
+        # output_ids does not have yet; the next decode step reads it as input id -slot.
+        self.pending_future: int | None = None
         self.finished_reason: dict[str, Any] | None = None
         self.to_abort: str | None = None
         self.admitted = False
@@ -98,6 +101,10 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def last_token_input(self) -> int:
+        """The next decode step's input id: the last output token, or a future reference."""
+        return -self.pending_future if self.pending_future is not None else self.output_ids[-1]
 
     @property
     def max_new_tokens(self) -> int:
@@ -123,7 +130,8 @@ class Req:
         self.last_node = None
         self.req_pool_idx = None
         self.kv_committed_len = self.kv_allocated_len = self.cache_protected_len = 0
-        self.is_chunked = 0
+        self.chunk_to_cache = False
+        self.pending_future = None  # a step in flight for it is dropped (num_retractions)
         self.extend_input_len = 0
         self.num_retractions += 1
 
@@ -190,7 +198,7 @@ class ScheduleBatch:
         self.extend_lens: list[int] = []
         self.seq_lens: list[int] = [r.kv_committed_len for r in reqs]
         self.decoding_reqs: list[Req] = []  # requests mixed into an extend batch
-        self.vocab_mask: torch.Tensor | None = None  # grammar mask of this step [B, V]
+        self.chunked_req: Req | None = None  # the request this step computes a middle chunk of
         self.page_size = allocator.page_size
 
     def is_empty(self) -> bool:
@@ -295,7 +303,7 @@ class ScheduleBatch:
         starts = [r.kv_committed_len for r in reqs]
         ends = [s + 1 for s in starts]
         self.out_cache_loc = self._alloc_slots(reqs, starts, ends)
-        self.input_ids = [r.output_ids[-1] for r in reqs]
+        self.input_ids = [r.last_token_input() for r in reqs]
         self.positions = starts
         self.prefix_lens = starts
         self.extend_lens = [1] * len(reqs)
@@ -338,18 +346,25 @@ class ScheduleBatch:
         return retracted
 
     # -- to the worker --------------------------------------------------------------------------
-    def get_forward_batch(self, device: str) -> ForwardBatch:
-        return ForwardBatch(
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        """Snapshot this step for the worker (copies the req_to_token rows it reads)."""
+        rows = [r.req_pool_idx for r in self.reqs]
+        table = self.req_to_token_pool.req_to_token
+        kv_rows = table[torch.tensor(rows, dtype=torch.int64), : max(self.seq_lens)]
+        return ModelWorkerBatch(
             forward_mode=self.forward_mode,
-            batch_size=len(self.reqs),
-            input_ids=torch.tensor(self.input_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(self.positions, dtype=torch.int64, device=device),
-            req_pool_indices=torch.tensor(
-                [r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=device
-            ),
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int64, device=device),
-            out_cache_loc=self.out_cache_loc.to(device),
-            seq_lens_cpu=list(self.seq_lens),
-            extend_prefix_lens_cpu=list(self.prefix_lens),
-            extend_seq_lens_cpu=list(self.extend_lens),
+            input_ids=list(self.input_ids),
+            positions=list(self.positions),
+            req_pool_indices=rows,
+            seq_lens=list(self.seq_lens),
+            prefix_lens=list(self.prefix_lens),
+            extend_lens=list(self.extend_lens),
+            out_cache_loc=self.out_cache_loc,
+            kv_rows=kv_rows.to(torch.int64),
+            return_logprob=any(r.return_logprob for r in self.reqs),
+            top_logprobs_num=max((r.top_logprobs_num for r in self.reqs), default=0),
+            rids=[r.rid for r in self.reqs],
         )
+
+    def get_forward_batch(self, device: str) -> ForwardBatch:
+        return self.get_model_worker_batch().to_forward_batch(device)

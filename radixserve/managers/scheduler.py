@@ -3,6 +3,8 @@
 State: waiting_queue, running_batch, chunked_req, last_batch. Each step:
 get_next_batch_to_run (merge the last extend batch into running, prefill first, else decode)
 → run_batch (TpModelWorker) → process_batch_result (append tokens, finish, free, stream).
+The overlap loop (default) launches step N on the forward thread, then processes step N−1's
+result while N runs (see overlap_utils); `--disable-overlap-schedule` runs the normal loop.
 Receives TokenizedGenerateReqInput / AbortReq / control requests through `process_input_requests`
 and emits BatchTokenIDOutput through the `send_output` callable given to the constructor (a
 ZMQ socket's send in the served engine, a list's append in tests).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +27,12 @@ from radixserve.io_struct import (
     GetServerInfoReqOutput,
     TokenizedGenerateReqInput,
 )
+from radixserve.layers.sampler import SamplingBatchInfo, needs_processing
 from radixserve.managers.grammar_manager import GrammarManager
+from radixserve.managers.overlap_utils import ForwardThread, FutureMap, InFlightStep
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort
 from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
-from radixserve.managers.scheduler_output import SchedulerOutputMixin
+from radixserve.managers.scheduler_output import BatchSnapshot, SchedulerOutputMixin
 from radixserve.managers.scheduler_stats import NewTokenRatioTracker, SchedulerStats
 from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.mem_cache.chunk_cache import ChunkCache
@@ -91,6 +96,11 @@ class Scheduler(SchedulerOutputMixin):
             self.chunked_prefill_size = max(
                 self.page_size, self.chunked_prefill_size // self.page_size * self.page_size
             )
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        self.result_queue: deque[tuple[BatchSnapshot, InFlightStep]] = deque()
+        if self.enable_overlap:
+            self.future_map = FutureMap(self.max_running_requests, self.tp_worker.device)
+            self.forward_thread = ForwardThread(self.tp_worker, self.future_map)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache)
@@ -221,17 +231,87 @@ class Scheduler(SchedulerOutputMixin):
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> ScheduleBatch | None:
-        """Run one iteration of the normal loop; returns the batch that ran (or None)."""
-        batch = self.get_next_batch_to_run()
-        if batch is not None:
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result)
+        """Run one iteration of the loop; returns the batch it ran or launched (or None)."""
+        batch = self._overlap_step() if self.enable_overlap else self._normal_step()
         self.last_batch = batch
         if self.server_args.enable_integrity_checks:
             self.check_integrity()
         return batch
 
-    def event_loop_normal(self, recv_requests: Callable[[], list[Any]]) -> None:
+    def _normal_step(self) -> ScheduleBatch | None:
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            snapshot = BatchSnapshot.of(batch)
+            result = self.run_batch(batch)
+            self.process_batch_result(snapshot, result)
+        return batch
+
+    def _overlap_step(self) -> ScheduleBatch | None:
+        """One iteration of event_loop_overlap: launch this step, then process the previous
+        one while it runs (seed 000 §10.2)."""
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            snapshot, mwb = self._snapshot_for_launch(batch)
+            last = self.result_queue[-1][0] if self.result_queue else None
+            if (
+                last is not None
+                and last.forward_mode.is_extend()
+                and batch.forward_mode.is_extend()
+            ):
+                # Two prefills in a row: the first one's tokens go out before the second runs
+                # (otherwise its TTFT grows by a whole prefill).
+                self._process_next_result()
+            self.result_queue.append((snapshot, self.forward_thread.launch(mwb, snapshot.futures)))
+        while len(self.result_queue) > (batch is not None):
+            self._process_next_result()
+        self.launch_batch_sample_if_needed()
+        return batch
+
+    def _snapshot_for_launch(self, batch: ScheduleBatch) -> tuple[BatchSnapshot, Any]:
+        """Everything the step and its result processing read, taken before anything else
+        changes the requests (processing a result may finish some of them)."""
+        snapshot = BatchSnapshot.of(batch)
+        mwb = batch.get_model_worker_batch()
+        rows = [(r.req_pool_idx, r.rid) for r in batch.reqs]
+        slots = self.future_map.alloc(rows)
+        sampled = [r for r, chunk in zip(batch.reqs, snapshot.chunk_rows, strict=True) if not chunk]
+        # Grammar masks and penalties read every previous token: that sampling waits until
+        # the previous step's result is processed (`launch_batch_sample_if_needed`).
+        if not any(r.grammar is not None or needs_processing(r) for r in sampled):
+            pending = [int(r.pending_future is not None) for r in batch.reqs]
+            mwb.sampling_info = SamplingBatchInfo.from_reqs(
+                batch.reqs, self.model_config.vocab_size, self.tp_worker.device, pending
+            )
+        if self.server_args.enable_integrity_checks:  # invariant 9
+            for r in batch.reqs:
+                if r.pending_future is not None:
+                    self.future_map.check_owner(r.pending_future, r.req_pool_idx, r.rid)
+        for r, slot, chunk in zip(batch.reqs, slots, snapshot.chunk_rows, strict=True):
+            if not chunk:
+                r.pending_future = slot
+        snapshot.futures = slots
+        return snapshot, mwb
+
+    def launch_batch_sample_if_needed(self) -> None:
+        if not self.result_queue:
+            return
+        snapshot, step = self.result_queue[-1]
+        if step.sample_launched:
+            return
+        # Every earlier step is processed: the requests' outputs and grammars are up to date.
+        info = SamplingBatchInfo.from_reqs(
+            snapshot.reqs, self.model_config.vocab_size, self.tp_worker.device
+        )
+        mask = self.grammar_manager.vocab_mask(snapshot.reqs, skip=snapshot.chunk_rows)
+        self.forward_thread.launch_sample(step, info, mask)
+
+    def _process_next_result(self) -> None:
+        snapshot, step = self.result_queue.popleft()
+        self.process_batch_result(snapshot, step.wait())
+
+    def event_loop(self, recv_requests: Callable[[], list[Any]]) -> None:
+        """SGLang's event_loop_overlap (or event_loop_normal with --disable-overlap-schedule);
+        the served process runs the same iterations with its heartbeat (scheduler_process)."""
         while True:
             self.process_input_requests(recv_requests())
             if self.step() is None:
@@ -251,15 +331,21 @@ class Scheduler(SchedulerOutputMixin):
             or self.chunked_req
             or in_last
             or self.grammar_manager.queue
+            or self.result_queue
         )
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
-            # Requests that just prefilled join the running batch (minus the chunked one).
+            # Requests that just prefilled join the running batch (minus the chunked one); their
+            # prompts go into the tree now, so later requests share them.
+            decoding = {id(r) for r in last.decoding_reqs}
             last.filter_batch(
                 [r for r in last.reqs if not r.finished() and r is not self.chunked_req]
             )
+            for r in last.reqs:
+                if id(r) not in decoding:
+                    self.tree_cache.cache_unfinished_req(r)
             if last.reqs:
                 self.running_batch.merge_batch(last)
         self.running_batch.filter_batch()
@@ -300,6 +386,9 @@ class Scheduler(SchedulerOutputMixin):
             mixed_decode_tokens=len(running) if mixed else 0,
         )
         if self.chunked_req is not None:
+            if self.chunked_req.chunk_to_cache:  # share the chunk it computed last round
+                self.chunked_req.chunk_to_cache = False
+                self.tree_cache.cache_unfinished_req(self.chunked_req)
             self.chunked_req.init_next_chunk()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         for req in list(self.waiting_queue):
@@ -313,8 +402,9 @@ class Scheduler(SchedulerOutputMixin):
                 break
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
-        if self.chunked_req is not None and self.chunked_req in adder.can_run_list:
-            self.chunked_req.is_chunked += 1  # this round computes an intermediate chunk
+        intermediate = self.chunked_req if self.chunked_req in adder.can_run_list else None
+        if intermediate is not None:  # this round computes an intermediate chunk
+            intermediate.chunk_to_cache = True
         can_run = adder.can_run_list
         if not can_run:
             return None
@@ -326,6 +416,7 @@ class Scheduler(SchedulerOutputMixin):
                 r.cached_tokens = len(r.prefix_indices)
                 self.stats.on_first_admission(len(r.origin_input_ids), r.cached_tokens)
         batch = self._new_batch(can_run)
+        batch.chunked_req = intermediate
         batch.prepare_for_extend()
         self.stats.num_prefill_batches += 1
         if mixed and self.chunked_req is None and self._decode_fits(self.running_batch):
@@ -363,8 +454,18 @@ class Scheduler(SchedulerOutputMixin):
         return need <= self.allocator.available_size() + self.tree_cache.evictable_size()
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        batch.vocab_mask = self.grammar_manager.vocab_mask(batch.reqs)
-        return self.tp_worker.forward_batch_generation(batch)
+        mwb = batch.get_model_worker_batch()
+        mwb.sampling_info = SamplingBatchInfo.from_reqs(
+            batch.reqs, self.model_config.vocab_size, self.tp_worker.device
+        )
+        chunk_rows = [r is batch.chunked_req for r in batch.reqs]
+        mask = self.grammar_manager.vocab_mask(batch.reqs, skip=chunk_rows)
+        return self.tp_worker.forward_batch_generation(mwb, mask)
+
+    def close(self) -> None:
+        """Stop the forward thread (tests build many schedulers in one process)."""
+        if self.enable_overlap:
+            self.forward_thread.close()
 
     # -- control --------------------------------------------------------------------------------
     def flush_cache(self) -> FlushCacheReqOutput:

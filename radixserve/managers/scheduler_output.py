@@ -2,18 +2,42 @@
 
 Mixed into Scheduler. Intermediate prefill chunks emit nothing (invariant 11). A request that
 finishes gives its KV to the tree (cache_finished_req); one still running after its prefill has
-its prompt inserted at once (cache_unfinished_req) so later requests can share it.
+its prompt inserted when it joins the running batch (Scheduler.get_next_batch_to_run), and a
+chunked request its computed chunks before its next chunk, so later requests can share them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixserve.io_struct import BatchTokenIDOutput
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort
+from radixserve.model_executor.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
     from radixserve.managers.tp_worker import GenerationBatchResult
+
+
+@dataclass
+class BatchSnapshot:
+    """What processing a step's result needs, taken when the step was launched (invariant 7):
+    the live batch is filtered and merged again before the overlap loop processes it."""
+
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    chunk_rows: list[bool]  # an intermediate prefill chunk: no token
+    retractions: list[int]  # a request retracted since the launch drops this step's token
+    futures: list[int] | None = None  # overlap: the future slot of each row's token
+
+    @classmethod
+    def of(cls, batch: ScheduleBatch) -> BatchSnapshot:
+        return cls(
+            list(batch.reqs),
+            batch.forward_mode,
+            [r is batch.chunked_req for r in batch.reqs],
+            [r.num_retractions for r in batch.reqs],
+        )
 
 
 class SchedulerOutputMixin:
@@ -25,38 +49,35 @@ class SchedulerOutputMixin:
     server_args: Any
     grammar_manager: Any
 
-    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        if batch.forward_mode.is_decode():
+    def process_batch_result(self, snap: BatchSnapshot, result: GenerationBatchResult) -> None:
+        """Append each row's token. In the overlap loop a request may have finished, been
+        aborted or been retracted after this step was launched: its token is dropped (its
+        slots were freed with it, and a retracted request computes the token again)."""
+        if snap.forward_mode.is_decode():
             self.stats.num_decode_batches += 1
-        decoding = {id(r) for r in batch.decoding_reqs}
         to_stream: list[Req] = []
-        for i, req in enumerate(batch.reqs):
-            if req.is_chunked > 0:  # an intermediate chunk: no token, nothing streamed
-                req.is_chunked -= 1
-                if req.to_abort is not None:
-                    self._abort_chunked(req)
-                    to_stream.append(req)
-                else:  # share the computed chunk at once (and move the lock onto it)
-                    self.tree_cache.cache_unfinished_req(req)
+        for i, req in enumerate(snap.reqs):
+            if snap.chunk_rows[i]:  # an intermediate chunk: no token, nothing streamed
                 continue
-            if req.finished():  # aborted while in flight
+            if req.finished() or req.num_retractions != snap.retractions[i]:
                 continue
-            req.output_ids.append(result.next_token_ids[i])
+            token = result.next_token_ids[i]
+            if snap.futures is None or req.pending_future == snap.futures[i]:
+                req.pending_future = None
+            req.output_ids.append(token)
             self.stats.generation_tokens += 1
             if req.return_logprob and result.logprobs is not None:
-                req.output_token_logprobs.append((result.logprobs[i], result.next_token_ids[i]))
+                req.output_token_logprobs.append((result.logprobs[i], token))
                 if result.top_logprobs is not None and req.top_logprobs_num:
                     req.output_top_logprobs.append(result.top_logprobs[i][: req.top_logprobs_num])
             if req.grammar is not None:
-                self.grammar_manager.accept(req, result.next_token_ids[i])
+                self.grammar_manager.accept(req, token)
             req.check_finished(self.tokenizer)
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
                 self.stats.num_finished += 1
                 if req.finished_reason and req.finished_reason["type"] == "abort":
                     self.stats.num_aborted += 1
-            elif batch.forward_mode.is_extend() and id(req) not in decoding:
-                self.tree_cache.cache_unfinished_req(req)
             to_stream.append(req)
         self.stream_output(to_stream)
 

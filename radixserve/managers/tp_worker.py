@@ -1,7 +1,9 @@
-"""TpModelWorker: turns a ScheduleBatch into a ForwardBatch, runs the model and samples.
+"""TpModelWorker: runs one step's ModelWorkerBatch through the model and samples.
 
 The scheduler's only door to the model. With one rank there is no collective; with tensor
 parallelism every rank would run the same step and agree on the sampled tokens (invariant 10).
+The step is split in two (`forward` → logits, `sample` → tokens) so the overlap loop can run
+the forward before the sampling inputs are known (grammar masks, penalties).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.layers.sampler import SamplingBatchInfo
-from radixserve.managers.schedule_batch import ScheduleBatch
+from radixserve.layers.sampler import SampleOutput, SamplingBatchInfo
+from radixserve.model_executor.forward_batch import ModelWorkerBatch
 from radixserve.model_executor.model_runner import ModelRunner
 
 
@@ -22,23 +24,9 @@ class GenerationBatchResult:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
 
-
-class TpModelWorker:
-    def __init__(self, server_args: ServerArgs, model_runner: ModelRunner | None = None) -> None:
-        self.model_runner = model_runner or ModelRunner(server_args)
-        self.device = self.model_runner.device
-        self.vocab_size = self.model_runner.model_config.vocab_size
-
-    def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        fb = batch.get_forward_batch(self.device)
-        info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.device)
-        if batch.vocab_mask is not None:
-            info.vocab_mask = batch.vocab_mask.to(self.device)
-        logits = self.model_runner.forward(fb).next_token_logits
-        want_lp = any(r.return_logprob for r in batch.reqs)
-        top_n = max((r.top_logprobs_num for r in batch.reqs), default=0)
-        out = self.model_runner.sample(logits, info, want_lp, top_n)
-        result = GenerationBatchResult(out.next_token_ids.tolist())
+    @classmethod
+    def from_sample(cls, out: SampleOutput) -> GenerationBatchResult:
+        result = cls(out.next_token_ids.tolist())
         if out.logprobs is not None:
             result.logprobs = out.logprobs.tolist()
         if out.top_logprobs is not None:
@@ -48,6 +36,39 @@ class TpModelWorker:
                 for v, i in zip(vals.tolist(), ids.tolist(), strict=True)
             ]
         return result
+
+
+class TpModelWorker:
+    def __init__(self, server_args: ServerArgs, model_runner: ModelRunner | None = None) -> None:
+        self.model_runner = model_runner or ModelRunner(server_args)
+        self.device = self.model_runner.device
+        self.vocab_size = self.model_runner.model_config.vocab_size
+
+    def forward(self, mwb: ModelWorkerBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits [B, V]; `input_ids` replaces mwb.input_ids (resolved futures)."""
+        fb = mwb.to_forward_batch(self.device, input_ids)
+        return self.model_runner.forward(fb).next_token_logits
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        vocab_mask: torch.Tensor | None,
+        mwb: ModelWorkerBatch,
+    ) -> SampleOutput:
+        if vocab_mask is not None:
+            info.vocab_mask = vocab_mask.to(self.device)
+        return self.model_runner.sample(logits, info, mwb.return_logprob, mwb.top_logprobs_num)
+
+    def forward_batch_generation(
+        self, mwb: ModelWorkerBatch, vocab_mask: torch.Tensor | None = None
+    ) -> GenerationBatchResult:
+        """One whole step, as the normal loop runs it."""
+        assert isinstance(mwb.sampling_info, SamplingBatchInfo)
+        logits = self.forward(mwb)
+        return GenerationBatchResult.from_sample(
+            self.sample(logits, mwb.sampling_info, vocab_mask, mwb)
+        )
 
     @torch.inference_mode()
     def get_memory_info(self) -> dict[str, int]:

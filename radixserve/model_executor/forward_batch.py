@@ -4,11 +4,17 @@ The Scheduler builds a ScheduleBatch (requests, policies, memory); TpModelWorker
 a ForwardBatch, which holds only tensors and the few CPU lists the attention backend needs.
 Layout: tokens of all requests are packed back to back ("ragged"); request b owns tokens
 [extend_start_loc[b], extend_start_loc[b] + extend_seq_lens[b]).
+
+ModelWorkerBatch sits between the two: a snapshot of one step that the scheduler hands to the
+worker. It copies everything the forward reads from shared state, including each request's
+req_to_token row, so the overlap scheduler may rewrite rows (free, re-admit, dedup a prefix)
+while the step runs (DESIGN §5, invariants 7 and 8). Input ids below zero are futures: the
+next-token ids of the step before, resolved on the worker (FutureMap).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING
 
@@ -33,6 +39,45 @@ class ForwardMode(IntEnum):
 
 
 @dataclass
+class ModelWorkerBatch:
+    forward_mode: ForwardMode
+    input_ids: list[int]  # -k: the token step N-1 sampled into future slot k
+    positions: list[int]
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor  # [T] int64
+    kv_rows: torch.Tensor  # [B, max(seq_lens)] int64: req_to_token rows copied at launch
+    sampling_info: object | None = None  # SamplingBatchInfo; None while its sampling waits
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    rids: list[str] = field(default_factory=list)  # for error messages and the fake worker
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    def to_forward_batch(self, device: str, input_ids: torch.Tensor | None = None) -> ForwardBatch:
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return ForwardBatch(
+            forward_mode=self.forward_mode,
+            batch_size=self.batch_size,
+            input_ids=input_ids if input_ids is not None else tensor(self.input_ids),
+            positions=tensor(self.positions),
+            req_pool_indices=tensor(self.req_pool_indices),
+            seq_lens=tensor(self.seq_lens),
+            out_cache_loc=self.out_cache_loc.to(device),
+            seq_lens_cpu=list(self.seq_lens),
+            extend_prefix_lens_cpu=list(self.prefix_lens),
+            extend_seq_lens_cpu=list(self.extend_lens),
+            kv_rows=self.kv_rows.to(device),
+        )
+
+
+@dataclass
 class ForwardBatch:
     forward_mode: ForwardMode
     batch_size: int
@@ -44,6 +89,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]  # decode: seq_len - 1
     extend_seq_lens_cpu: list[int]  # decode: 1
+    kv_rows: torch.Tensor | None = None  # [B, >= max seq len] slots; else read req_to_token
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: MHATokenToKVPool | None = None
     attn_backend: AttentionBackend | None = None

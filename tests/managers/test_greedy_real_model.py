@@ -1,5 +1,6 @@
 """Greedy generation with the real default model equals transformers' greedy generate, token for
-token, however the requests are batched; every run drains with no slot, row or lock left."""
+token, however the requests are batched, in the overlap loop and in the normal loop (so the two
+loops are token-identical); every run drains with no slot, row or lock left."""
 
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ def _check(h: SchedulerHarness, rids: list[str], reference: list[list[int]]) -> 
     h.scheduler.assert_drained()
 
 
-@pytest.fixture(scope="module")
-def harness_factory(default_model_path):
+@pytest.fixture(scope="module", params=["overlap", "normal"])
+def harness_factory(request, default_model_path):
     def make(**kwargs):
         kwargs.setdefault("max_total_tokens", 12000)
+        kwargs.setdefault("disable_overlap_schedule", request.param == "normal")
         return SchedulerHarness(model_path=default_model_path, **kwargs)
 
     make.model_path = default_model_path

@@ -1,6 +1,8 @@
 """Property-based test of the scheduler over a fake model: random arrivals, lengths, shared
-prefixes, aborts, tiny KV pools and page sizes 1, 4 and 16. After every step the invariants of
-DESIGN §5 hold (2–6, 11, 12), and every request's output equals the fake model's sequence."""
+prefixes, aborts, tiny KV pools and page sizes 1, 4 and 16, in the overlap loop (the fake
+worker on the forward thread, future input ids) and in the normal loop. After every step the
+invariants of DESIGN §5 hold (2–6, 9, 11, 12), and every request's output equals the fake
+model's sequence."""
 
 from __future__ import annotations
 
@@ -63,9 +65,10 @@ def _check_invariants(s: Scheduler, streamed: dict[str, list[int]], admitted: se
     policy=st.sampled_from(["fcfs", "lpm", "dfs-weight", "lof", "random", "priority"]),
     radix=st.booleans(),
     mixed=st.booleans(),
+    overlap=st.booleans(),
 )
-def test_scheduler_invariants(reqs, page_size, pool_pages, chunk, policy, radix, mixed):
-    _drive(reqs, page_size, pool_pages * 16, chunk, policy, radix, mixed, max_running=6)
+def test_scheduler_invariants(reqs, page_size, pool_pages, chunk, policy, radix, mixed, overlap):
+    _drive(reqs, page_size, pool_pages * 16, chunk, policy, radix, mixed, 6, overlap)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -75,14 +78,15 @@ def test_scheduler_invariants(reqs, page_size, pool_pages, chunk, policy, radix,
     chunk=st.sampled_from([None, 16]),
     policy=st.sampled_from(["lpm", "dfs-weight", "fcfs"]),
     mixed=st.booleans(),
+    overlap=st.booleans(),
 )
-def test_scheduler_invariants_at_load(reqs, page_size, chunk, policy, mixed):
+def test_scheduler_invariants_at_load(reqs, page_size, chunk, policy, mixed, overlap):
     """More waiting requests than lpm's fallback threshold (128) and more running requests
     than the chunk holds, on a pool that forces eviction and retraction."""
-    _drive(reqs, page_size, 2048, chunk, policy, True, mixed, max_running=40)
+    _drive(reqs, page_size, 2048, chunk, policy, True, mixed, 40, overlap)
 
 
-def _drive(reqs, page_size, total, chunk, policy, radix, mixed, max_running) -> None:
+def _drive(reqs, page_size, total, chunk, policy, radix, mixed, max_running, overlap) -> None:
     worker = FakeWorker(
         total_tokens=total, max_running=max_running, context_len=512, page_size=page_size
     )
@@ -95,9 +99,18 @@ def _drive(reqs, page_size, total, chunk, policy, radix, mixed, max_running) -> 
         disable_radix_cache=not radix,
         enable_mixed_chunk=mixed,
         max_prefill_tokens=256,
+        disable_overlap_schedule=not overlap,
+        enable_integrity_checks=True,  # invariant 9 is checked at each launch
     ).resolve()
     outputs: list = []
     s = Scheduler(args, outputs.append, tokenizer=None, tp_worker=worker)
+    try:
+        _run(s, reqs, outputs)
+    finally:
+        s.close()
+
+
+def _run(s: Scheduler, reqs, outputs: list) -> None:
     specs = {f"r{i}": spec for i, spec in enumerate(reqs)}
     prompts = {rid: _prompt(spec) for rid, spec in specs.items()}
     streamed: dict[str, list[int]] = {}

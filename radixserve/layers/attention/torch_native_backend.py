@@ -43,9 +43,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         ext_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=dev)
         max_kv = max(fb.seq_lens_cpu)
         max_q = max(fb.extend_seq_lens_cpu)
-        assert fb.req_to_token_pool is not None
-        table = fb.req_to_token_pool.req_to_token
-        kv_index = table[fb.req_pool_indices, :max_kv].to(torch.int64)
+        if fb.kv_rows is not None:  # the rows the scheduler copied when it launched the step
+            kv_index = fb.kv_rows[:, :max_kv]
+        else:
+            assert fb.req_to_token_pool is not None
+            table = fb.req_to_token_pool.req_to_token
+            kv_index = table[fb.req_pool_indices, :max_kv].to(torch.int64)
         kv_pos = torch.arange(max_kv, device=dev)
         kv_index = torch.where(kv_pos[None, :] < seq_lens[:, None], kv_index, 0)
 

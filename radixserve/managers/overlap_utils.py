@@ -1,0 +1,150 @@
+"""Overlap scheduling: the FutureMap and the forward thread (seed 000 §10.2–10.4, DESIGN §4).
+
+The overlap loop launches step N+1 before it has processed step N's result, so step N+1 cannot
+know the tokens step N sampled. Each launched step gets a range of *future slots*; its sampled
+ids are stored there on the worker, and the next step names them by input id `-slot`, resolved
+on the worker right before its forward. The scheduler never waits on a token to launch a step.
+
+ForwardThread runs the steps in launch order on one thread, so the scheduler's Python (result
+processing, streaming, scheduling) runs while torch computes (its ops release the GIL). On CUDA
+the thread issues its work on its own stream after the scheduler's stream. A step's sampling
+can be launched later than its forward (`launch_sample`): the grammar mask and the penalties
+of a step need the previous step's tokens, which only result processing commits.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from radixserve.layers.sampler import SamplingBatchInfo
+from radixserve.managers.tp_worker import GenerationBatchResult
+from radixserve.model_executor.forward_batch import ModelWorkerBatch
+
+
+class FutureMap:
+    """A ring of next-token ids. A slot is written by one step's sampling and read by the next
+    step's forward, so it lives two steps; the ring holds four full batches (slot 0 unused, so
+    a future id is always negative). Each slot remembers the request row and rid it was
+    allocated for (invariant 9: `check_owner`)."""
+
+    def __init__(self, max_batch_size: int, device: str = "cpu") -> None:
+        self.capacity = 4 * max_batch_size
+        self.buf = torch.zeros(self.capacity + 1, dtype=torch.int64, device=device)
+        self.owner: list[tuple[int | None, str] | None] = [None] * (self.capacity + 1)
+        self.next = 1
+
+    def alloc(self, owners: list[tuple[int | None, str]]) -> list[int]:
+        n = len(owners)
+        if n > self.capacity:
+            raise ValueError(f"a batch of {n} exceeds the future map ({self.capacity})")
+        if self.next + n > self.capacity + 1:
+            self.next = 1
+        slots = list(range(self.next, self.next + n))
+        self.next += n
+        for slot, owner in zip(slots, owners, strict=True):
+            self.owner[slot] = owner
+        return slots
+
+    def check_owner(self, slot: int, row: int | None, rid: str) -> None:
+        assert self.owner[slot] == (row, rid), (
+            f"future slot {slot} belongs to {self.owner[slot]}, read by {(row, rid)}"
+        )
+
+    def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replace every input id -k by the token stored in slot k."""
+        futures = input_ids < 0
+        if not bool(futures.any()):
+            return input_ids
+        return torch.where(futures, self.buf[(-input_ids).clamp(min=0)], input_ids)
+
+    def store(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.buf[slots] = token_ids
+
+
+class InFlightStep:
+    """One launched step: its snapshot, then its logits, then its result (or its error)."""
+
+    def __init__(self, mwb: ModelWorkerBatch, slots: list[int], device: str) -> None:
+        self.mwb = mwb
+        self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.logits: torch.Tensor | None = None
+        self.result: GenerationBatchResult | None = None
+        self.error: BaseException | None = None
+        self.sample_launched = mwb.sampling_info is not None
+        self.done = threading.Event()
+
+    def wait(self) -> GenerationBatchResult:
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"the forward step failed: {self.error!r}") from self.error
+        assert self.result is not None
+        return self.result
+
+
+class ForwardThread:
+    def __init__(self, worker: Any, future_map: FutureMap) -> None:
+        self.worker = worker
+        self.future_map = future_map
+        self.device = worker.device
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.stream = torch.cuda.Stream() if self.device == "cuda" else None
+        self.thread = threading.Thread(target=self._run, name="radixserve-forward", daemon=True)
+        self.thread.start()
+
+    def launch(self, mwb: ModelWorkerBatch, slots: list[int]) -> InFlightStep:
+        """Queue the forward (and its sampling, if mwb carries its SamplingBatchInfo)."""
+        step = InFlightStep(mwb, slots, self.device)
+        if self.stream is not None:  # the step's tensors come from the scheduler's stream
+            self.stream.wait_stream(torch.cuda.current_stream())
+        self.jobs.put(lambda: self._forward(step))
+        return step
+
+    def launch_sample(
+        self, step: InFlightStep, info: SamplingBatchInfo, vocab_mask: torch.Tensor | None
+    ) -> None:
+        assert not step.sample_launched
+        step.sample_launched = True
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        self.jobs.put(lambda: self._sample(step, info, vocab_mask))
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        with torch.inference_mode(), ctx:
+            while (job := self.jobs.get()) is not None:
+                job()
+
+    def _forward(self, step: InFlightStep) -> None:
+        try:
+            ids = torch.tensor(step.mwb.input_ids, dtype=torch.int64, device=self.device)
+            step.logits = self.worker.forward(step.mwb, self.future_map.resolve(ids))
+        except BaseException as e:  # reported by wait(); the scheduler fails loudly there
+            step.error = e
+        info = step.mwb.sampling_info
+        if isinstance(info, SamplingBatchInfo):
+            self._sample(step, info, None)
+
+    def _sample(
+        self, step: InFlightStep, info: SamplingBatchInfo, vocab_mask: torch.Tensor | None
+    ) -> None:
+        try:
+            if step.error is None:
+                assert step.logits is not None
+                out = self.worker.sample(step.logits, info, vocab_mask, step.mwb)
+                self.future_map.store(step.slots, out.next_token_ids)
+                step.result = GenerationBatchResult.from_sample(out)
+        except BaseException as e:
+            step.error = e
+        finally:
+            step.logits = None
+            step.done.set()

@@ -1,0 +1,300 @@
+"""The overlap loop's own cases (issue 10; seed 000 §10.2–10.4), over the fake worker on the
+forward thread: a request that finished at step N but was already launched in N+1, two
+prefills in a row, grammar rows (sampling waits for the previous token), penalties, retraction
+and abort while a step is in flight, the chunked request, stop strings and logprobs. Every run
+checks integrity after each step, compares with the normal loop or the fake model, and ends
+with a drained pool."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from rs_fake_worker import VOCAB, FakeWorker, expected_output
+
+from radixserve.args import ServerArgs
+from radixserve.io_struct import AbortReq, TokenizedGenerateReqInput
+from radixserve.managers.scheduler import Scheduler
+from radixserve.sampling_params import SamplingParams
+
+
+class Run:
+    def __init__(self, overlap: bool = True, total_tokens: int = 4096, tokenizer=None, **kw):
+        kw.setdefault("enable_integrity_checks", True)
+        args = ServerArgs(
+            device="cpu", dtype="float32", disable_overlap_schedule=not overlap, **kw
+        ).resolve()
+        self.worker = FakeWorker(total_tokens=total_tokens, max_running=16)
+        self.outs: list = []
+        self.s = Scheduler(args, self.outs.append, tokenizer=tokenizer, tp_worker=self.worker)
+        self.launched: list[list[str]] = []  # rids of each step's batch, in launch order
+
+    def submit(self, rid: str, prompt: list[int], **params) -> None:
+        params.setdefault("temperature", 0.0)
+        params.setdefault("ignore_eos", True)
+        return_logprob = params.pop("logprob", False)
+        stream = params.pop("stream", True)
+        sp = SamplingParams(**params)
+        msg = TokenizedGenerateReqInput(rid, None, prompt, sp, stream, return_logprob)
+        self.s.process_input_requests([msg])
+
+    def step(self):
+        batch = self.s.step()
+        self.launched.append([r.rid for r in batch.reqs] if batch is not None else [])
+        return batch
+
+    def drain(self, max_steps: int = 5000) -> None:
+        for _ in range(max_steps):
+            if not self.s.has_work():
+                self.s.assert_drained()
+                return
+            self.step()
+        raise AssertionError("the scheduler did not drain")
+
+    def tokens(self) -> dict[str, list[int]]:
+        got: dict[str, list[int]] = {}
+        for msg in self.outs:
+            for rid, ids in zip(msg.rids, msg.output_ids, strict=True):
+                got.setdefault(rid, []).extend(ids)
+        return got
+
+    def reasons(self) -> dict[str, dict]:
+        return {
+            rid: reason
+            for msg in self.outs
+            for rid, reason in zip(msg.rids, msg.finished_reasons, strict=True)
+            if reason is not None
+        }
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7 + i * 3) % 90 + 3 for i in range(n)]
+
+
+def test_a_finished_request_already_launched_again_keeps_its_output():
+    r = Run()
+    r.submit("a", _prompt(1, 10), max_new_tokens=3)
+    r.drain()
+    assert r.tokens()["a"] == expected_output(_prompt(1, 10), 3)
+    assert r.reasons()["a"]["type"] == "length"
+    # One prefill and two decodes produce its 3 tokens; the step after them was launched
+    # before the third token was processed, and its token was dropped.
+    assert [rids for rids in r.launched if rids] == [["a"]] * 4
+    assert r.s.stats.generation_tokens == 3
+
+
+def test_two_prefills_in_a_row_stream_the_first_before_the_second_runs():
+    r = Run()
+    seen: list[tuple[list[str], int]] = []  # (rids of a forward, outputs sent when it began)
+    forward, send = r.worker.forward, r.s.send_output
+
+    def recording_forward(mwb, input_ids=None):
+        seen.append((mwb.rids, len(r.outs)))
+        return forward(mwb, input_ids)
+
+    def slow_send(msg):
+        time.sleep(0.05)  # a forward launched before this send would start meanwhile
+        send(msg)
+
+    r.worker.forward, r.s.send_output = recording_forward, slow_send
+    r.submit("a", _prompt(1, 10), max_new_tokens=4)
+    r.step()  # a's prefill is launched; nothing processed yet
+    assert r.tokens() == {}
+    r.submit("b", _prompt(2, 12), max_new_tokens=4)
+    r.step()  # b's prefill: a's first token goes out before b is launched
+    assert r.tokens() == {"a": expected_output(_prompt(1, 10), 1)}
+    r.drain()
+    assert seen[1] == (["b"], 1)
+    assert r.tokens()["b"] == expected_output(_prompt(2, 12), 4)
+
+
+def _both_loops(make_and_run) -> tuple[Run, Run]:
+    runs = []
+    for overlap in (True, False):
+        run = make_and_run(overlap)
+        run.drain()
+        runs.append(run)
+    return runs[0], runs[1]
+
+
+def test_retraction_while_a_step_is_in_flight():
+    def go(overlap: bool) -> Run:
+        # 6 requests of 40 + 40 tokens on a 300-token pool: decode runs out and retracts.
+        r = Run(overlap, total_tokens=300, schedule_conservativeness=0.05)
+        for i in range(6):
+            r.submit(f"r{i}", _prompt(i, 40), max_new_tokens=40)
+        return r
+
+    on, off = _both_loops(go)
+    assert on.s.stats.num_retractions > 0
+    for i in range(6):
+        want = expected_output(_prompt(i, 40), 40)
+        assert on.tokens()[f"r{i}"] == want
+        assert off.tokens()[f"r{i}"] == want
+
+
+@pytest.mark.parametrize("steps_before_abort", [1, 2, 3, 5])
+def test_abort_while_a_step_is_in_flight(steps_before_abort):
+    r = Run()
+    r.submit("a", _prompt(1, 20), max_new_tokens=30)
+    r.submit("b", _prompt(2, 20), max_new_tokens=30)
+    for _ in range(steps_before_abort):
+        r.step()
+    r.s.process_input_requests([AbortReq("a")])
+    r.drain()
+    got = r.tokens().get("a", [])
+    assert r.reasons()["a"]["type"] == "abort"
+    assert got == expected_output(_prompt(1, 20), 30)[: len(got)]
+    assert r.tokens()["b"] == expected_output(_prompt(2, 20), 30)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_chunked_request_in_the_overlap_loop(mixed):
+    def go(overlap: bool) -> Run:
+        r = Run(overlap, chunked_prefill_size=16, enable_mixed_chunk=mixed)
+        r.submit("short", _prompt(1, 5), max_new_tokens=20)
+        r.step()
+        r.submit("long", _prompt(2, 70), max_new_tokens=8)  # five chunks
+        r.submit("shares", _prompt(2, 70)[:48] + [5, 6], max_new_tokens=8)
+        return r
+
+    on, off = _both_loops(go)
+    assert on.tokens() == off.tokens()
+    assert on.tokens()["long"] == expected_output(_prompt(2, 70), 8)
+    assert on.s.stats.cached_tokens >= 48  # the computed chunks were shared
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_stop_string_in_the_overlap_loop():
+    prompt = _prompt(3, 15)
+    text = CharTokenizer().decode(expected_output(prompt, 40))
+    stop = text[10:12]  # finishes at the first place it occurs
+    end = text.index(stop) + len(stop)
+
+    def go(overlap: bool) -> Run:
+        r = Run(overlap, tokenizer=CharTokenizer())
+        r.submit("a", prompt, max_new_tokens=40, stop=stop)
+        r.submit("b", _prompt(4, 9), max_new_tokens=40)
+        return r
+
+    on, off = _both_loops(go)
+    assert on.tokens() == off.tokens()
+    assert len(on.tokens()["a"]) == end
+    assert on.reasons()["a"] == {"type": "stop", "matched": stop}
+
+
+def test_logprobs_match_the_normal_loop():
+    def go(overlap: bool) -> Run:
+        r = Run(overlap)
+        for i in range(3):
+            r.submit(f"r{i}", _prompt(i, 8 + i), max_new_tokens=6, logprob=True)
+        return r
+
+    on, off = _both_loops(go)
+
+    def logprobs(run: Run) -> dict[str, list]:
+        got: dict[str, list] = {}
+        for msg in run.outs:
+            for rid, lps in zip(msg.rids, msg.output_token_logprobs, strict=True):
+                got.setdefault(rid, []).extend(lps)
+        return got
+
+    assert logprobs(on) == logprobs(off)
+    assert all(len(v) == 6 for v in logprobs(on).values())
+
+
+def test_seeded_sampling_matches_the_normal_loop():
+    """A seeded draw uses the token's position, which counts the token still in flight."""
+
+    def go(overlap: bool) -> Run:
+        r = Run(overlap)
+        for i in range(3):
+            r.submit(f"r{i}", _prompt(i, 8), max_new_tokens=12, temperature=1.0, seed=7 + i)
+        return r
+
+    on, off = _both_loops(go)
+    assert on.tokens() == off.tokens()
+
+
+def test_penalties_wait_for_the_previous_token():
+    def go(overlap: bool) -> Run:
+        r = Run(overlap)
+        r.submit("a", _prompt(1, 8), max_new_tokens=16, frequency_penalty=2.0)
+        r.submit("b", _prompt(2, 8), max_new_tokens=16, repetition_penalty=1.5, min_new_tokens=5)
+        r.submit("c", _prompt(3, 8), max_new_tokens=16)
+        return r
+
+    on, off = _both_loops(go)
+    assert on.tokens() == off.tokens()
+
+
+# -- grammar: a fake matcher whose only allowed token depends on the last accepted one ---------
+def _allowed_after(last: int) -> int:
+    return 3 + (last * 5 + 1) % (VOCAB - 3)
+
+
+class ChainGrammar:
+    """Allows exactly one token: _allowed_after(the last accepted token). A mask built before
+    the previous token was accepted allows the wrong token, which the matcher then rejects."""
+
+    def __init__(self) -> None:
+        self.last = 0
+
+    def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
+        t = _allowed_after(self.last)
+        mask[row] = 0
+        word = 1 << (t % 32)
+        mask[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def accept_token(self, token: int) -> bool:
+        ok = token == _allowed_after(self.last)
+        self.last = token
+        return ok
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class PackedMaskBackend:
+    def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
+        return torch.full((batch_size, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+
+    @staticmethod
+    def unpack_vocab_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        shifts = torch.arange(32, dtype=torch.int32)
+        bits = (mask.unsqueeze(-1) >> shifts) & 1
+        return bits.view(mask.shape[0], -1)[:, :vocab_size] == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grammar_rows_sample_after_the_previous_token_is_accepted(overlap):
+    r = Run(overlap)
+    r.s.grammar_manager._backend = PackedMaskBackend()
+    r.submit("g", _prompt(1, 10), max_new_tokens=12)
+    r.submit("free", _prompt(2, 10), max_new_tokens=12)
+    r.s.waiting_queue[0].grammar = ChainGrammar()
+    r.drain()
+    want, last = [], 0
+    for _ in range(12):
+        last = _allowed_after(last)
+        want.append(last)
+    assert r.reasons()["g"]["type"] == "length", r.reasons()["g"]
+    assert r.tokens()["g"] == want
+    assert r.tokens()["free"] == expected_output(_prompt(2, 10), 12)
+
+
+def test_a_failing_forward_fails_the_step_loudly():
+    r = Run()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    r.worker.forward = broken
+    r.submit("a", _prompt(1, 10), max_new_tokens=3)
+    with pytest.raises(RuntimeError, match="device lost"):
+        r.drain()
