@@ -62,7 +62,9 @@ def configure_child_process(name: str, log_level: str = "info") -> None:
     configure_logging(log_level, name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent shuts us down on Ctrl-C
     try:  # die with the parent, even when it is SIGKILLed
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL("libc.so.6")
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(15, f"rs::{name}".encode()[:15])  # PR_SET_NAME: top, ps -L, /proc/*/comm
     except (OSError, AttributeError):
         pass
     os.environ.setdefault("OMP_NUM_THREADS", "1")

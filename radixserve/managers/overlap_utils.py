@@ -119,6 +119,9 @@ class ForwardThread:
         self.thread.join(timeout=10)
 
     def _run(self) -> None:
+        # OpenMP's thread count is per calling thread: a new thread starts from OMP_NUM_THREADS
+        # (1 in our child processes), not from the model's torch.set_num_threads.
+        torch.set_num_threads(torch.get_num_threads())
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with torch.inference_mode(), ctx:
             while (job := self.jobs.get()) is not None:

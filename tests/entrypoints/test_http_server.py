@@ -145,7 +145,11 @@ def _stream_by_choice(chunks: list[Any]) -> dict[int, list[Any]]:
 
 class TestServing:
     def test_ready_log_line(self, server):
-        assert f"radixserve ready on http://127.0.0.1:{server.port}" in server.log()
+        line = f"radixserve ready on http://127.0.0.1:{server.port}"
+        deadline = time.monotonic() + 30  # logged just after the first /health can answer
+        while line not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert line in server.log()
 
     # -- completions ------------------------------------------------------------------------------
     def test_completion_string_and_token_ids_agree(self, client, tokenizer):

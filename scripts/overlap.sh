@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The overlap section of docs/performance.md: `bench serving` at concurrency 1, 8, 32 and 64
+# against two servers started side by side, one per scheduler loop (overlap, the default, and
+# --disable-overlap-schedule). The runs alternate overlap/normal then normal/overlap for
+# ROUNDS rounds, so a shared machine's drift falls on both loops alike; then the per-token
+# cost at batch 1 (`bench overhead`). Usage: scripts/overlap.sh [OUT_DIR]  (~25 min, 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+OUT=${1:-/tmp/radixserve-overlap}
+ROUNDS=${ROUNDS:-2}
+mkdir -p "$OUT"
+PORTS=(30131 30132)
+LOOPS=(overlap normal)
+PIDS=()
+
+cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2> /dev/null || true; done; wait || true; }
+trap cleanup EXIT
+
+$PY -m radixserve serve --port "${PORTS[0]}" --max-total-tokens 40000 --log-level warning \
+  > "$OUT/server-overlap.log" 2>&1 &
+PIDS+=($!)
+$PY -m radixserve serve --port "${PORTS[1]}" --max-total-tokens 40000 --log-level warning \
+  --disable-overlap-schedule > "$OUT/server-normal.log" 2>&1 &
+PIDS+=($!)
+for port in "${PORTS[@]}"; do
+  for _ in $(seq 1 480); do
+    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+    sleep 0.5
+  done
+  curl -sf "http://127.0.0.1:$port/health" > /dev/null || { echo "server :$port did not start" >&2; exit 1; }
+done
+
+bench() {  # bench LOOP_INDEX CONCURRENCY ROUND
+  local i=$1 c=$2 r=$3 n
+  n=$(( c == 1 ? 3 : (c == 8 ? 16 : c) ))
+  $PY -m radixserve bench serving --backend radixserve --port "${PORTS[$i]}" --disable-tqdm \
+    --flush-cache --dataset-name random --random-input-len 128 --random-output-len 64 \
+    --random-range-ratio 1.0 --num-prompts "$n" --max-concurrency "$c" \
+    --tag "${LOOPS[$i]}-c$c-r$r" --output-file "$OUT/serving.jsonl" > /dev/null
+}
+
+for r in $(seq 1 "$ROUNDS"); do
+  for c in 1 8 32 64; do
+    if (( r % 2 )); then order=(0 1); else order=(1 0); fi
+    for i in "${order[@]}"; do bench "$i" "$c" "$r"; done
+    echo "round $r, concurrency $c done"
+  done
+done
+cleanup
+PIDS=()
+
+$PY - "$OUT/serving.jsonl" << 'EOF'
+import json, statistics, sys
+from collections import defaultdict
+rows = defaultdict(list)
+for line in open(sys.argv[1]):
+    d = json.loads(line)
+    loop, c, _ = d["tag"].split("-")
+    rows[(int(c[1:]), loop)].append(d)
+print("| concurrency | loop | output tok/s | median TPOT ms | median ITL ms | mean TTFT ms | runs |")
+print("|---:|---|---:|---:|---:|---:|---:|")
+for (c, loop), ds in sorted(rows.items()):
+    med = lambda k: statistics.median(d[k] for d in ds)
+    print(f"| {c} | {loop} | {med('output_throughput'):.1f} | {med('median_tpot_ms'):.1f} | "
+          f"{med('median_itl_ms'):.1f} | {med('mean_ttft_ms'):.0f} | {len(ds)} |")
+EOF
+
+$PY -m radixserve bench overhead --max-total-tokens 4000 --output-file "$OUT/overhead.jsonl" \
+  --log-level warning
