@@ -13,10 +13,13 @@ ZMQ socket's send in the served engine, a list's append in tests).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from radixserve.args import ServerArgs
 from radixserve.io_struct import (
@@ -41,6 +44,23 @@ from radixserve.mem_cache.radix_cache import RadixCache
 logger = logging.getLogger(__name__)
 
 ABORTED_BY_CLIENT = "aborted by the client"
+
+
+def cpus_for_overlap(device: str) -> bool:
+    """Whether the overlap loop can run here without slowing the forward down. On CUDA the
+    forward runs on the GPU. On CPU the forward thread gets an OpenMP team of its own next to
+    the main thread's, and with more OpenMP threads than CPUs libgomp stops spinning at its
+    barriers (every op then waits on a futex) while the scheduler's Python preempts them:
+    measured on 2 cores, overlapping was 7–13% slower at every concurrency
+    (docs/performance.md). So on CPU it needs a CPU for each thread of both teams (e.g. SMT
+    siblings, or --num-threads at most half the CPUs); else the normal loop runs."""
+    if device != "cpu":
+        return True
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return cpus >= 2 * torch.get_num_threads()
 
 
 class Scheduler(SchedulerOutputMixin):
@@ -96,11 +116,11 @@ class Scheduler(SchedulerOutputMixin):
             self.chunked_prefill_size = max(
                 self.page_size, self.chunked_prefill_size // self.page_size * self.page_size
             )
-        self.enable_overlap = not server_args.disable_overlap_schedule
+        self.enable_overlap = not server_args.disable_overlap_schedule and cpus_for_overlap(
+            self.tp_worker.device
+        )
         self.result_queue: deque[tuple[BatchSnapshot, InFlightStep]] = deque()
-        if self.enable_overlap:
-            self.future_map = FutureMap(self.max_running_requests, self.tp_worker.device)
-            self.forward_thread = ForwardThread(self.tp_worker, self.future_map)
+        self.forward_thread: ForwardThread | None = None
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache)
@@ -249,6 +269,9 @@ class Scheduler(SchedulerOutputMixin):
     def _overlap_step(self) -> ScheduleBatch | None:
         """One iteration of event_loop_overlap: launch this step, then process the previous
         one while it runs (seed 000 §10.2)."""
+        if self.forward_thread is None:
+            self.future_map = FutureMap(self.max_running_requests, self.tp_worker.device)
+            self.forward_thread = ForwardThread(self.tp_worker, self.future_map)
         batch = self.get_next_batch_to_run()
         if batch is not None:
             snapshot, mwb = self._snapshot_for_launch(batch)
@@ -464,8 +487,9 @@ class Scheduler(SchedulerOutputMixin):
 
     def close(self) -> None:
         """Stop the forward thread (tests build many schedulers in one process)."""
-        if self.enable_overlap:
+        if self.forward_thread is not None:
             self.forward_thread.close()
+            self.forward_thread = None
 
     # -- control --------------------------------------------------------------------------------
     def flush_cache(self) -> FlushCacheReqOutput:

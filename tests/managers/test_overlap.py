@@ -20,7 +20,13 @@ from radixserve.sampling_params import SamplingParams
 
 
 class Run:
-    def __init__(self, overlap: bool = True, total_tokens: int = 4096, tokenizer=None, **kw):
+    def __init__(
+        self,
+        overlap: bool = True,
+        total_tokens: int = 4096,
+        tokenizer=None,
+        **kw,
+    ):
         kw.setdefault("enable_integrity_checks", True)
         args = ServerArgs(
             device="cpu", dtype="float32", disable_overlap_schedule=not overlap, **kw
@@ -28,6 +34,7 @@ class Run:
         self.worker = FakeWorker(total_tokens=total_tokens, max_running=16)
         self.outs: list = []
         self.s = Scheduler(args, self.outs.append, tokenizer=tokenizer, tp_worker=self.worker)
+        self.s.enable_overlap = overlap  # whatever CPUs this machine has
         self.launched: list[list[str]] = []  # rids of each step's batch, in launch order
 
     def submit(self, rid: str, prompt: list[int], **params) -> None:
@@ -298,3 +305,23 @@ def test_a_failing_forward_fails_the_step_loudly():
     r.submit("a", _prompt(1, 10), max_new_tokens=3)
     with pytest.raises(RuntimeError, match="device lost"):
         r.drain()
+
+
+def test_cpus_decide_whether_the_overlap_loop_runs_on_cpu(monkeypatch):
+    from radixserve.managers import scheduler
+
+    monkeypatch.setattr(scheduler.torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(scheduler.os, "sched_getaffinity", lambda pid: set(range(4)))
+    assert not scheduler.cpus_for_overlap("cpu")
+    args = ServerArgs(device="cpu", dtype="float32").resolve()
+    s = Scheduler(args, lambda m: None, None, FakeWorker())
+    assert not s.enable_overlap  # the normal loop, and no forward thread
+    s.process_input_requests(
+        [TokenizedGenerateReqInput("a", None, [5, 6, 7], SamplingParams(max_new_tokens=2))]
+    )
+    while s.has_work():
+        s.step()
+    assert s.forward_thread is None
+    monkeypatch.setattr(scheduler.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert scheduler.cpus_for_overlap("cpu")
+    assert scheduler.cpus_for_overlap("cuda")

@@ -104,6 +104,7 @@ def _drive(reqs, page_size, total, chunk, policy, radix, mixed, max_running, ove
     ).resolve()
     outputs: list = []
     s = Scheduler(args, outputs.append, tokenizer=None, tp_worker=worker)
+    s.enable_overlap = overlap  # whatever CPUs this machine has
     try:
         _run(s, reqs, outputs)
     finally:
