@@ -60,7 +60,8 @@ class ServerArgs:
     disable_overlap_schedule: bool = _f(
         False,
         "Run each step's forward and its result processing one after the other (the normal "
-        "loop) instead of overlapping the forward with the previous step's processing.",
+        "loop) instead of overlapping the forward with the previous step's processing (the "
+        "default on CUDA, and on CPU with two CPUs per --num-threads thread).",
     )
     enable_integrity_checks: bool = _f(False, "Check cache/pool integrity after every step.")
     random_seed: int = _f(0, "Seed for weights of the dummy format and for sampling.")

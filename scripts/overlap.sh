@@ -4,6 +4,9 @@
 # --disable-overlap-schedule). The runs alternate overlap/normal then normal/overlap for
 # ROUNDS rounds, so a shared machine's drift falls on both loops alike; then the per-token
 # cost at batch 1 (`bench overhead`). Usage: scripts/overlap.sh [OUT_DIR]  (~25 min, 2 cores)
+# Where the CPUs do not allow overlapping (scheduler.cpus_for_overlap: fewer than two CPUs per
+# model thread, e.g. 2 cores), the default server runs the normal loop too; docs/performance.md
+# has the numbers of commit 128e0a1, which overlapped regardless.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python

@@ -106,3 +106,103 @@ def expected_output(prompt: list[int], n: int) -> list[int]:
         out.append(t)
         seq.append(t)
     return out
+
+
+class FakeRun:
+    """A Scheduler over the fake worker, driven step by step in this process; outputs collected
+    per rid. `overlap` forces the loop (None: what this machine's CPUs choose)."""
+
+    def __init__(
+        self,
+        total_tokens: int = 4096,
+        max_running: int = 16,
+        tokenizer=None,
+        overlap: bool | None = None,
+        **kwargs,
+    ) -> None:
+        from radixserve.args import ServerArgs
+        from radixserve.managers.scheduler import Scheduler
+
+        kwargs.setdefault("enable_integrity_checks", True)
+        if overlap is not None:
+            kwargs["disable_overlap_schedule"] = not overlap
+        args = ServerArgs(device="cpu", dtype="float32", **kwargs).resolve()
+        self.worker = FakeWorker(total_tokens=total_tokens, max_running=max_running)
+        self.outs: list = []
+        self.s = Scheduler(args, self.outs.append, tokenizer=tokenizer, tp_worker=self.worker)
+        if overlap is not None:
+            self.s.enable_overlap = overlap
+        self.prompts: dict[str, list[int]] = {}
+        self.max_new: dict[str, int] = {}
+        self.launched: list[list[str]] = []  # rids of each step's batch, in launch order
+
+    def submit(
+        self,
+        rid: str,
+        prompt: list[int],
+        max_new: int = 16,
+        *,
+        stream: bool = False,
+        logprob: bool = False,
+        **params,
+    ) -> None:
+        from radixserve.io_struct import TokenizedGenerateReqInput
+        from radixserve.sampling_params import SamplingParams
+
+        self.prompts[rid], self.max_new[rid] = prompt, max_new
+        params.setdefault("temperature", 0.0)
+        params.setdefault("ignore_eos", True)
+        sp = SamplingParams(max_new_tokens=max_new, **params)
+        msg = TokenizedGenerateReqInput(rid, None, prompt, sp, stream, logprob)
+        self.s.process_input_requests([msg])
+
+    def abort(self, rid: str) -> None:
+        from radixserve.io_struct import AbortReq
+
+        self.s.process_input_requests([AbortReq(rid)])
+
+    def step(self):
+        batch = self.s.step()
+        self.launched.append([r.rid for r in batch.reqs] if batch is not None else [])
+        return batch
+
+    def drain(self, max_steps: int = 20_000) -> None:
+        for _ in range(max_steps):
+            if not self.s.has_work():
+                self.s.assert_drained()
+                return
+            self.step()
+        raise AssertionError("the scheduler did not drain")
+
+    def tokens(self) -> dict[str, list[int]]:
+        got: dict[str, list[int]] = {}
+        for msg in self.outs:
+            for rid, ids in zip(msg.rids, msg.output_ids, strict=True):
+                got.setdefault(rid, []).extend(ids)
+        return got
+
+    def reasons(self) -> dict[str, dict]:
+        got: dict[str, dict] = {}
+        for msg in self.outs:
+            for rid, reason in zip(msg.rids, msg.finished_reasons, strict=True):
+                if reason is not None:
+                    assert rid not in got, f"{rid} finished twice"
+                    got[rid] = reason
+        return got
+
+
+class PackedMaskBackend:
+    """The vocabulary-mask layout of the xgrammar backend (int32 words, bit set = allowed),
+    without a tokenizer, for grammar tests with fake matchers."""
+
+    def __init__(self, vocab_size: int = VOCAB) -> None:
+        self.vocab_size = vocab_size
+
+    def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
+        return torch.full((batch_size, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    @staticmethod
+    def unpack_vocab_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        shifts = torch.arange(32, dtype=torch.int32)
+        bits = (mask.unsqueeze(-1) >> shifts) & 1
+        return bits.view(mask.shape[0], -1)[:, :vocab_size] == 0

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from rs_fake_worker import VOCAB, FakeWorker, expected_output
+from rs_fake_worker import VOCAB, FakeRun, FakeWorker, PackedMaskBackend, expected_output
 
 from radixserve.args import ServerArgs
 from radixserve.io_struct import AbortReq, TokenizedGenerateReqInput
@@ -19,60 +19,14 @@ from radixserve.managers.scheduler import Scheduler
 from radixserve.sampling_params import SamplingParams
 
 
-class Run:
-    def __init__(
-        self,
-        overlap: bool = True,
-        total_tokens: int = 4096,
-        tokenizer=None,
-        **kw,
-    ):
-        kw.setdefault("enable_integrity_checks", True)
-        args = ServerArgs(
-            device="cpu", dtype="float32", disable_overlap_schedule=not overlap, **kw
-        ).resolve()
-        self.worker = FakeWorker(total_tokens=total_tokens, max_running=16)
-        self.outs: list = []
-        self.s = Scheduler(args, self.outs.append, tokenizer=tokenizer, tp_worker=self.worker)
-        self.s.enable_overlap = overlap  # whatever CPUs this machine has
-        self.launched: list[list[str]] = []  # rids of each step's batch, in launch order
+class Run(FakeRun):
+    """FakeRun in the overlap loop (or the normal one), streaming every token."""
+
+    def __init__(self, overlap: bool = True, total_tokens: int = 4096, tokenizer=None, **kw):
+        super().__init__(total_tokens, 16, tokenizer, overlap, **kw)
 
     def submit(self, rid: str, prompt: list[int], **params) -> None:
-        params.setdefault("temperature", 0.0)
-        params.setdefault("ignore_eos", True)
-        return_logprob = params.pop("logprob", False)
-        stream = params.pop("stream", True)
-        sp = SamplingParams(**params)
-        msg = TokenizedGenerateReqInput(rid, None, prompt, sp, stream, return_logprob)
-        self.s.process_input_requests([msg])
-
-    def step(self):
-        batch = self.s.step()
-        self.launched.append([r.rid for r in batch.reqs] if batch is not None else [])
-        return batch
-
-    def drain(self, max_steps: int = 5000) -> None:
-        for _ in range(max_steps):
-            if not self.s.has_work():
-                self.s.assert_drained()
-                return
-            self.step()
-        raise AssertionError("the scheduler did not drain")
-
-    def tokens(self) -> dict[str, list[int]]:
-        got: dict[str, list[int]] = {}
-        for msg in self.outs:
-            for rid, ids in zip(msg.rids, msg.output_ids, strict=True):
-                got.setdefault(rid, []).extend(ids)
-        return got
-
-    def reasons(self) -> dict[str, dict]:
-        return {
-            rid: reason
-            for msg in self.outs
-            for rid, reason in zip(msg.rids, msg.finished_reasons, strict=True)
-            if reason is not None
-        }
+        super().submit(rid, prompt, params.pop("max_new_tokens"), stream=True, **params)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -265,17 +219,6 @@ class ChainGrammar:
 
     def is_terminated(self) -> bool:
         return False
-
-
-class PackedMaskBackend:
-    def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
-        return torch.full((batch_size, (VOCAB + 31) // 32), -1, dtype=torch.int32)
-
-    @staticmethod
-    def unpack_vocab_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        shifts = torch.arange(32, dtype=torch.int32)
-        bits = (mask.unsqueeze(-1) >> shifts) & 1
-        return bits.view(mask.shape[0], -1)[:, :vocab_size] == 0
 
 
 @pytest.mark.parametrize("overlap", [True, False])

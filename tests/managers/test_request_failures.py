@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 import torch
+from rs_fake_worker import PackedMaskBackend
 
 from radixserve.managers.grammar_manager import GrammarManager
 from radixserve.managers.schedule_batch import Req
@@ -33,25 +34,14 @@ class BrokenGrammar:
         return False
 
 
-class FakeBackend:
-    """The mask layout of the xgrammar backend, without a tokenizer."""
-
-    def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
-        return torch.full((batch_size, (VOCAB + 31) // 32), -1, dtype=torch.int32)
-
-    @staticmethod
-    def unpack_vocab_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        shifts = torch.arange(32, dtype=torch.int32)
-        bits = (mask.unsqueeze(-1) >> shifts) & 1
-        return bits.view(mask.shape[0], -1)[:, :vocab_size] == 0
-
+class FakeBackend(PackedMaskBackend):
     def new_matcher(self, compiled):
         return BrokenGrammar()
 
 
 def _manager() -> GrammarManager:
     gm = GrammarManager("xgrammar", tokenizer=object(), vocab_size=VOCAB, eos_ids=[2])
-    gm._backend = FakeBackend()
+    gm._backend = FakeBackend(VOCAB)
     return gm
 
 

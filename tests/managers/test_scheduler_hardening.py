@@ -7,64 +7,17 @@ from __future__ import annotations
 import random
 
 import pytest
-from rs_fake_worker import FakeWorker, expected_output
+from rs_fake_worker import FakeRun, expected_output
 
-from radixserve.args import ServerArgs
-from radixserve.io_struct import AbortReq, TokenizedGenerateReqInput
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.schedule_policy import PrefillAdder
-from radixserve.managers.scheduler import Scheduler
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.sampling_params import SamplingParams
 
 
-class Run:
-    """A scheduler over the fake worker, driven step by step; outputs collected per rid."""
-
-    def __init__(self, total_tokens: int = 4096, max_running: int = 16, **kwargs) -> None:
-        kwargs.setdefault("enable_integrity_checks", True)
-        args = ServerArgs(device="cpu", dtype="float32", **kwargs).resolve()
-        self.worker = FakeWorker(total_tokens=total_tokens, max_running=max_running)
-        self.outs: list = []
-        self.s = Scheduler(args, self.outs.append, tokenizer=None, tp_worker=self.worker)
-        self.prompts: dict[str, list[int]] = {}
-        self.max_new: dict[str, int] = {}
-
-    def submit(self, rid: str, prompt: list[int], max_new: int) -> None:
-        self.prompts[rid], self.max_new[rid] = prompt, max_new
-        sp = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
-        self.s.process_input_requests([TokenizedGenerateReqInput(rid, None, prompt, sp)])
-
-    def abort(self, rid: str) -> None:
-        self.s.process_input_requests([AbortReq(rid)])
-
-    def step(self):
-        return self.s.step()
-
-    def drain(self, max_steps: int = 20_000) -> None:
-        for _ in range(max_steps):
-            if not self.s.has_work():
-                self.s.assert_drained()
-                return
-            self.step()
-        raise AssertionError("the scheduler did not drain")
-
-    def tokens(self) -> dict[str, list[int]]:
-        got: dict[str, list[int]] = {}
-        for msg in self.outs:
-            for rid, ids in zip(msg.rids, msg.output_ids, strict=True):
-                got.setdefault(rid, []).extend(ids)
-        return got
-
-    def reasons(self) -> dict[str, dict]:
-        got: dict[str, dict] = {}
-        for msg in self.outs:
-            for rid, reason in zip(msg.rids, msg.finished_reasons, strict=True):
-                if reason is not None:
-                    assert rid not in got, f"{rid} finished twice"
-                    got[rid] = reason
-        return got
+class Run(FakeRun):
+    """FakeRun, with a check of every request's outputs against the fake model."""
 
     def check_complete(self, aborted: set[str] = frozenset()) -> None:
         tokens, reasons = self.tokens(), self.reasons()
