@@ -2,10 +2,11 @@
 
 SamplingBatchInfo is rebuilt from the batch's requests every step (so filtering or merging a
 batch can never misalign it); it copies what it reads from them, so the overlap scheduler can
-go on changing the requests while a forward thread samples. Order, as in SGLang: logits processors (penalties, logit_bias,
-min_new_tokens masking, grammar vocab mask) → greedy rows take argmax → other rows: temperature,
-softmax, top-k / top-p / min-p filtering, then a draw. Seeded rows draw from a generator
-seeded by (seed, output position), so a seeded request reproduces whatever it is batched with.
+go on changing the requests while a forward thread samples. Order, as in SGLang: logits
+processors (penalties, logit_bias, min_new_tokens masking, grammar vocab mask) → greedy rows
+take argmax → other rows: temperature, softmax, top-k / top-p / min-p filtering, then a draw.
+Seeded rows draw from a generator seeded by (seed, output position), so a seeded request
+reproduces whatever it is batched with.
 """
 
 from __future__ import annotations
