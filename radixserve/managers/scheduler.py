@@ -48,10 +48,9 @@ ABORTED_BY_CLIENT = "aborted by the client"
 
 def cpus_for_overlap(device: str) -> bool:
     """Whether the overlap loop can run here without slowing the forward down. On CUDA the
-    forward runs on the GPU. On CPU the forward thread gets an OpenMP team of its own next to
-    the main thread's, and with more OpenMP threads than CPUs libgomp stops spinning at its
-    barriers (every op then waits on a futex) while the scheduler's Python preempts them:
-    measured on 2 cores, overlapping was 7–13% slower at every concurrency
+    forward runs on the GPU. On CPU the scheduler's Python and the forward's intra-op threads
+    share the cores, and the forward thread runs an OpenMP team of its own next to the main
+    thread's: measured on 2 cores, overlapping was 7–13% slower at every concurrency
     (docs/performance.md). So on CPU it needs a CPU for each thread of both teams (e.g. SMT
     siblings, or --num-threads at most half the CPUs); else the normal loop runs."""
     if device != "cpu":
