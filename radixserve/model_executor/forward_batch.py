@@ -89,7 +89,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]  # decode: seq_len - 1
     extend_seq_lens_cpu: list[int]  # decode: 1
-    kv_rows: torch.Tensor | None = None  # [B, >= max seq len] slots; else read req_to_token
+    kv_rows: torch.Tensor  # [B, >= max seq len] KV slots: the req_to_token rows of the step
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: MHATokenToKVPool | None = None
     attn_backend: AttentionBackend | None = None

@@ -1,9 +1,9 @@
 """Portable attention: gather each request's KV through req_to_token into a padded batch and
 run one scaled_dot_product_attention call for the whole step.
 
-Metadata (built once per step, shared by all layers): the KV slot matrix [B, L] read from
-req_to_token, the padded query index [B, Q] into the packed tokens, and the boolean mask
-[B, 1, Q, L] that is causal inside the extend part and open over the cached prefix.
+Metadata (built once per step, shared by all layers): the KV slot matrix [B, L] (the step's
+req_to_token rows, copied at launch), the padded query index [B, Q] into the packed tokens,
+and the boolean mask [B, 1, Q, L], causal inside the extend part, open over the prefix.
 """
 
 from __future__ import annotations
@@ -43,12 +43,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         ext_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=dev)
         max_kv = max(fb.seq_lens_cpu)
         max_q = max(fb.extend_seq_lens_cpu)
-        if fb.kv_rows is not None:  # the rows the scheduler copied when it launched the step
-            kv_index = fb.kv_rows[:, :max_kv]
-        else:
-            assert fb.req_to_token_pool is not None
-            table = fb.req_to_token_pool.req_to_token
-            kv_index = table[fb.req_pool_indices, :max_kv].to(torch.int64)
+        kv_index = fb.kv_rows[:, :max_kv]  # the rows the scheduler copied at launch
         kv_pos = torch.arange(max_kv, device=dev)
         kv_index = torch.where(kv_pos[None, :] < seq_lens[:, None], kv_index, 0)
 
