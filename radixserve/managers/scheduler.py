@@ -261,7 +261,7 @@ class Scheduler(SchedulerOutputMixin):
         batch = self.get_next_batch_to_run()
         if batch is not None:
             snapshot = BatchSnapshot.of(batch)
-            result = self.run_batch(batch)
+            result = self.run_batch(batch, snapshot)
             self.process_batch_result(snapshot, result)
         return batch
 
@@ -475,13 +475,13 @@ class Scheduler(SchedulerOutputMixin):
         need = batch.decode_slots_needed()
         return need <= self.allocator.available_size() + self.tree_cache.evictable_size()
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+    def run_batch(self, batch: ScheduleBatch, snapshot: BatchSnapshot) -> GenerationBatchResult:
+        """One whole step in the normal loop."""
         mwb = batch.get_model_worker_batch()
         mwb.sampling_info = SamplingBatchInfo.from_reqs(
             batch.reqs, self.model_config.vocab_size, self.tp_worker.device
         )
-        chunk_rows = [r is batch.chunked_req for r in batch.reqs]
-        mask = self.grammar_manager.vocab_mask(batch.reqs, skip=chunk_rows)
+        mask = self.grammar_manager.vocab_mask(batch.reqs, skip=snapshot.chunk_rows)
         return self.tp_worker.forward_batch_generation(mwb, mask)
 
     def close(self) -> None:
