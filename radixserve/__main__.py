@@ -47,7 +47,7 @@ def _serve(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    kinds = ("serving", "one-batch", "offline", "hf-baseline", "soak", "overhead")
+    kinds = ("serving", "one-batch", "offline", "hf-baseline", "soak", "overhead", "perplexity")
     if not argv or argv[0] not in kinds:
         print(f"usage: python -m radixserve bench {{{','.join(kinds)}}} ...", file=sys.stderr)
         return 2
@@ -62,6 +62,8 @@ def _bench(argv: list[str]) -> int:
         from radixserve.bench.soak import main
     elif kind == "overhead":
         from radixserve.bench.overhead import main
+    elif kind == "perplexity":
+        from radixserve.bench.perplexity import main
     else:
         from radixserve.bench.hf_baseline import main
     main(rest)

@@ -69,6 +69,12 @@ class ServerArgs:
     # Features
     grammar_backend: str = _f("xgrammar", "Structured output backend.", GRAMMAR_BACKENDS)
     attention_backend: str = _f("torch_native", "Attention backend.", ("torch_native",))
+    quantization: str | None = _f(
+        None,
+        "Weight-only quantization of the linear layers and the output head, CPU only: int8 "
+        "(a scale per output channel) or int4 (groups of 32; GGUF Q4_0/Q4_1 codes are kept).",
+        ("int8", "int4"),
+    )
     # Serving
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
@@ -86,7 +92,7 @@ class ServerArgs:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise ValueError(f"--{_flag(f.name)} must be one of {choices}, got {value!r}")
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
@@ -103,6 +109,11 @@ class ServerArgs:
     def resolve(self) -> ServerArgs:
         """Return a copy with device, dtype and size defaults that depend on the machine filled in."""
         device = resolve_device(self.device)
+        if self.quantization and device != "cpu":
+            raise ValueError(
+                f"--quantization {self.quantization} runs on ATen's CPU kernels; on {device} "
+                "serve the unquantized model"
+            )
         dtype = resolve_dtype(self.dtype, device)
         kv_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         chunk = self.chunked_prefill_size

@@ -56,6 +56,7 @@ class ModelRunner:
             self.device,
             server_args.random_seed,
             server_args.context_length,
+            server_args.quantization,
         )
         self.context_len = server_args.context_length or self.model_config.max_position_embeddings
         self.init_memory_pool()
@@ -107,14 +108,19 @@ class ModelRunner:
     # -- forward --------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        hidden = self.forward_hidden(fb)
+        last = hidden if fb.forward_mode.is_decode() else hidden[fb.last_token_indices()]
+        logits = self.model.compute_logits(last).float()
+        return LogitsOutput(logits)
+
+    @torch.inference_mode()
+    def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:
+        """The final hidden state of every packed token ([T, hidden]); writes the step's KV."""
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb)
-        last = hidden if fb.forward_mode.is_decode() else hidden[fb.last_token_indices()]
-        logits = torch.matmul(last, self.model.lm_head_weight.t()).float()
-        return LogitsOutput(logits)
+        return self.model(fb)
 
     @torch.inference_mode()
     def sample(

@@ -14,6 +14,7 @@ torch and transformers are imported lazily: the tokenizer processes import this 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 if TYPE_CHECKING:
@@ -74,9 +75,19 @@ _ROPE_SCALING_KEYS = {
 
 
 def open_gguf(path: str) -> GGUFReader:
-    """Open a GGUF file (memory-mapped; tensors are read lazily)."""
+    """Open a GGUF file (memory-mapped; tensors are read lazily).
+
+    Parsing the metadata takes seconds for a 49k-token vocabulary, and a load reads it twice
+    (config, then weights), so the last readers are kept, keyed by the file's identity.
+    """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    st = os.stat(path)
+    return _cached_reader(os.path.abspath(path), st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int, inode: int) -> GGUFReader:
     return GGUFReader(path)
 
 
@@ -125,11 +136,15 @@ def gguf_to_hf_config(path: str | GGUFReader) -> dict[str, Any]:
 
 
 def iter_gguf_weights(
-    path: str | GGUFReader, show_progress: bool = True
+    path: str | GGUFReader,
+    show_progress: bool = True,
+    q4_blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF parameter name, float32 tensor in [out, in] layout) for every GGUF tensor.
 
     ``lm_head.weight`` is yielded only when the file has ``output.weight`` (else it is tied).
+    With ``q4_blocks`` given, each Q4_0 / Q4_1 tensor's block parameters are stored there
+    under its HF name (see ``q4_block_params``), so int4 quantization can keep its codes.
     """
     import torch
     from tqdm import tqdm
@@ -157,12 +172,40 @@ def iter_gguf_weights(
             continue
         hf_name = gguf_to_hf_name(tensor.name)
         array = _dequantize(tensor)
+        blocks = q4_block_params(tensor) if q4_blocks is not None else None
         if unpermute and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             is_q = ".q_proj." in hf_name
             n_head = config["num_attention_heads" if is_q else "num_key_value_heads"]
             array = unpermute_llama_qk(array, n_head)
+            if blocks is not None:
+                blocks = tuple(unpermute_llama_qk(b, n_head) for b in blocks)
+        if blocks is not None and q4_blocks is not None:
+            q4_blocks[hf_name] = (torch.from_numpy(blocks[0]), torch.from_numpy(blocks[1]))
         yield hf_name, torch.from_numpy(array)
     logger.info("dequantized GGUF weights in %.1f s", time.perf_counter() - start)
+
+
+def q4_block_params(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """(scale, minimum) of each 32-column block of a Q4_0 / Q4_1 tensor, [rows, K / 32] fp32,
+    such that a block's value is code * scale + minimum; None for other types.
+
+    Block layouts (ggml-common.h): Q4_0 = fp16 d + 16 bytes of codes, value (q - 8) * d;
+    Q4_1 = fp16 d, fp16 m + 16 bytes of codes, value q * d + m.
+    """
+    kind = tensor.tensor_type
+    if kind not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        return None
+    rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+    block_bytes = 18 if kind == GGMLQuantizationType.Q4_0 else 20
+    raw = np.ascontiguousarray(tensor.data).reshape(rows, -1, block_bytes)
+
+    def half(offset: int) -> np.ndarray:
+        return np.ascontiguousarray(raw[..., offset : offset + 2]).view(np.float16)[..., 0]
+
+    scale = half(0).astype(np.float32)
+    if kind == GGMLQuantizationType.Q4_0:
+        return scale, -8.0 * scale
+    return scale, half(2).astype(np.float32)
 
 
 def gguf_to_hf_name(gguf_name: str) -> str:
@@ -201,7 +244,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         os.path.dirname(path), gguf_file=os.path.basename(path)
     )
     if not getattr(tokenizer, "chat_template", None):
-        template = _metadata(GGUFReader(path), "tokenizer.chat_template")
+        template = _metadata(open_gguf(path), "tokenizer.chat_template")
         if template:
             tokenizer.chat_template = template
     return tokenizer

@@ -58,11 +58,13 @@ def load_model_config(model_path: str, load_format: str) -> ModelConfig:
     return ModelConfig.from_hf_config(load_hf_config(model_path))
 
 
-def _iter_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(
+    model_path: str, load_format: str, q4_blocks: dict | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     if load_format == "gguf":
         from radixserve.model_loader.gguf_loader import iter_gguf_weights
 
-        return iter_gguf_weights(model_path)
+        return iter_gguf_weights(model_path, q4_blocks=q4_blocks)
     from radixserve.model_loader.weights import iter_safetensors_weights
 
     return iter_safetensors_weights(model_path)
@@ -88,21 +90,44 @@ def load_model(
     device: str,
     seed: int = 0,
     context_length: int | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Build the model for `model_path` and load its weights; returns (model, config)."""
+    """Build the model for `model_path` and load its weights; returns (model, config).
+
+    With `quantization` (int8 / int4) the linear layers are quantized from the fp32 weights
+    before the dtype cast; GGUF Q4 tensors keep their own codes under int4.
+    """
     from radixserve.models.registry import get_model_class
 
     cfg = load_model_config(model_path, load_format)
     if context_length and context_length > cfg.max_position_embeddings:
         cfg = _with_max_positions(cfg, context_length)
     model = get_model_class(cfg)(cfg)
+    q4_blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = (
+        {} if quantization == "int4" else None
+    )
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         logger.info("loading weights from %s (%s)", model_path, load_format)
-        model.load_weights(_iter_weights(model_path, load_format))
+        model.load_weights(_iter_weights(model_path, load_format, q4_blocks))
+    if quantization:
+        from radixserve.layers.quantization import quantize_model
+
+        quantize_model(model, quantization, _block_params_by_weight(model, q4_blocks or {}))
     model = model.to(device=device, dtype=to_torch_dtype(dtype)).eval()
     return model, cfg
+
+
+def _block_params_by_weight(model: nn.Module, q4_blocks: dict) -> dict[str, list]:
+    """GGUF Q4 block parameters keyed by HF tensor name -> by our (fused) weight name and row."""
+    from radixserve.layers.quantization import BlockParams
+
+    out: dict[str, list[BlockParams]] = {}
+    for hf_name, (scale, minimum) in q4_blocks.items():
+        target, offset = model.weight_location(hf_name)
+        out.setdefault(target, []).append(BlockParams(offset or 0, scale, minimum))
+    return out
 
 
 def _with_max_positions(cfg: ModelConfig, n: int) -> ModelConfig:

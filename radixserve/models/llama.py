@@ -7,7 +7,7 @@ applies lm_head only to the rows that are sampled. `load_weights` takes Hugging 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -116,11 +116,19 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the given hidden rows (the head is the embedding when tied)."""
         if self.lm_head is None:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
+            return torch.matmul(hidden, self.model.embed_tokens.weight.t())
+        return self.lm_head(hidden)
+
+    def quantize_tied_head(self, quantize: Callable[[torch.Tensor], nn.Module]) -> nn.Module | None:
+        """With tied embeddings, give the head its own quantized copy of the embedding (the
+        lookup stays dense). Returns the new head, or None when the head is not tied."""
+        if self.lm_head is not None:
+            return None
+        self.lm_head = quantize(self.model.embed_tokens.weight)
+        return self.lm_head
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)
@@ -134,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            target, offset = self._locate(name)
+            target, offset = self.weight_location(name)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
             param = params[target]
@@ -150,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(f"{target}@{offset}")
         self._check_all_loaded(params, loaded)
 
-    def _locate(self, name: str) -> tuple[str, int | None]:
+    def weight_location(self, name: str) -> tuple[str, int | None]:
+        """Our parameter for HF tensor `name`, and its first row there (None: the whole)."""
         cfg = self.config
         for fused, part, shard in _STACKED:
             if f".{part}." not in name:

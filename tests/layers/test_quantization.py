@@ -1,0 +1,124 @@
+"""Weight-only int8 / int4 linear layers (`--quantization`) against fp32 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from radixserve.layers.quantization import (
+    INT4_GROUP_SIZE,
+    KERNEL_DTYPE,
+    BlockParams,
+    QuantizedLinear,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+)
+
+
+def _bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # bf16 activations and scales: ~3 significant digits, relative to the output's scale.
+    scale = expected.abs().max().item()
+    assert (actual.float() - expected).abs().max().item() <= 2e-2 * scale
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (960, 576), (64, 1536)])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_matches_its_dequantized_weight(shape, rows, dtype) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(shape, generator=gen) * 0.05
+    bias = torch.randn(shape[0], generator=gen)
+    layer = QuantizedLinear("int8", w, bias).to(dtype)  # the bias follows the model dtype
+    codes, scale = quantize_int8(w)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
+    x = torch.randn(rows, shape[1], generator=gen)
+    ref = x @ (codes.float() * scale[:, None]).t() + bias
+    out = layer(x.to(dtype))
+    assert out.dtype == dtype and out.shape == (rows, shape[0])
+    _bf16_close(out, ref)
+    # Per-channel int8 is within half a step of the float weight.
+    assert ((codes.float() * scale[:, None]) - w).abs().max() <= scale.max() / 2 + 1e-7
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int4_linear_matches_its_dequantized_weight(shape, rows) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(shape, generator=gen) * 0.05
+    layer = QuantizedLinear("int4", w)
+    codes, scale, minimum = quantize_int4(w)
+    assert int(codes.min()) == 0 and int(codes.max()) == 15
+    deq = dequantize_int4(codes, scale, minimum)
+    # Min/max groups: every weight within half a step of its group.
+    step = scale.repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    assert ((deq - w).abs() <= step / 2 + 1e-6).all()
+    x = torch.randn(2, rows, shape[1], generator=gen)  # leading dims are kept
+    out = layer(x)
+    assert out.shape == (2, rows, shape[0]) and out.dtype == torch.float32
+    _bf16_close(out, x @ deq.t())
+
+
+def test_int4_blocks_keep_the_files_codes_where_min_max_would_not() -> None:
+    """Rows with GGUF block parameters keep their codes even when a group does not span
+    0..15 (min/max would then pick a finer grid and round the values differently)."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 32, 64
+    groups = k // INT4_GROUP_SIZE
+    codes = torch.randint(3, 13, (n, k), generator=gen, dtype=torch.int32)  # never 0 or 15
+    scale = torch.rand(n, groups, generator=gen) * 0.01 + 0.001
+    minimum = -torch.rand(n, groups, generator=gen) * 0.05
+    w = dequantize_int4(codes, scale, minimum)
+    blocks = [BlockParams(8, scale[8:24], minimum[8:24])]
+    got, got_scale, got_min = quantize_int4(w, blocks)
+    assert torch.equal(got[8:24], codes[8:24])
+    assert torch.equal(got_scale[8:24], scale[8:24]) and torch.equal(got_min[8:24], minimum[8:24])
+    assert torch.equal(dequantize_int4(got, got_scale, got_min)[8:24], w[8:24])
+    free, _, _ = quantize_int4(w)  # no blocks: the rows are requantized onto a new grid
+    assert not torch.equal(free[8:24], codes[8:24])
+
+
+def test_int4_zero_scale_groups_and_bad_shapes() -> None:
+    w = torch.zeros(16, 64)
+    w[:, 32:] = 0.5  # constant groups: scale 0
+    layer = QuantizedLinear("int4", w)
+    x = torch.ones(1, 64)
+    _bf16_close(layer(x), x @ w.t())
+    with pytest.raises(ValueError, match="out_features % 16"):
+        QuantizedLinear("int4", torch.randn(8, 64))
+    with pytest.raises(ValueError, match="unknown quantization"):
+        QuantizedLinear("int3", torch.randn(16, 64))
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 48)  # 48 rows: int4 packs it
+        self.b = nn.Linear(48, 40, bias=False)  # 48 columns: not whole groups of 32 -> int8
+        self.embed = nn.Embedding(32, 64)
+        self.lm_head = None
+
+    def quantize_tied_head(self, quantize):
+        self.lm_head = quantize(self.embed.weight)
+        return self.lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.b(self.a(x)).sum(-1, keepdim=True).expand(-1, 64))
+
+
+def test_quantize_model_replaces_every_linear_and_survives_dtype_casts() -> None:
+    torch.manual_seed(0)
+    model = _Tiny()
+    quantize_model(model, "int4")
+    assert isinstance(model.a, QuantizedLinear) and model.a.method == "int4"
+    assert isinstance(model.b, QuantizedLinear) and model.b.method == "int8"
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.method == "int8"
+    assert isinstance(model.embed, nn.Embedding)  # the lookup stays dense
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        assert model.a.scales.dtype == KERNEL_DTYPE and model.a.packed.dtype == torch.uint8
+        assert model.b.packed.dtype == torch.int8 and model.a.bias.dtype == dtype
+        out = model(torch.randn(3, 64, dtype=dtype))
+        assert out.dtype == dtype and out.shape == (3, 32) and torch.isfinite(out).all()

@@ -1,0 +1,97 @@
+"""Loading with `--quantization`: GGUF Q4 codes kept under int4, every linear quantized, the
+real default model's perplexity within a bound of fp32, and the flag's validation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from test_gguf_loader import LAYER_QTYPES, PROJ_HF, write_tiny_gguf
+
+from radixserve.args import ServerArgs
+from radixserve.layers.quantization import QuantizedLinear, dequantize_int4, quantize_int4
+from radixserve.model_loader.gguf_loader import iter_gguf_weights
+from radixserve.model_loader.loader import _block_params_by_weight, load_model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_q4_tensors_keep_their_codes_in_fused_weights(tmp_path: Path, arch: str) -> None:
+    """Every row of a fused weight that came from a Q4_0 / Q4_1 tensor (q/k un-permuted on
+    llama) is reproduced exactly by the int4 codes and the file's block parameters."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch, tie=False)
+    fp32, _ = load_model(str(path), "gguf", "float32", "cpu")
+    q4: dict = {}
+    for _ in iter_gguf_weights(str(path), show_progress=False, q4_blocks=q4):
+        pass
+    q4_sources = {
+        f"model.layers.{i}.{PROJ_HF[p]}.weight"
+        for i, layer in enumerate(LAYER_QTYPES)
+        for p, t in layer.items()
+        if t in (QT.Q4_0, QT.Q4_1)
+    } | {"lm_head.weight"}
+    assert set(q4) == q4_sources  # every Q4 tensor, and only those, has block parameters
+    blocks = _block_params_by_weight(fp32, q4)
+    assert "model.layers.1.self_attn.qkv_proj.weight" in blocks  # k (Q4_0) inside qkv
+    params = dict(fp32.named_parameters())
+    checked = 0
+    for name, rows in blocks.items():
+        weight = params[name].detach()
+        codes, scale, minimum = quantize_int4(weight, rows)
+        deq = dequantize_int4(codes, scale, minimum)
+        for b in rows:
+            sl = slice(b.row_offset, b.row_offset + b.scale.shape[0])
+            assert torch.equal(deq[sl], weight[sl]), name
+            checked += 1
+    assert checked == len(q4)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_tiny_gguf_model_tracks_fp32_logits(tmp_path: Path, method: str) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", tie=True)
+    ref, _ = load_model(str(path), "gguf", "float32", "cpu")
+    model, _ = load_model(str(path), "gguf", "float32", "cpu", quantization=method)
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer + the tied head
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.lm_head.method == "int8"  # the head stays 8-bit under int4
+    assert {m.method for m in linears[:-1]} == {method}
+    hidden = torch.randn(5, ref.config.hidden_size)
+    want = ref.compute_logits(hidden)
+    got = model.compute_logits(hidden)
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def test_quantization_flag_validation() -> None:
+    assert ServerArgs(quantization="int4").resolve().quantization == "int4"
+    assert ServerArgs().quantization is None
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        ServerArgs(quantization="int3")
+    with pytest.raises(ValueError, match="CPU kernels"):
+        ServerArgs(quantization="int8", device="cuda").resolve()
+
+
+def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str) -> None:
+    """The quality check: mean NLL of the same text through each configuration's ModelRunner
+    (int4 layers keep the file's Q4_1 codes; the int8 head is the only new rounding)."""
+    from radixserve.bench.perplexity import default_text, score
+    from radixserve.managers.tokenizer_utils import load_tokenizer_for
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    base = ServerArgs(model_path=default_gguf, max_total_tokens=600, dtype="float32")
+    text = default_text()[:8000]
+    ids = load_tokenizer_for(base)(text, add_special_tokens=False)["input_ids"][:512]
+    ppl = {}
+    for method in (None, "int8", "int4"):
+        runner = ModelRunner(ServerArgs(**{**base.__dict__, "quantization": method}).resolve())
+        total, count = score(runner, ids, 256)
+        assert count == 510
+        ppl[method] = math.exp(total / count)
+        assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
+    assert 5 < ppl[None] < 40, ppl  # the model reads Python's docs well
+    assert ppl["int8"] / ppl[None] < 1.02, ppl
+    assert ppl["int4"] / ppl[None] < 1.02, ppl
