@@ -15,6 +15,7 @@ from typing import Any
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch_native", "cpu_paged")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
@@ -68,7 +69,12 @@ class ServerArgs:
     num_threads: int | None = _f(None, "Torch threads on CPU (default: physical cores).")
     # Features
     grammar_backend: str = _f("xgrammar", "Structured output backend.", GRAMMAR_BACKENDS)
-    attention_backend: str = _f("torch_native", "Attention backend.", ("torch_native",))
+    attention_backend: str = _f(
+        "torch_native",
+        "Attention backend: torch_native (portable, the reference) or cpu_paged (decode reads "
+        "the paged KV pool in place with a C++ kernel built on first use; CPU only).",
+        ATTENTION_BACKENDS,
+    )
     quantization: str | None = _f(
         None,
         "Weight-only quantization of the linear layers and the output head, CPU only: int8 "
@@ -114,6 +120,8 @@ class ServerArgs:
                 f"--quantization {self.quantization} runs on ATen's CPU kernels; on {device} "
                 "serve the unquantized model"
             )
+        if self.attention_backend == "cpu_paged" and device != "cpu":
+            raise ValueError(f"--attention-backend cpu_paged runs on CPU only, not on {device}")
         dtype = resolve_dtype(self.dtype, device)
         kv_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         chunk = self.chunked_prefill_size

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.args import ServerArgs, physical_core_count
+from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from radixserve.mem_cache.memory_pool import (
@@ -60,8 +61,15 @@ class ModelRunner:
         )
         self.context_len = server_args.context_length or self.model_config.max_position_embeddings
         self.init_memory_pool()
-        self.attn_backend = TorchNativeAttnBackend(self.device)
+        self.attn_backend = self._make_attn_backend()
         self.sampler = Sampler()
+
+    def _make_attn_backend(self) -> AttentionBackend:
+        if self.server_args.attention_backend == "cpu_paged":
+            from radixserve.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
+
+            return CpuPagedAttnBackend(self.device)
+        return TorchNativeAttnBackend(self.device)
 
     # -- memory ---------------------------------------------------------------------------------
     def init_memory_pool(self) -> None:

@@ -1,6 +1,7 @@
 """Greedy generation with the real default model equals transformers' greedy generate, token for
-token, however the requests are batched, in the overlap loop and in the normal loop (so the two
-loops are token-identical); every run drains with no slot, row or lock left."""
+token, however the requests are batched, in the overlap loop (torch-native attention) and in the
+normal loop (cpu_paged attention), so loops and backends are token-identical; every run drains
+with no slot, row or lock left."""
 
 from __future__ import annotations
 
@@ -43,11 +44,15 @@ def _check(h: SchedulerHarness, rids: list[str], reference: list[list[int]]) -> 
     h.scheduler.assert_drained()
 
 
-@pytest.fixture(scope="module", params=["overlap", "normal"])
+# The overlap loop runs the portable torch-native attention; the normal loop runs cpu_paged
+# (decode attention reading the KV pool in place, a C++ kernel). Both must equal transformers.
+@pytest.fixture(scope="module", params=["overlap", "normal-cpu_paged"])
 def harness_factory(request, default_model_path):
     def make(**kwargs):
         kwargs.setdefault("max_total_tokens", 12000)
-        kwargs.setdefault("disable_overlap_schedule", request.param == "normal")
+        kwargs.setdefault("disable_overlap_schedule", request.param != "overlap")
+        if request.param != "overlap":
+            kwargs.setdefault("attention_backend", "cpu_paged")
         return SchedulerHarness(model_path=default_model_path, **kwargs)
 
     make.model_path = default_model_path

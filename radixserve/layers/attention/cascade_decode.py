@@ -25,8 +25,11 @@ class CascadePlan:
     suffix_mask: torch.Tensor  # [B, 1, 1, Ls] True = attend
 
 
-def build_cascade_plan(kv_index: torch.Tensor, seq_lens: torch.Tensor) -> CascadePlan | None:
-    """Group requests whose rows begin with the same slots; None when nothing is shared."""
+def shared_prefix_groups(
+    kv_index: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None:
+    """Groups of requests whose rows begin with the same slots: ([(member rows, prefix slots)],
+    shared prefix length per request), or None when no group reaches MIN_SHARED_PREFIX."""
     if kv_index.shape[0] < 2:
         return None
     first = kv_index[:, 0]
@@ -49,6 +52,15 @@ def build_cascade_plan(kv_index: torch.Tensor, seq_lens: torch.Tensor) -> Cascad
         shared[members] = length
     if not groups:
         return None
+    return groups, shared
+
+
+def build_cascade_plan(kv_index: torch.Tensor, seq_lens: torch.Tensor) -> CascadePlan | None:
+    """Group requests whose rows begin with the same slots; None when nothing is shared."""
+    found = shared_prefix_groups(kv_index, seq_lens)
+    if found is None:
+        return None
+    groups, shared = found
     suffix_lens = seq_lens - shared
     pos = torch.arange(int(suffix_lens.max()), device=kv_index.device)
     valid = pos[None, :] < suffix_lens[:, None]

@@ -1,0 +1,104 @@
+"""radixserve's C++ CPU kernels (csrc/): built once per machine with the local compiler,
+cached, and loaded as torch ops (`torch.ops.radixserve.*`).
+
+The build needs a C++ compiler (g++ or clang++) and ninja (a pip dependency); it takes about
+half a minute on two cores, is logged while it runs, and lands in
+$RADIXSERVE_KERNEL_CACHE (default ~/.cache/radixserve/kernels) under a name that hashes the
+source, the flags, the torch version and the CPU's instruction sets, so that a cache shared
+between machines never loads a binary built for another CPU. Later starts load the cached
+library directly (no compiler needed then).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV_VAR = "RADIXSERVE_KERNEL_CACHE"
+_SOURCES = ("decode_attention.cpp",)
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_lock = threading.Lock()
+_loaded = False
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def kernel_cache_dir() -> str:
+    return os.environ.get(CACHE_ENV_VAR) or os.path.join(
+        os.path.expanduser("~"), ".cache", "radixserve", "kernels"
+    )
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _build_name(paths: list[str]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(f.read())
+    h.update(" ".join(_CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return f"radixserve_cpu_{h.hexdigest()[:16]}"
+
+
+def load_cpu_kernels() -> None:
+    """Make `torch.ops.radixserve.decode_attention` available, building it on first use."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+        sources = [os.path.join(here, s) for s in _SOURCES]
+        name = _build_name(sources)
+        build_dir = os.path.join(kernel_cache_dir(), name)
+        library = os.path.join(build_dir, f"{name}.so")
+        if os.path.isfile(library):
+            torch.ops.load_library(library)
+            _loaded = True
+            return
+        os.makedirs(build_dir, exist_ok=True)
+        logger.info(
+            "building the CPU attention kernels (first use on this machine, about 30 s) in %s",
+            build_dir,
+        )
+        start = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load
+
+            load(
+                name=name,
+                sources=sources,
+                extra_cflags=_CFLAGS,
+                build_directory=build_dir,
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a compile error
+            raise KernelBuildError(
+                "could not build radixserve's CPU attention kernels (they need a C++ compiler "
+                "such as g++ and the ninja package); install them or run with "
+                f"--attention-backend torch_native. Cause: {exc}"
+            ) from exc
+        logger.info("built the CPU attention kernels in %.1f s", time.perf_counter() - start)
+        _loaded = True

@@ -1,0 +1,96 @@
+"""Decode attention that reads the paged KV pool in place (C++ kernel), extend as torch-native.
+
+`--attention-backend cpu_paged`. A decode step hands each layer's query, the pool's K/V buffers
+and the step's req_to_token rows to `torch.ops.radixserve.decode_attention`
+(csrc/decode_attention.cpp): every request's slots are visited in place, each slot's K and V
+rows (all KV heads) read once, GQA query heads grouped under their KV head, long rows split
+into segments across threads and merged by log-sum-exp. No padded copy of the context is made.
+
+Requests that share a cached prefix (cascade): the shared slots are attended once per group,
+with the group's queries stacked as extra query heads of one request, and merged with each
+request's private suffix by their log-sum-exp, so the prefix is read once per group instead of
+once per request. Prefill and mixed steps use the torch-native path (the portable reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.layers.attention.base import AttentionLayer
+from radixserve.layers.attention.cascade_decode import shared_prefix_groups
+from radixserve.layers.attention.cpu_kernels import load_cpu_kernels
+from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class PagedDecodeMetadata:
+    kv_rows: torch.Tensor  # [B, L] the step's req_to_token rows
+    kv_start: torch.Tensor  # [B] first slot each request attends (after a shared prefix)
+    kv_end: torch.Tensor  # [B] its sequence length
+    groups: list[tuple[torch.Tensor, torch.Tensor]]  # (member rows, shared prefix slots [1, Lp])
+
+
+class CpuPagedAttnBackend(TorchNativeAttnBackend):
+    def __init__(self, device: str) -> None:
+        if device != "cpu":
+            raise ValueError("--attention-backend cpu_paged runs on CPU only")
+        super().__init__(device)
+        load_cpu_kernels()
+        self.kernel = torch.ops.radixserve.decode_attention
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if not fb.forward_mode.is_decode():
+            super().init_forward_metadata(fb)
+            return
+        seq_lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
+        kv_rows = fb.kv_rows[:, : max(fb.seq_lens_cpu)].contiguous()
+        found = None
+        if fb.batch_size >= 2:  # it compares only slots below every member's length
+            found = shared_prefix_groups(kv_rows, seq_lens)
+        if found is None:
+            groups, start = [], torch.zeros_like(seq_lens)
+        else:
+            groups = [(members, slots[None, :]) for members, slots in found[0]]
+            start = found[1]
+        fb.attn_metadata = PagedDecodeMetadata(kv_rows, start, seq_lens, groups)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+    ) -> torch.Tensor:
+        if not fb.forward_mode.is_decode():
+            return super().forward(q, k, v, layer, fb)
+        md: PagedDecodeMetadata = fb.attn_metadata  # type: ignore[assignment]
+        pool = fb.token_to_kv_pool
+        assert pool is not None
+        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        bs, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
+        grp = layer.num_heads // hkv
+        q4 = q.reshape(bs, hkv, grp, d)
+        out, lse = self.kernel(
+            q4, k_buf, v_buf, md.kv_rows, md.kv_start, md.kv_end, layer.scaling, 0
+        )
+        for members, slots in md.groups:
+            n = len(members)
+            qg = q4[members].permute(1, 0, 2, 3).reshape(1, hkv, n * grp, d)
+            length = torch.tensor([slots.shape[1]])
+            op, lp = self.kernel(
+                qg, k_buf, v_buf, slots, torch.zeros_like(length), length, layer.scaling, 0
+            )
+            op = op.view(hkv, n, grp, d).transpose(0, 1)  # [n, Hkv, G, D]
+            lp = lp.view(hkv, n, grp).transpose(0, 1)  # [n, Hkv, G]
+            ls = lse[members]
+            m = torch.maximum(ls, lp)
+            ws, wp = torch.exp(ls - m), torch.exp(lp - m)
+            out[members] = (out[members] * ws[..., None] + op * wp[..., None]) / (ws + wp)[
+                ..., None
+            ]
+        return out.to(q.dtype).reshape(bs, layer.num_heads * d)
