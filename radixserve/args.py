@@ -15,7 +15,7 @@ from typing import Any
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("torch_native", "cpu_paged")
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_paged")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
@@ -70,9 +70,10 @@ class ServerArgs:
     # Features
     grammar_backend: str = _f("xgrammar", "Structured output backend.", GRAMMAR_BACKENDS)
     attention_backend: str = _f(
-        "torch_native",
+        "auto",
         "Attention backend: torch_native (portable, the reference) or cpu_paged (decode reads "
-        "the paged KV pool in place with a C++ kernel built on first use; CPU only).",
+        "the paged KV pool in place with a C++ kernel built on first use; CPU only); auto = "
+        "cpu_paged on CPU where the kernel builds, else torch_native.",
         ATTENTION_BACKENDS,
     )
     quantization: str | None = _f(

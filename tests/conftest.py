@@ -11,6 +11,18 @@ from rs_testing import make_tiny_model_dir
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_sessionstart(session):
+    """Build the cpu_paged attention kernel once, up front (tens of seconds on a fresh
+    machine), instead of inside whichever server start needs it first. A build failure is
+    left to the tests that use the kernel, which then fail with its message."""
+    from radixserve.layers.attention.cpu_kernels import KernelBuildError, load_cpu_kernels
+
+    try:
+        load_cpu_kernels()
+    except KernelBuildError:
+        pass
+
+
 @pytest.fixture(autouse=True)
 def _close_schedulers(monkeypatch):
     """Stop the forward thread of every in-process Scheduler a test builds (the thread holds

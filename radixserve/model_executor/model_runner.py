@@ -65,11 +65,7 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def _make_attn_backend(self) -> AttentionBackend:
-        if self.server_args.attention_backend == "cpu_paged":
-            from radixserve.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
-
-            return CpuPagedAttnBackend(self.device)
-        return TorchNativeAttnBackend(self.device)
+        return create_attention_backend(self.server_args.attention_backend, self.device)
 
     # -- memory ---------------------------------------------------------------------------------
     def init_memory_pool(self) -> None:
@@ -139,6 +135,24 @@ class ModelRunner:
         top_logprobs_num: int = 0,
     ) -> SampleOutput:
         return self.sampler(logits, info, return_logprob, top_logprobs_num)
+
+
+def create_attention_backend(name: str, device: str) -> AttentionBackend:
+    """`--attention-backend`: auto is cpu_paged on CPU (torch_native, with a warning, where its
+    kernel cannot be built) and torch_native elsewhere."""
+    if name == "auto" and device != "cpu":
+        name = "torch_native"
+    if name in ("auto", "cpu_paged"):
+        from radixserve.layers.attention.cpu_kernels import KernelBuildError
+        from radixserve.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
+
+        try:
+            return CpuPagedAttnBackend(device)
+        except KernelBuildError as exc:
+            if name == "cpu_paged":
+                raise
+            logger.warning("attention backend: torch_native, since %s", exc)
+    return TorchNativeAttnBackend(device)
 
 
 def _mem_available_bytes() -> int:

@@ -178,3 +178,21 @@ def test_backend_is_cpu_only_and_flag_validation():
         ServerArgs(attention_backend="cpu_paged", device="cuda").resolve()
     with pytest.raises(ValueError, match="must be one of"):
         ServerArgs(attention_backend="flashinfer")
+
+
+def test_auto_backend_falls_back_to_torch_native_where_the_kernel_cannot_build(monkeypatch):
+    import radixserve.layers.attention.cpu_paged_backend as paged
+    from radixserve.layers.attention.cpu_kernels import KernelBuildError
+    from radixserve.model_executor.model_runner import create_attention_backend
+
+    assert isinstance(create_attention_backend("auto", "cpu"), paged.CpuPagedAttnBackend)
+    assert type(create_attention_backend("auto", "cuda")) is TorchNativeAttnBackend
+    assert type(create_attention_backend("torch_native", "cpu")) is TorchNativeAttnBackend
+
+    def no_compiler() -> None:
+        raise KernelBuildError("could not build radixserve's CPU attention kernels (no g++)")
+
+    monkeypatch.setattr(paged, "load_cpu_kernels", no_compiler)
+    assert type(create_attention_backend("auto", "cpu")) is TorchNativeAttnBackend
+    with pytest.raises(KernelBuildError, match="no g\\+\\+"):
+        create_attention_backend("cpu_paged", "cpu")

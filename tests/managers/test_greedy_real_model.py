@@ -51,8 +51,8 @@ def harness_factory(request, default_model_path):
     def make(**kwargs):
         kwargs.setdefault("max_total_tokens", 12000)
         kwargs.setdefault("disable_overlap_schedule", request.param != "overlap")
-        if request.param != "overlap":
-            kwargs.setdefault("attention_backend", "cpu_paged")
+        backend = "torch_native" if request.param == "overlap" else "cpu_paged"
+        kwargs.setdefault("attention_backend", backend)
         return SchedulerHarness(model_path=default_model_path, **kwargs)
 
     make.model_path = default_model_path
