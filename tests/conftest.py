@@ -15,7 +15,7 @@ def pytest_sessionstart(session):
     """Build the cpu_paged attention kernel once, up front (tens of seconds on a fresh
     machine), instead of inside whichever server start needs it first. A build failure is
     left to the tests that use the kernel, which then fail with its message."""
-    from radixserve.layers.attention.cpu_kernels import KernelBuildError, load_cpu_kernels
+    from radixserve.layers.cpu_kernels import KernelBuildError, load_cpu_kernels
 
     try:
         load_cpu_kernels()

@@ -2,34 +2,38 @@
 
 A batch-1 decode step on a CPU reads every weight once, so its time is mostly the weights'
 bytes: SmolLM2-135M is 540 MB in fp32, 270 MB in bf16, ≈ 140 MB in int8 and ≈ 80 MB in int4.
-The layers here keep their weights packed and multiply with ATen's CPU kernels:
+The layers here keep their weights packed:
 
-- int8: one symmetric scale per output channel, `torch._weight_int8pack_mm`;
-- int4: groups of `INT4_GROUP_SIZE` input columns with an asymmetric (scale, zero) pair per
-  group, packed by `_convert_weight_to_int4pack_for_cpu` and multiplied by
-  `_weight_int4pack_mm_for_cpu`. A code q in [0, 15] stands for (q - 8) * scale + zero.
+- int8: one symmetric scale per output channel, multiplied by ATen's `_weight_int8pack_mm`
+  with bf16 activations (its fast path; fp32 activations take a scalar path, 5-7x slower on
+  an AVX2 CPU), so the layer casts its input to bf16 and its output back.
+- int4: groups of `INT4_GROUP_SIZE` input columns with a scale and a minimum per group
+  (a weight is code * scale + minimum, code in [0, 15]: GGUF's Q4_1 form). Below
+  `Q4_DENSE_ROWS` rows, radixserve's own kernel (csrc/q4_linear.cpp) multiplies the 4-bit
+  codes by the activations quantized to int8 per group of 32, in integers, as llama.cpp
+  does (2x ATen's int4 kernel at batch 1 on AVX2); from there on, the weight is dequantized
+  and multiplied by the dense GEMM, which wins at prefill sizes. Where the C++ kernels cannot
+  be built, ATen's `_weight_int4pack_mm_for_cpu` (bf16 activations) takes over.
 
-Both kernels' fast paths take bf16 activations and bf16 scales (fp32 activations take a
-scalar path, 5-7x slower on an AVX2 CPU), so a layer casts its input to bf16 and its output
-back to the model's dtype, whatever that is.
-
-GGUF Q4_0 and Q4_1 blocks are int4 groups of 32 of exactly this form (Q4_1: q * d + m, so
-scale d and zero m + 8d; Q4_0: (q - 8) * d, zero 0). The GGUF loader hands their (d, m) per
-block to `quantize_model`, which then recovers the file's own codes instead of choosing new
-ones; only the fp16 block scales are rounded to the kernel's bf16.
+GGUF Q4_0 and Q4_1 blocks are int4 groups of 32 of exactly this form (Q4_1: q * d + m; Q4_0:
+(q - 8) * d, minimum -8d). The GGUF loader hands their (d, m) per block to `quantize_model`,
+which then recovers the file's own codes instead of choosing new ones.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "int4")
+Q4_DENSE_ROWS = 64  # from this many rows on, dequantize + GEMM beats the int4 kernel (measured)
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; the ATen kernel takes 32, 64, 128 or 256
 KERNEL_DTYPE = torch.bfloat16
 _INT4_INNER_K_TILES = 2
@@ -110,13 +114,20 @@ class QuantizedLinear(nn.Module):
                 f"got {self.out_features} x {self.in_features}"
             )
         self.method = method
+        self.kernel = "aten"
         if method == "int8":
             codes, scale = quantize_int8(weight)
             self.register_buffer("packed", codes)
             self.register_buffer("scales", scale.to(KERNEL_DTYPE))
+        elif cpu_kernels_available():
+            codes, scale, minimum = quantize_int4(weight, blocks)
+            self.kernel = "q4"
+            self.register_buffer("qs", pack_q4(codes))
+            self.register_buffer("d", scale.contiguous())
+            self.register_buffer("m", minimum.contiguous())
         else:
             codes, scale, minimum = quantize_int4(weight, blocks)
-            zero = minimum + 8 * scale  # the kernel's form: (q - 8) * scale + zero
+            zero = minimum + 8 * scale  # ATen's form: (q - 8) * scale + zero
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INT4_INNER_K_TILES)
             self.register_buffer("packed", packed)
             # [G, N, 2]: (scale, zero) of group g of output row n.
@@ -126,24 +137,58 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
-        if self.method == "int8":
-            y = torch._weight_int8pack_mm(x2, self.packed, self.scales)
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "q4":
+            if x2.shape[0] < Q4_DENSE_ROWS:
+                y = torch.ops.radixserve.q4_linear(x2, self.qs, self.d, self.m)
+            else:
+                w = torch.ops.radixserve.q4_dequantize(self.qs, self.d, self.m)
+                y = F.linear(x2, w.to(x.dtype))
+        elif self.method == "int8":
+            y = torch._weight_int8pack_mm(
+                x2.to(KERNEL_DTYPE).contiguous(), self.packed, self.scales
+            )
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2, self.packed, INT4_GROUP_SIZE, self.scales
+                x2.to(KERNEL_DTYPE).contiguous(), self.packed, INT4_GROUP_SIZE, self.scales
             )
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        # model.to(dtype) casts every floating buffer; the kernels need their scales in bf16.
+        # model.to(dtype) casts every floating buffer; the packed weight keeps its own dtypes
+        # (bf16 scales for ATen, fp32 for the q4 kernel) and follows device moves only.
+        before = dict(self._buffers)
         super()._apply(fn, recurse)
-        self.scales = self.scales.to(KERNEL_DTYPE)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
         return self
 
     def extra_repr(self) -> str:
         return f"{self.method}, in={self.in_features}, out={self.out_features}"
+
+
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] -> the q4 kernel's bytes [N, K / 32, 16]: per group of 32, byte j holds
+    element j in its low nibble and element j + 16 in its high one (GGUF Q4_1's layout)."""
+    n, k = codes.shape
+    groups = codes.view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE).to(torch.uint8)
+    return (groups[..., :16] | (groups[..., 16:] << 4)).contiguous()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels_available() -> bool:
+    """Whether radixserve's C++ CPU kernels load (built on first use); else ATen's int4 path."""
+    from radixserve.layers.cpu_kernels import KernelBuildError, load_cpu_kernels
+
+    try:
+        load_cpu_kernels()
+    except KernelBuildError as exc:
+        logger.warning("int4 layers use ATen's int4 kernel, since %s", exc)
+        return False
+    return True
 
 
 def quantize_model(

@@ -143,8 +143,8 @@ def create_attention_backend(name: str, device: str) -> AttentionBackend:
     if name == "auto" and device != "cpu":
         name = "torch_native"
     if name in ("auto", "cpu_paged"):
-        from radixserve.layers.attention.cpu_kernels import KernelBuildError
         from radixserve.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
+        from radixserve.layers.cpu_kernels import KernelBuildError
 
         try:
             return CpuPagedAttnBackend(device)

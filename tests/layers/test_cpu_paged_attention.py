@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from radixserve.layers.attention.base import AttentionLayer
-from radixserve.layers.attention.cpu_kernels import load_cpu_kernels
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.layers.cpu_kernels import load_cpu_kernels
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 
@@ -52,7 +52,7 @@ def _paged_rows(lens: list[int], page_size: int, pool_pages: int, gen) -> torch.
     "heads,lens",
     [
         ((3, 3, 64), [1, 2, 33, 256, 7]),  # SmolLM2's 9 query / 3 KV heads, ragged
-        ((2, 4, 128), [3000, 17]),  # long rows split into segments
+        ((2, 4, 128), [9000, 17]),  # long rows split into segments across threads
         ((1, 1, 64), [5]),  # MHA-like, one request
         ((4, 2, 32), [64] * 9),  # more requests than threads, equal lengths
     ],
@@ -182,7 +182,7 @@ def test_backend_is_cpu_only_and_flag_validation():
 
 def test_auto_backend_falls_back_to_torch_native_where_the_kernel_cannot_build(monkeypatch):
     import radixserve.layers.attention.cpu_paged_backend as paged
-    from radixserve.layers.attention.cpu_kernels import KernelBuildError
+    from radixserve.layers.cpu_kernels import KernelBuildError
     from radixserve.model_executor.model_runner import create_attention_backend
 
     assert isinstance(create_attention_backend("auto", "cpu"), paged.CpuPagedAttnBackend)

@@ -6,12 +6,15 @@ import pytest
 import torch
 from torch import nn
 
+from radixserve.layers import quantization
 from radixserve.layers.quantization import (
     INT4_GROUP_SIZE,
     KERNEL_DTYPE,
+    Q4_DENSE_ROWS,
     BlockParams,
     QuantizedLinear,
     dequantize_int4,
+    pack_q4,
     quantize_int4,
     quantize_int8,
     quantize_model,
@@ -43,12 +46,21 @@ def test_int8_linear_matches_its_dequantized_weight(shape, rows, dtype) -> None:
     assert ((codes.float() * scale[:, None]) - w).abs().max() <= scale.max() / 2 + 1e-7
 
 
+@pytest.fixture(params=["q4", "aten"])
+def int4_kernel(request, monkeypatch):
+    """Both int4 paths: radixserve's kernel, and ATen's where the C++ kernels cannot build."""
+    if request.param == "aten":
+        monkeypatch.setattr(quantization, "cpu_kernels_available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [(16, 32), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_int4_linear_matches_its_dequantized_weight(shape, rows) -> None:
+@pytest.mark.parametrize("rows", [1, 5, Q4_DENSE_ROWS - 1, Q4_DENSE_ROWS])  # GEMV, then GEMM
+def test_int4_linear_matches_its_dequantized_weight(shape, rows, int4_kernel) -> None:
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(shape, generator=gen) * 0.05
     layer = QuantizedLinear("int4", w)
+    assert layer.kernel == int4_kernel
     codes, scale, minimum = quantize_int4(w)
     assert int(codes.min()) == 0 and int(codes.max()) == 15
     deq = dequantize_int4(codes, scale, minimum)
@@ -116,9 +128,31 @@ def test_quantize_model_replaces_every_linear_and_survives_dtype_casts() -> None
     assert isinstance(model.b, QuantizedLinear) and model.b.method == "int8"
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.method == "int8"
     assert isinstance(model.embed, nn.Embedding)  # the lookup stays dense
+    assert model.a.kernel == "q4"  # radixserve's kernel (built for the test session)
     for dtype in (torch.float32, torch.bfloat16):
         model.to(dtype)
-        assert model.a.scales.dtype == KERNEL_DTYPE and model.a.packed.dtype == torch.uint8
-        assert model.b.packed.dtype == torch.int8 and model.a.bias.dtype == dtype
+        assert model.a.d.dtype == torch.float32 and model.a.qs.dtype == torch.uint8
+        assert model.b.scales.dtype == KERNEL_DTYPE and model.b.packed.dtype == torch.int8
+        assert model.a.bias.dtype == dtype
         out = model(torch.randn(3, 64, dtype=dtype))
         assert out.dtype == dtype and out.shape == (3, 32) and torch.isfinite(out).all()
+
+
+def test_q4_kernels_against_the_reference() -> None:
+    """q4_dequantize reproduces dequantize_int4; q4_linear's int8 activations stay within
+    1.5% of the output's scale, and each row's result does not depend on the other rows."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 128, generator=gen) * 0.05
+    codes, scale, minimum = quantize_int4(w)
+    qs = pack_q4(codes)
+    assert qs.shape == (96, 4, 16) and qs.dtype == torch.uint8
+    deq = torch.ops.radixserve.q4_dequantize(qs, scale, minimum)
+    assert torch.allclose(deq, dequantize_int4(codes, scale, minimum), atol=1e-6)
+    x = torch.randn(7, 128, generator=gen)
+    y = torch.ops.radixserve.q4_linear(x, qs, scale, minimum)
+    ref = x @ deq.t()
+    assert (y - ref).abs().max() <= 0.015 * ref.abs().max()
+    alone = torch.ops.radixserve.q4_linear(x[3:4], qs, scale, minimum)
+    assert torch.equal(alone[0], y[3])
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.radixserve.q4_linear(torch.randn(1, 96), qs, scale, minimum)

@@ -20,8 +20,8 @@ import torch
 
 from radixserve.layers.attention.base import AttentionLayer
 from radixserve.layers.attention.cascade_decode import shared_prefix_groups
-from radixserve.layers.attention.cpu_kernels import load_cpu_kernels
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.layers.cpu_kernels import load_cpu_kernels
 from radixserve.model_executor.forward_batch import ForwardBatch
 
 

@@ -1,5 +1,6 @@
 """radixserve's C++ CPU kernels (csrc/): built once per machine with the local compiler,
-cached, and loaded as torch ops (`torch.ops.radixserve.*`).
+cached, and loaded as torch ops (`torch.ops.radixserve.*`): `decode_attention` (the cpu_paged
+attention backend) and `q4_linear` / `q4_dequantize` (int4 weights, `--quantization int4`).
 
 The build needs a C++ compiler (g++ or clang++) and ninja (a pip dependency); it takes about
 half a minute on two cores, is logged while it runs, and lands in
@@ -22,7 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV_VAR = "RADIXSERVE_KERNEL_CACHE"
-_SOURCES = ("decode_attention.cpp",)
+_SOURCES = ("decode_attention.cpp", "q4_linear.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _loaded = False
@@ -63,7 +64,7 @@ def _build_name(paths: list[str]) -> str:
 
 
 def load_cpu_kernels() -> None:
-    """Make `torch.ops.radixserve.decode_attention` available, building it on first use."""
+    """Make the `torch.ops.radixserve` kernels available, building them on first use."""
     global _loaded
     with _lock:
         if _loaded:
@@ -79,7 +80,7 @@ def load_cpu_kernels() -> None:
             return
         os.makedirs(build_dir, exist_ok=True)
         logger.info(
-            "building the CPU attention kernels (first use on this machine, about 30 s) in %s",
+            "building the CPU kernels (first use on this machine, about a minute) in %s",
             build_dir,
         )
         start = time.perf_counter()
@@ -96,9 +97,9 @@ def load_cpu_kernels() -> None:
             )
         except Exception as exc:  # no compiler, no ninja, a compile error
             raise KernelBuildError(
-                "could not build radixserve's CPU attention kernels (they need a C++ compiler "
-                "such as g++ and the ninja package); install them or run with "
-                f"--attention-backend torch_native. Cause: {exc}"
+                "could not build radixserve's CPU kernels (they need a C++ compiler such as g++ "
+                "and the ninja package); install them, or run with --attention-backend "
+                f"torch_native (int4 then uses ATen's kernel). Cause: {exc}"
             ) from exc
-        logger.info("built the CPU attention kernels in %.1f s", time.perf_counter() - start)
+        logger.info("built the CPU kernels in %.1f s", time.perf_counter() - start)
         _loaded = True

@@ -129,7 +129,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
       TORCH_CHECK(0 <= slot && slot < S, "KV slot ", slot, " out of the pool (", S, ")");
     }
   }
-  if (split_tokens <= 0) {  // enough segments to keep every thread busy, none under 128 tokens
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += ends[b] - starts[b];
+  // Under this many (slot, head) visits the work is smaller than waking the thread pool.
+  const bool serial = total * H < 16384;
+  if (split_tokens <= 0 && serial) {
+    split_tokens = std::max<int64_t>(1, max_len);
+  } else if (split_tokens <= 0) {  // enough segments for every thread, none under 128 tokens
     const int64_t target = 4 * at::get_num_threads();
     const int64_t splits = std::max<int64_t>(1, (target + B - 1) / std::max<int64_t>(1, B));
     split_tokens = std::max<int64_t>(128, (max_len + splits - 1) / splits);
@@ -151,7 +157,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_buf.scalar_type(), "decode_attention", [&] {
     const scalar_t* kp = k_buf.data_ptr<scalar_t>();
     const scalar_t* vp = v_buf.data_ptr<scalar_t>();
-    at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, n, serial ? n + 1 : 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
         const Segment& s = segs[i];
         attend<scalar_t>(qp + s.b * HG * D, H, G, D, kp, vp, rows + s.b * L, s.t0, s.t1, fscale,
@@ -164,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   at::Tensor lse = at::full({B, H, G}, kNegInf, q.options());
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, B, serial ? B + 1 : 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       const int64_t s0 = first[b], s1 = first[b + 1];
       if (s0 == s1) continue;  // empty range
