@@ -74,7 +74,9 @@ def load_cpu_kernels() -> None:
         name = _build_name(sources)
         build_dir = os.path.join(kernel_cache_dir(), name)
         library = os.path.join(build_dir, f"{name}.so")
-        if os.path.isfile(library):
+        # torch's builder holds build_dir/lock while it compiles and links: a library seen
+        # then may be half written, so go through load(), which waits for the lock.
+        if os.path.isfile(library) and not os.path.exists(os.path.join(build_dir, "lock")):
             torch.ops.load_library(library)
             _loaded = True
             return
