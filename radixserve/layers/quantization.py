@@ -11,9 +11,11 @@ The layers here keep their weights packed:
   (a weight is code * scale + minimum, code in [0, 15]: GGUF's Q4_1 form). Below
   `Q4_DENSE_ROWS` rows, radixserve's own kernel (csrc/q4_linear.cpp) multiplies the 4-bit
   codes by the activations quantized to int8 per group of 32, in integers, as llama.cpp
-  does (2x ATen's int4 kernel at batch 1 on AVX2); from there on, the weight is dequantized
-  and multiplied by the dense GEMM, which wins at prefill sizes. Where the C++ kernels cannot
-  be built, ATen's `_weight_int4pack_mm_for_cpu` (bf16 activations) takes over.
+  does (2x ATen's int4 kernel at batch 1 on AVX2). From there on, the weight is
+  dequantized and multiplied by the dense GEMM, which wins at prefill sizes, with the
+  activations rounded to the same int8 grid, so both paths compute the same function. Where
+  the C++ kernels cannot be built, ATen's `_weight_int4pack_mm_for_cpu` (bf16 activations)
+  takes over.
 
 GGUF Q4_0 and Q4_1 blocks are int4 groups of 32 of exactly this form (Q4_1: q * d + m; Q4_0:
 (q - 8) * d, minimum -8d). The GGUF loader hands their (d, m) per block to `quantize_model`,
@@ -141,9 +143,9 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "q4":
             if x2.shape[0] < Q4_DENSE_ROWS:
                 y = torch.ops.radixserve.q4_linear(x2, self.qs, self.d, self.m)
-            else:
+            else:  # the same int8 activations as the kernel's, through a dense GEMM
                 w = torch.ops.radixserve.q4_dequantize(self.qs, self.d, self.m)
-                y = F.linear(x2, w.to(x.dtype))
+                y = F.linear(quantize_activations(x2).to(x.dtype), w.to(x.dtype))
         elif self.method == "int8":
             y = torch._weight_int8pack_mm(
                 x2.to(KERNEL_DTYPE).contiguous(), self.packed, self.scales
@@ -168,6 +170,18 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.method}, in={self.in_features}, out={self.out_features}"
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded to int8 per group of 32 and scaled back (fp32), with the float
+    operations of q4_linear.cpp's quantize_row, so that a prompt's prefill (GEMM) and its
+    decode (the q4 kernel) see the same activations and the same prompt gives the same
+    tokens whichever path, cache hit or batch it takes."""
+    m, k = x.shape
+    groups = x.float().reshape(m, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return (torch.round(groups * inv) * scale).reshape(m, k)
 
 
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:

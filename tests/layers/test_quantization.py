@@ -156,3 +156,16 @@ def test_q4_kernels_against_the_reference() -> None:
     assert torch.equal(alone[0], y[3])
     with pytest.raises(RuntimeError, match="columns"):
         torch.ops.radixserve.q4_linear(torch.randn(1, 96), qs, scale, minimum)
+
+
+def test_q4_gemv_and_gemm_paths_agree_row_by_row() -> None:
+    """A prompt's rows go through the GEMM at prefill and the kernel at decode (or after a
+    cache hit): both see the same int8 activations, so they agree far inside the
+    quantization error, and the same prompt gives the same tokens either way."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(576, 576, generator=gen) * 0.05
+    layer = QuantizedLinear("int4", w)
+    x = torch.randn(Q4_DENSE_ROWS, 576, generator=gen)
+    gemm = layer(x)  # 64 rows: the dequantized GEMM
+    gemv = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])  # one row each: the kernel
+    assert (gemm - gemv).abs().max() <= 1e-5 * gemm.abs().max()

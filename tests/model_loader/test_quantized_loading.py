@@ -79,7 +79,7 @@ def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monke
     """The quality check: mean NLL of the same text through each configuration's ModelRunner
     (int4 layers keep the file's Q4_1 codes; the int8 head is the only new rounding). The
     windows are prefills, so int4 runs its dequantized GEMM; "int4-gemv" sends every row
-    through the decode kernel instead (activations quantized to int8 per group)."""
+    through the decode kernel instead; both quantize the activations to int8 per group."""
     from radixserve.bench.perplexity import default_text, score
     from radixserve.layers import quantization
     from radixserve.managers.tokenizer_utils import load_tokenizer_for
@@ -102,4 +102,5 @@ def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monke
     assert ppl["int8"] / ppl[None] < 1.02, ppl
     assert ppl["int4"] / ppl[None] < 1.02, ppl
     assert ppl["int4-gemv"] / ppl[None] < 1.02, ppl
-    assert ppl["int4-gemv"] != ppl["int4"]  # the two int4 paths really differ
+    # Both int4 paths compute one function (the same int8 activations), up to float order.
+    assert abs(ppl["int4-gemv"] / ppl["int4"] - 1) < 1e-3, ppl

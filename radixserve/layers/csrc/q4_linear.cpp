@@ -24,21 +24,25 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 
-// Quantize one row of activations: per group, int8 codes, scale, and the exact float sum.
+// Quantize one row of activations: per group, int8 codes, their scale, and the sum of the
+// quantized values (scale * sum of codes), so that the minimum's term uses the same
+// activations as the codes' term. QuantizedLinear's GEMM path quantizes its input the same
+// way (same float operations), so both paths compute one function up to summation order.
 void quantize_row(const float* x, int64_t groups, int8_t* xq, float* sx, float* xsum) {
   for (int64_t g = 0; g < groups; ++g) {
     const float* xg = x + g * kGroup;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      amax = std::max(amax, std::fabs(xg[j]));
-      sum += xg[j];
-    }
+    float amax = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
     const float scale = amax / 127.f;
     const float inv = scale > 0.f ? 1.f / scale : 0.f;
-    for (int64_t j = 0; j < kGroup; ++j)
-      xq[g * kGroup + j] = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+    int32_t codes = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const int8_t c = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+      xq[g * kGroup + j] = c;
+      codes += c;
+    }
     sx[g] = scale;
-    xsum[g] = sum;
+    xsum[g] = scale * static_cast<float>(codes);
   }
 }
 
