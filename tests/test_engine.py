@@ -117,6 +117,7 @@ def test_int4_quantized_engine_is_cache_transparent_and_drains(default_model_pat
 
     with Engine(
         model_path=default_model_path,
+        dtype="float32",
         quantization="int4",
         max_total_tokens=4096,
         enable_integrity_checks=True,

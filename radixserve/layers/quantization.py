@@ -143,9 +143,9 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "q4":
             if x2.shape[0] < Q4_DENSE_ROWS:
                 y = torch.ops.radixserve.q4_linear(x2, self.qs, self.d, self.m)
-            else:  # the same int8 activations as the kernel's, through a dense GEMM
+            else:  # the kernel's int8 activations and fp32 arithmetic, through a dense GEMM
                 w = torch.ops.radixserve.q4_dequantize(self.qs, self.d, self.m)
-                y = F.linear(quantize_activations(x2).to(x.dtype), w.to(x.dtype))
+                y = F.linear(quantize_activations(x2), w)
         elif self.method == "int8":
             y = torch._weight_int8pack_mm(
                 x2.to(KERNEL_DTYPE).contiguous(), self.packed, self.scales
