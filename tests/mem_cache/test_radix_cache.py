@@ -338,7 +338,9 @@ def reference_match(cache: RadixCache, key: RadixKey) -> list[int]:
             edge, k = child.key.token_ids, 0
             while k < len(edge) and pos + k < len(ids) and edge[k] == ids[pos + k]:
                 k += 1
-            if k and child.key.extra_key == key.extra_key:
+            # A child is entered only through a whole matching first page: with pages of 2,
+            # siblings [4, 0] and [4, 5] share a first token, and [4, 5] must be the one taken.
+            if k >= ps and child.key.extra_key == key.extra_key:
                 break
         else:
             return slots
