@@ -121,21 +121,23 @@ class QuantizedLinear(nn.Module):
             codes, scale = quantize_int8(weight)
             self.register_buffer("packed", codes)
             self.register_buffer("scales", scale.to(KERNEL_DTYPE))
-        elif cpu_kernels_available():
-            codes, scale, minimum = quantize_int4(weight, blocks)
+        else:
+            self._pack_int4(*quantize_int4(weight, blocks))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+
+    def _pack_int4(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        if cpu_kernels_available():
             self.kernel = "q4"
             self.register_buffer("qs", pack_q4(codes))
             self.register_buffer("d", scale.contiguous())
             self.register_buffer("m", minimum.contiguous())
-        else:
-            codes, scale, minimum = quantize_int4(weight, blocks)
-            zero = minimum + 8 * scale  # ATen's form: (q - 8) * scale + zero
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INT4_INNER_K_TILES)
-            self.register_buffer("packed", packed)
-            # [G, N, 2]: (scale, zero) of group g of output row n.
-            scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-            self.register_buffer("scales", scales_zeros.to(KERNEL_DTYPE))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+            return
+        zero = minimum + 8 * scale  # ATen's form: (q - 8) * scale + zero
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INT4_INNER_K_TILES)
+        self.register_buffer("packed", packed)
+        # [G, N, 2]: (scale, zero) of group g of output row n.
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales", scales_zeros.to(KERNEL_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -61,11 +61,8 @@ class ModelRunner:
         )
         self.context_len = server_args.context_length or self.model_config.max_position_embeddings
         self.init_memory_pool()
-        self.attn_backend = self._make_attn_backend()
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self.device)
         self.sampler = Sampler()
-
-    def _make_attn_backend(self) -> AttentionBackend:
-        return create_attention_backend(self.server_args.attention_backend, self.device)
 
     # -- memory ---------------------------------------------------------------------------------
     def init_memory_pool(self) -> None:

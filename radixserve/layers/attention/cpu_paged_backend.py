@@ -45,7 +45,7 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         if not fb.forward_mode.is_decode():
             super().init_forward_metadata(fb)
             return
-        seq_lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64)
+        seq_lens = fb.seq_lens
         kv_rows = fb.kv_rows[:, : max(fb.seq_lens_cpu)].contiguous()
         found = None
         if fb.batch_size >= 2:  # it compares only slots below every member's length
