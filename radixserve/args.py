@@ -20,6 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -82,6 +83,44 @@ class ServerArgs:
         "(a scale per output channel) or int4 (groups of 32; GGUF Q4_0/Q4_1 codes are kept).",
         ("int8", "int4"),
     )
+    # Speculative decoding (SGLang's flags)
+    speculative_algorithm: str | None = _f(
+        None,
+        "Speculative decoding: NGRAM (drafts looked up in the request's own prompt and output) "
+        "or STANDALONE (a small draft model, --speculative-draft-model-path).",
+        SPECULATIVE_ALGORITHMS,
+    )
+    speculative_draft_model_path: str | None = _f(
+        None, "STANDALONE: the draft model (it must use the target's tokenizer)."
+    )
+    speculative_num_steps: int | None = _f(
+        None, "STANDALONE: draft tokens proposed per step (default 4)."
+    )
+    speculative_eagle_topk: int | None = _f(
+        None, "Branches per draft step; STANDALONE drafts a chain (1), NGRAM sets its own."
+    )
+    speculative_num_draft_tokens: int | None = _f(
+        None,
+        "Tokens each request verifies per step, its last token included (default: NGRAM 8, "
+        "STANDALONE num_steps + 1).",
+    )
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "NGRAM: shortest suffix of the text that must recur to propose its continuation."
+    )
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "NGRAM: longest suffix compared (longer matches rank first)."
+    )
+    speculative_ngram_max_bfs_breadth: int = _f(
+        4, "NGRAM: continuations merged into one verify tree."
+    )
+    speculative_ngram_branch_length: int = _f(
+        18, "NGRAM: tokens taken after each match (the tree is then cut to num_draft_tokens)."
+    )
+    speculative_disable_adaptive: bool = _f(
+        False,
+        "Always speculate. By default a step falls back to plain decode where the measured cost "
+        "of verifying exceeds what the requests' acceptance history says it saves.",
+    )
     # Serving
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
@@ -111,6 +150,63 @@ class ServerArgs:
             raise ValueError("--max-queued-requests must be >= 0")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        spec_flags = (
+            self.speculative_draft_model_path,
+            self.speculative_num_steps,
+            self.speculative_eagle_topk,
+            self.speculative_num_draft_tokens,
+        )
+        if algo is None:
+            if any(v is not None for v in spec_flags):
+                raise ValueError("the --speculative-* options need --speculative-algorithm")
+            return
+        for name in ("speculative_num_steps", "speculative_eagle_topk"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token + 1)")
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if lo < 1 or hi < lo:
+            raise ValueError(
+                "NGRAM match windows need 1 <= --speculative-ngram-min-match-window-size <= "
+                "--speculative-ngram-max-match-window-size"
+            )
+        if self.speculative_ngram_max_bfs_breadth < 1 or self.speculative_ngram_branch_length < 1:
+            raise ValueError("NGRAM breadth and branch length must be >= 1")
+        if algo == "STANDALONE":
+            if not self.speculative_draft_model_path:
+                raise ValueError(
+                    "--speculative-algorithm STANDALONE needs --speculative-draft-model-path"
+                )
+            if (self.speculative_eagle_topk or 1) != 1:
+                raise ValueError("STANDALONE drafts one chain: --speculative-eagle-topk must be 1")
+            steps = self.speculative_num_steps or 4
+            if (
+                self.speculative_num_draft_tokens is not None
+                and self.speculative_num_draft_tokens != steps + 1
+            ):
+                raise ValueError(
+                    "STANDALONE with topk 1 verifies num_steps + 1 tokens: "
+                    f"--speculative-num-draft-tokens must be {steps + 1}"
+                )
+        elif self.speculative_draft_model_path or self.speculative_num_steps is not None:
+            raise ValueError(
+                "NGRAM uses no draft model and no draft steps: drop "
+                "--speculative-draft-model-path / --speculative-num-steps"
+            )
+
+    @property
+    def speculative_verify_tokens(self) -> int:
+        """Tokens each request verifies per step, its last committed token included."""
+        if self.speculative_algorithm == "STANDALONE":
+            return (self.speculative_num_steps or 4) + 1
+        return self.speculative_num_draft_tokens or 8
 
     # -- resolution of "auto" values -------------------------------------------------------------
     def resolve(self) -> ServerArgs:

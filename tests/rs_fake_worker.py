@@ -21,11 +21,13 @@ VOCAB = 97
 EOS = 2
 
 
-def next_token(seq: list[int]) -> int:
+def next_token(seq: list[int], window: int | None = None) -> int:
+    """A hash of the whole sequence; or, with `window`, of its last `window` tokens into 8
+    tokens only: a model whose text soon repeats itself, for speculative decoding."""
     h = 0
-    for t in seq:
+    for t in seq[-window:] if window else seq:
         h = (h * 31 + t) % 1_000_003
-    return 3 + h % (VOCAB - 3)
+    return 3 + h % (8 if window else VOCAB - 3)
 
 
 @dataclass
@@ -60,8 +62,10 @@ class FakeWorker(TpModelWorker):
         max_running: int = 16,
         context_len: int = 2048,
         page_size: int = 1,
+        window: int | None = None,
     ) -> None:
         self.model_runner = FakeModelRunner(total_tokens, max_running, context_len, page_size)
+        self.window = window
         self.device = "cpu"
         self.vocab_size = VOCAB
         self.steps = 0
@@ -84,9 +88,14 @@ class FakeWorker(TpModelWorker):
                 f"{mwb.rids[b]}: its row points at slots of positions {pos[:8]}..."
             )
             # Ignored for intermediate chunks; otherwise seq_len covers prompt + outputs.
-            logits[b, next_token(mr.kv[slots].tolist())] = 1.0
+            logits[b, next_token(mr.kv[slots].tolist(), self.window)] = 1.0
         self.steps += 1
         return logits
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        mr = self.model_runner
+        mr.kv[dst] = mr.kv[src]
+        mr.kv_pos[dst] = mr.kv_pos[src]
 
     def get_memory_info(self) -> dict:
         mr = self.model_runner
@@ -98,11 +107,11 @@ class FakeWorker(TpModelWorker):
         }
 
 
-def expected_output(prompt: list[int], n: int) -> list[int]:
+def expected_output(prompt: list[int], n: int, window: int | None = None) -> list[int]:
     seq = list(prompt)
     out = []
     for _ in range(n):
-        t = next_token(seq)
+        t = next_token(seq, window)
         out.append(t)
         seq.append(t)
     return out
@@ -118,6 +127,7 @@ class FakeRun:
         max_running: int = 16,
         tokenizer=None,
         overlap: bool | None = None,
+        window: int | None = None,
         **kwargs,
     ) -> None:
         from radixserve.args import ServerArgs
@@ -127,7 +137,12 @@ class FakeRun:
         if overlap is not None:
             kwargs["disable_overlap_schedule"] = not overlap
         args = ServerArgs(device="cpu", dtype="float32", **kwargs).resolve()
-        self.worker = FakeWorker(total_tokens=total_tokens, max_running=max_running)
+        self.worker = FakeWorker(
+            total_tokens=total_tokens,
+            max_running=max_running,
+            page_size=kwargs.get("page_size", 1),
+            window=window,
+        )
         self.outs: list = []
         self.s = Scheduler(args, self.outs.append, tokenizer=tokenizer, tp_worker=self.worker)
         if overlap is not None:

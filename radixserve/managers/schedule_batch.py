@@ -23,6 +23,7 @@ from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAlloca
 from radixserve.mem_cache.radix_cache import RadixKey
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixserve.sampling_params import SamplingParams
+from radixserve.speculative.spec_info import DraftTree, SpecVerifyInput
 
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -93,6 +94,11 @@ class Req:
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.arrival_time = time.monotonic()
         self.grammar: Any = None
+        # Speculative decoding: counters and acceptance history (RequestSpecState), the NGRAM
+        # index of the request's text, and how many leading positions hold draft-model KV.
+        self.spec: Any = None
+        self.ngram: Any = None
+        self.draft_kv_len = 0
 
     # -- lengths --------------------------------------------------------------------------------
     @property
@@ -132,6 +138,7 @@ class Req:
         self.kv_committed_len = self.kv_allocated_len = self.cache_protected_len = 0
         self.chunk_to_cache = False
         self.pending_future = None  # a step in flight for it is dropped (num_retractions)
+        self.draft_kv_len = 0
         self.extend_input_len = 0
         self.num_retractions += 1
 
@@ -199,6 +206,7 @@ class ScheduleBatch:
         self.seq_lens: list[int] = [r.kv_committed_len for r in reqs]
         self.decoding_reqs: list[Req] = []  # requests mixed into an extend batch
         self.chunked_req: Req | None = None  # the request this step computes a middle chunk of
+        self.spec_info: SpecVerifyInput | None = None  # a speculative verify step
         self.page_size = allocator.page_size
 
     def is_empty(self) -> bool:
@@ -258,6 +266,7 @@ class ScheduleBatch:
     # -- extend ---------------------------------------------------------------------------------
     def prepare_for_extend(self) -> None:
         self.forward_mode = ForwardMode.EXTEND
+        self.spec_info = None
         reqs = self.reqs
         rows = self.req_to_token_pool.alloc(sum(r.req_pool_idx is None for r in reqs))
         if rows is None:
@@ -299,6 +308,7 @@ class ScheduleBatch:
 
     def prepare_for_decode(self) -> None:
         self.forward_mode = ForwardMode.DECODE
+        self.spec_info = None
         reqs = self.reqs
         starts = [r.kv_committed_len for r in reqs]
         ends = [s + 1 for s in starts]
@@ -310,6 +320,33 @@ class ScheduleBatch:
         self.seq_lens = ends
         for r, e in zip(reqs, ends, strict=True):
             r.kv_committed_len = e
+
+    # -- speculative verify -------------------------------------------------------------------
+    def verify_slots_needed(self, trees: Sequence[DraftTree]) -> int:
+        seq = [r.kv_committed_len for r in self.reqs]
+        return self.new_slots_needed(
+            self.reqs, seq, [s + len(t) for s, t in zip(seq, trees, strict=True)]
+        )
+
+    def prepare_for_verify(self, trees: list[DraftTree], draft_model: bool = False) -> None:
+        """Give every tree node a slot at row positions seq_len .. seq_len + len(tree) − 1.
+        Nothing is committed here: the result commits the accepted path and frees the rest
+        (kv_allocated_len runs ahead of kv_committed_len until then, invariant 5)."""
+        self.forward_mode = ForwardMode.DECODE
+        reqs = self.reqs
+        starts = [r.kv_committed_len for r in reqs]
+        ends = [s + len(t) for s, t in zip(starts, trees, strict=True)]
+        self.out_cache_loc = self._alloc_slots(reqs, starts, ends)
+        self.input_ids = [tok for t in trees for tok in t.tokens]
+        self.positions = [s + d for s, t in zip(starts, trees, strict=True) for d in t.depths]
+        self.prefix_lens = starts
+        self.extend_lens = [len(t) for t in trees]
+        self.seq_lens = ends
+        catch_up = []
+        if draft_model:  # the tokens whose draft KV is missing, the root included
+            for r, s in zip(reqs, starts, strict=True):
+                catch_up.append((r.origin_input_ids + r.output_ids)[r.draft_kv_len : s + 1])
+        self.spec_info = SpecVerifyInput(trees, starts, catch_up, [r.draft_kv_len for r in reqs])
 
     # -- membership -----------------------------------------------------------------------------
     def filter_batch(self, keep: Sequence[Req] | None = None) -> None:
@@ -364,6 +401,7 @@ class ScheduleBatch:
             return_logprob=any(r.return_logprob for r in self.reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in self.reqs), default=0),
             rids=[r.rid for r in self.reqs],
+            spec_info=self.spec_info,
         )
 
     def get_forward_batch(self, device: str) -> ForwardBatch:

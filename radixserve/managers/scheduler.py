@@ -37,9 +37,13 @@ from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort
 from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_output import BatchSnapshot, SchedulerOutputMixin
 from radixserve.managers.scheduler_stats import NewTokenRatioTracker, SchedulerStats
-from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
+from radixserve.speculative.adaptive import RequestSpecState, SpecController
+from radixserve.speculative.ngram import NgramConfig, NgramIndex
+from radixserve.speculative.spec_info import DraftTree, SpecAlgorithm
+from radixserve.speculative.spec_worker import SpecWorker
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +119,25 @@ class Scheduler(SchedulerOutputMixin):
             self.chunked_prefill_size = max(
                 self.page_size, self.chunked_prefill_size // self.page_size * self.page_size
             )
-        self.enable_overlap = not server_args.disable_overlap_schedule and cpus_for_overlap(
-            self.tp_worker.device
+        self.spec_algorithm = SpecAlgorithm.of(server_args.speculative_algorithm)
+        self.spec_worker: SpecWorker | None = None
+        if not self.spec_algorithm.is_none():
+            self.spec_worker = SpecWorker(server_args, self.tp_worker, tokenizer)
+            self.spec_controller = SpecController(
+                server_args.speculative_verify_tokens - 1,
+                adaptive=not server_args.speculative_disable_adaptive,
+            )
+            self.ngram_config = NgramConfig(
+                server_args.speculative_ngram_min_match_window_size,
+                server_args.speculative_ngram_max_match_window_size,
+                server_args.speculative_ngram_max_bfs_breadth,
+                server_args.speculative_ngram_branch_length,
+            )
+        # Speculative steps run in the normal loop (their results decide the next step's input).
+        self.enable_overlap = (
+            not server_args.disable_overlap_schedule
+            and cpus_for_overlap(self.tp_worker.device)
+            and self.spec_worker is None
         )
         self.result_queue: deque[tuple[BatchSnapshot, InFlightStep]] = deque()
         self.forward_thread: ForwardThread | None = None
@@ -251,7 +272,8 @@ class Scheduler(SchedulerOutputMixin):
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> ScheduleBatch | None:
         """Run one iteration of the loop; returns the batch it ran or launched (or None)."""
-        batch = self._overlap_step() if self.enable_overlap else self._normal_step()
+        overlap = self.enable_overlap and self.spec_worker is None
+        batch = self._overlap_step() if overlap else self._normal_step()
         self.last_batch = batch
         if self.server_args.enable_integrity_checks:
             self.check_integrity()
@@ -261,7 +283,14 @@ class Scheduler(SchedulerOutputMixin):
         batch = self.get_next_batch_to_run()
         if batch is not None:
             snapshot = BatchSnapshot.of(batch)
+            start = time.perf_counter()
             result = self.run_batch(batch, snapshot)
+            if self.spec_worker is not None and batch.forward_mode.is_decode():
+                self.spec_controller.record_step(
+                    batch.spec_info is not None,
+                    len(batch.input_ids),
+                    time.perf_counter() - start,
+                )
             self.process_batch_result(snapshot, result)
         return batch
 
@@ -447,7 +476,11 @@ class Scheduler(SchedulerOutputMixin):
         return batch
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
-        """Make room for one decode step: evict, then retract, then abort (never crash)."""
+        """Make room for one decode step: evict, then retract, then abort (never crash).
+        With speculative decoding the step verifies draft trees when that pays and fits."""
+        if self.spec_worker is not None and self._prepare_verify(batch):
+            self.ratio.on_decode_step()
+            return batch
         if not self._decode_fits(batch):
             retracted = batch.retract_decode(lambda reqs: self._decode_fits(self._new_batch(reqs)))
             if retracted:
@@ -471,17 +504,56 @@ class Scheduler(SchedulerOutputMixin):
         batch.prepare_for_decode()
         return batch
 
+    def _prepare_verify(self, batch: ScheduleBatch) -> bool:
+        """Propose a draft tree per request and set the batch up to verify them; False (plain
+        decode) when nothing is proposed, speculating does not pay by the measured costs, or
+        the nodes do not fit in the KV pool."""
+        ctrl = self.spec_controller
+        draft_model = self.spec_algorithm.has_draft_model()
+        trees: list[DraftTree] = []
+        for r in batch.reqs:
+            if r.spec is None:
+                r.spec = RequestSpecState()
+            budget = 0
+            if r.grammar is None:  # grammar-constrained requests decode without drafts
+                room = r.max_new_tokens - len(r.output_ids) - 1  # the bonus token is extra
+                budget = max(0, min(ctrl.draft_budget(r), room))
+            root = r.output_ids[-1]
+            if budget == 0:
+                trees.append(DraftTree.root_only(root))
+            elif draft_model:  # placeholders: the draft model fills them in on the worker
+                trees.append(DraftTree.chain([root] * (budget + 1)))
+            else:
+                if r.ngram is None:
+                    r.ngram = NgramIndex([], self.ngram_config)
+                r.ngram.sync(r.origin_input_ids, r.output_ids)
+                trees.append(r.ngram.propose(budget))
+        drafts = sum(t.num_drafts for t in trees)
+        depths = [max(t.depths) for t in trees]
+        if not ctrl.should_speculate(batch.reqs, depths, drafts):
+            return False
+        need = batch.verify_slots_needed(trees)
+        if need > self.allocator.available_size() + self.tree_cache.evictable_size():
+            return False
+        batch.prepare_for_verify(trees, draft_model)
+        return True
+
     def _decode_fits(self, batch: ScheduleBatch) -> bool:
         need = batch.decode_slots_needed()
         return need <= self.allocator.available_size() + self.tree_cache.evictable_size()
 
-    def run_batch(self, batch: ScheduleBatch, snapshot: BatchSnapshot) -> GenerationBatchResult:
+    def run_batch(self, batch: ScheduleBatch, snapshot: BatchSnapshot) -> Any:
         """One whole step in the normal loop."""
         mwb = batch.get_model_worker_batch()
+        mask = self.grammar_manager.vocab_mask(batch.reqs, skip=snapshot.chunk_rows)
+        if batch.spec_info is not None:
+            assert self.spec_worker is not None
+            return self.spec_worker.forward_verify(mwb, batch.spec_info, batch.reqs, mask)
         mwb.sampling_info = SamplingBatchInfo.from_reqs(
             batch.reqs, self.model_config.vocab_size, self.tp_worker.device
         )
-        mask = self.grammar_manager.vocab_mask(batch.reqs, skip=snapshot.chunk_rows)
+        if self.spec_worker is not None and batch.forward_mode.is_extend():
+            return self.spec_worker.forward_extend(mwb, mask)
         return self.tp_worker.forward_batch_generation(mwb, mask)
 
     def close(self) -> None:

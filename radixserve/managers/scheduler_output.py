@@ -9,14 +9,14 @@ chunked request its computed chunks before its next chunk, so later requests can
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from radixserve.io_struct import BatchTokenIDOutput
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort
 from radixserve.model_executor.forward_batch import ForwardMode
-
-if TYPE_CHECKING:
-    from radixserve.managers.tp_worker import GenerationBatchResult
+from radixserve.speculative.spec_info import SpecVerifyInput
 
 
 @dataclass
@@ -29,6 +29,7 @@ class BatchSnapshot:
     chunk_rows: list[bool]  # an intermediate prefill chunk: no token
     retractions: list[int]  # a request retracted since the launch drops this step's token
     futures: list[int] | None = None  # overlap: the future slot of each row's token
+    spec: SpecVerifyInput | None = None  # a speculative verify step
 
     @classmethod
     def of(cls, batch: ScheduleBatch) -> BatchSnapshot:
@@ -37,6 +38,7 @@ class BatchSnapshot:
             batch.forward_mode,
             [r is batch.chunked_req for r in batch.reqs],
             [r.num_retractions for r in batch.reqs],
+            spec=batch.spec_info,
         )
 
 
@@ -48,13 +50,24 @@ class SchedulerOutputMixin:
     send_output: Any
     server_args: Any
     grammar_manager: Any
+    spec_worker: Any
+    spec_algorithm: Any
+    page_size: int
+    req_to_token_pool: Any
+    allocator: Any
 
-    def process_batch_result(self, snap: BatchSnapshot, result: GenerationBatchResult) -> None:
+    def process_batch_result(self, snap: BatchSnapshot, result: Any) -> None:
         """Append each row's token. In the overlap loop a request may have finished, been
         aborted or been retracted after this step was launched: its token is dropped (its
         slots were freed with it, and a retracted request computes the token again)."""
         if snap.forward_mode.is_decode():
             self.stats.num_decode_batches += 1
+        if snap.spec is not None:
+            self.process_verify_result(snap, snap.spec, result)
+            return
+        if self.spec_worker is not None and snap.forward_mode.is_extend():
+            for req in snap.reqs:  # the draft model ran over the same tokens
+                req.draft_kv_len = req.kv_committed_len
         to_stream: list[Req] = []
         for i, req in enumerate(snap.reqs):
             if snap.chunk_rows[i]:  # an intermediate chunk: no token, nothing streamed
@@ -64,20 +77,74 @@ class SchedulerOutputMixin:
             token = result.next_token_ids[i]
             if snap.futures is None or req.pending_future == snap.futures[i]:
                 req.pending_future = None
-            req.output_ids.append(token)
-            self.stats.generation_tokens += 1
+            logprob = None
             if req.return_logprob and result.logprobs is not None:
-                req.output_token_logprobs.append((result.logprobs[i], token))
-                if result.top_logprobs is not None and req.top_logprobs_num:
-                    req.output_top_logprobs.append(result.top_logprobs[i][: req.top_logprobs_num])
-            if req.grammar is not None:
-                self.grammar_manager.accept(req, token)
-            req.check_finished(self.tokenizer)
+                top = result.top_logprobs[i] if result.top_logprobs is not None else None
+                logprob = (result.logprobs[i], top)
+            self._append_token(req, token, logprob)
             if req.finished():
-                self.tree_cache.cache_finished_req(req)
-                self.stats.num_finished += 1
-                if req.finished_reason and req.finished_reason["type"] == "abort":
-                    self.stats.num_aborted += 1
+                self._on_finished(req)
+            to_stream.append(req)
+        self.stream_output(to_stream)
+
+    def _append_token(self, req: Req, token: int, logprob: tuple[float, Any] | None) -> None:
+        req.output_ids.append(token)
+        self.stats.generation_tokens += 1
+        if logprob is not None:
+            req.output_token_logprobs.append((logprob[0], token))
+            if logprob[1] is not None and req.top_logprobs_num:
+                req.output_top_logprobs.append(logprob[1][: req.top_logprobs_num])
+        if req.grammar is not None:
+            self.grammar_manager.accept(req, token)
+        req.check_finished(self.tokenizer)
+
+    def _on_finished(self, req: Req) -> None:
+        self.tree_cache.cache_finished_req(req)
+        self.stats.num_finished += 1
+        if req.finished_reason and req.finished_reason["type"] == "abort":
+            self.stats.num_aborted += 1
+
+    def process_verify_result(
+        self, snap: BatchSnapshot, spec: SpecVerifyInput, result: Any
+    ) -> None:
+        """Commit each request's accepted tokens one by one, stopping where it finishes (EOS,
+        a stop string or max_new_tokens inside an accepted run: the rest is dropped), and free
+        the slots of every node past what it committed (invariant 5)."""
+        to_stream: list[Req] = []
+        ps = self.page_size
+        for i, req in enumerate(snap.reqs):
+            s, tree = spec.seq_lens[i], spec.trees[i]
+            tokens = result.tokens[i]
+            appended = 0
+            for j, token in enumerate(tokens):
+                logprob = None
+                if req.return_logprob and result.logprobs is not None:
+                    top = result.top_logprobs[i][j] if result.top_logprobs else None
+                    logprob = (result.logprobs[i][j], top or None)
+                self._append_token(req, token, logprob)
+                appended += 1
+                if req.finished():
+                    break
+            committed = s + appended  # the root and the accepted drafts before the last token
+            if tree.num_drafts:
+                req.spec.on_verify(max(tree.depths), result.accepted[i], appended, tree.num_drafts)
+                self.stats.on_verify(tree.num_drafts, result.accepted[i], appended)
+            if self.spec_algorithm.has_draft_model():
+                # The draft wrote positions up to s (catch-up) and s + 1 .. s + drafts - 1.
+                req.draft_kv_len = min(s + max(tree.num_drafts, 1), committed)
+            req.kv_committed_len = committed
+            if req.finished():
+                if self.spec_algorithm.has_draft_model():
+                    # Only tokens with both models' KV go to the cache.
+                    req.kv_committed_len = min(committed, req.draft_kv_len)
+                self._on_finished(req)
+            else:
+                keep = -(-committed // ps) * ps  # the last page stays whole
+                end = s + len(tree)
+                if keep < end:
+                    row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+                    self.allocator.free(row[keep:end].to(torch.int64))
+                req.kv_allocated_len = committed
             to_stream.append(req)
         self.stream_output(to_stream)
 

@@ -42,6 +42,17 @@ class SchedulerStats:
     num_retractions: int = 0
     num_prefill_batches: int = 0
     num_decode_batches: int = 0
+    # Speculative decoding, over the request-steps that verified at least one draft.
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_committed_tokens: int = 0  # accepted drafts plus bonus tokens
+
+    def on_verify(self, drafts: int, accepted: int, committed: int) -> None:
+        self.spec_verify_ct += 1
+        self.spec_draft_tokens += drafts
+        self.spec_accepted_tokens += accepted
+        self.spec_committed_tokens += committed
 
     def on_first_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.num_requests += 1
@@ -50,5 +61,11 @@ class SchedulerStats:
 
     def snapshot(self, **gauges: Any) -> dict[str, Any]:
         out = asdict(self)
+        out["spec_accept_length"] = (
+            self.spec_committed_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
+        )
+        out["spec_accept_rate"] = (
+            self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+        )
         out.update(gauges)
         return out

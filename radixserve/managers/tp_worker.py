@@ -70,6 +70,9 @@ class TpModelWorker:
             self.sample(logits, mwb.sampling_info, vocab_mask, mwb)
         )
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.model_runner.token_to_kv_pool.move_kv(src, dst)
+
     @torch.inference_mode()
     def get_memory_info(self) -> dict[str, int]:
         mr = self.model_runner

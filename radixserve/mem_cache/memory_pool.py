@@ -155,6 +155,13 @@ class MHATokenToKVPool:
         self.k_buffer[layer_id][loc] = k.to(self.dtype)
         self.v_buffer[layer_id][loc] = v.to(self.dtype)
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots `src` into slots `dst`, every layer (speculative decoding
+        moves an accepted tree path onto its request's position-ordered slots)."""
+        src, dst = src.to(self.device), dst.to(self.device)
+        for buf in (*self.k_buffer, *self.v_buffer):
+            buf[dst] = buf[src]
+
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

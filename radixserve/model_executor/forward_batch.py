@@ -53,6 +53,7 @@ class ModelWorkerBatch:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     rids: list[str] = field(default_factory=list)  # for error messages and the fake worker
+    spec_info: object | None = None  # SpecVerifyInput of a speculative verify step
 
     @property
     def batch_size(self) -> int:

@@ -41,13 +41,20 @@ class LogitsOutput:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs) -> None:
+    """`draft_of`: this runner is the speculative draft model of that (target) runner. It loads
+    --speculative-draft-model-path and keeps KV of its own, indexed by the target's slots: it
+    shares the target's req_to_token rows and slot allocator, so a slot holds both models' KV
+    of the same token and the radix cache serves both."""
+
+    def __init__(self, server_args: ServerArgs, draft_of: ModelRunner | None = None) -> None:
         self.server_args = server_args
         self.device = server_args.device
-        if self.device == "cpu":
+        self.is_draft = draft_of is not None
+        if self.device == "cpu" and not self.is_draft:
             torch.set_num_threads(server_args.num_threads or physical_core_count())
         torch.manual_seed(server_args.random_seed)
-        self.model_path = resolve_model_path(server_args.model_path)
+        path = server_args.speculative_draft_model_path if draft_of else server_args.model_path
+        self.model_path = resolve_model_path(path)
         self.load_format = detect_load_format(self.model_path, server_args.load_format)
         self.dtype = to_torch_dtype(server_args.dtype)
         self.model, self.model_config = load_model(
@@ -59,8 +66,13 @@ class ModelRunner:
             server_args.context_length,
             server_args.quantization,
         )
-        self.context_len = server_args.context_length or self.model_config.max_position_embeddings
-        self.init_memory_pool()
+        if draft_of is not None:
+            self.share_target_pools(draft_of)
+        else:
+            self.context_len = (
+                server_args.context_length or self.model_config.max_position_embeddings
+            )
+            self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self.device)
         self.sampler = Sampler()
 
@@ -96,6 +108,33 @@ class ModelRunner:
             total,
             total * per_token / 2**20,
             self.max_running_requests,
+        )
+
+    def share_target_pools(self, target: ModelRunner) -> None:
+        cfg = self.model_config
+        if cfg.vocab_size != target.model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({cfg.vocab_size} tokens) differs from the "
+                f"target's ({target.model_config.vocab_size}): they must share a tokenizer"
+            )
+        if cfg.max_position_embeddings < target.context_len:
+            raise ValueError(
+                f"the draft model's context ({cfg.max_position_embeddings}) is shorter than the "
+                f"target's ({target.context_len}); pass --context-length to serve less"
+            )
+        self.context_len = target.context_len
+        self.max_total_num_tokens = target.max_total_num_tokens
+        self.max_running_requests = target.max_running_requests
+        self.req_to_token_pool = target.req_to_token_pool
+        self.token_to_kv_pool_allocator = target.token_to_kv_pool_allocator
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            to_torch_dtype(self.server_args.kv_cache_dtype),
+            self.device,
+            self.server_args.page_size,
         )
 
     def _profile_max_num_tokens(self, per_token: int) -> int:

@@ -1,0 +1,242 @@
+"""SpecWorker: the draft / verify / commit stages of one speculative step (seed 000 §15.3).
+
+It wraps the target TpModelWorker (and, for STANDALONE, a draft ModelRunner) and is what the
+scheduler calls instead of the plain worker:
+
+* extend and mixed steps run the target as usual; STANDALONE then runs the draft model over the
+  same tokens and slots, so the draft's KV is prefilled with the request (never invented at the
+  first decode);
+* verify steps: STANDALONE first drafts (Stage A): one extend over the tokens whose draft KV is
+  missing (the root at least: the catch-up of the last step's accepted tokens, seed's
+  draft_extend) and `num_steps - 1` single-token decodes, each draft drawn from the draft's
+  distribution. The target then runs every node of every tree in one forward (Stage B, a decode
+  of one query per node, see spec_info) and acceptance commits a path per request
+  (speculative.verify). Accepted nodes that are off the chain order have their KV moved to the
+  chain's slots, so the request's row stays position-ordered; the scheduler frees the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from radixserve.args import ServerArgs
+from radixserve.layers.sampler import SamplingBatchInfo
+from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
+from radixserve.speculative.spec_info import DraftTree, SpecAlgorithm, SpecVerifyInput
+from radixserve.speculative.verify import verify_trees
+
+
+@dataclass
+class SpecBatchResult:
+    """A verify step's result: per request, the committed tokens (accepted drafts + bonus)."""
+
+    tokens: list[list[int]]
+    num_drafts: list[int]
+    accepted: list[int]
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[float, int]]]] | None = None
+
+
+class SpecWorker:
+    def __init__(self, server_args: ServerArgs, target: TpModelWorker, tokenizer: Any = None):
+        self.algorithm = SpecAlgorithm.of(server_args.speculative_algorithm)
+        self.target = target
+        self.vocab_size = target.vocab_size
+        self.num_steps = server_args.speculative_verify_tokens - 1
+        self.draft_runner = None
+        if self.algorithm.has_draft_model():
+            from radixserve.model_executor.model_runner import ModelRunner
+
+            check_same_tokenizer(server_args, tokenizer)
+            self.draft_runner = ModelRunner(server_args, draft_of=target.model_runner)
+
+    # -- extend ---------------------------------------------------------------------------------
+    def forward_extend(
+        self, mwb: ModelWorkerBatch, vocab_mask: torch.Tensor | None
+    ) -> GenerationBatchResult:
+        result = self.target.forward_batch_generation(mwb, vocab_mask)
+        if self.draft_runner is not None:  # the draft's KV of the same tokens, same slots
+            self.draft_runner.forward_hidden(mwb.to_forward_batch(self.target.device))
+        return result
+
+    # -- verify ---------------------------------------------------------------------------------
+    def forward_verify(
+        self,
+        mwb: ModelWorkerBatch,
+        spec: SpecVerifyInput,
+        reqs: list[Any],
+        vocab_mask: torch.Tensor | None,
+    ) -> SpecBatchResult:
+        if self.draft_runner is not None:
+            self.draft(mwb, spec, reqs)
+        node_mwb = self.node_batch(mwb, spec)
+        logits = self.target.forward(node_mwb)
+        out = verify_trees(
+            logits,
+            reqs,
+            spec.trees,
+            self.vocab_size,
+            vocab_mask,
+            mwb.return_logprob,
+            mwb.top_logprobs_num,
+        )
+        self.move_accepted_kv(mwb, spec, out.accepted_nodes)
+        return SpecBatchResult(
+            out.tokens,
+            [t.num_drafts for t in spec.trees],
+            [len(n) for n in out.accepted_nodes],
+            out.logprobs,
+            out.top_logprobs,
+        )
+
+    @staticmethod
+    def node_batch(mwb: ModelWorkerBatch, spec: SpecVerifyInput) -> ModelWorkerBatch:
+        """The verify step as the model sees it: a decode of one query per tree node."""
+        seq, owner = [], []
+        for b, (s, tree) in enumerate(zip(spec.seq_lens, spec.trees, strict=True)):
+            seq.extend(s + d + 1 for d in tree.depths)
+            owner.extend([mwb.req_pool_indices[b]] * len(tree))
+        return ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=[t for tree in spec.trees for t in tree.tokens],
+            positions=[s - 1 for s in seq],
+            req_pool_indices=owner,
+            seq_lens=seq,
+            prefix_lens=[s - 1 for s in seq],
+            extend_lens=[1] * len(seq),
+            out_cache_loc=mwb.out_cache_loc,
+            kv_rows=spec.node_kv_rows(mwb.kv_rows),
+            rids=mwb.rids,
+        )
+
+    def move_accepted_kv(
+        self, mwb: ModelWorkerBatch, spec: SpecVerifyInput, accepted: list[list[int]]
+    ) -> None:
+        """Accepted node p_j (depth j) must sit at row position seq_len + j. Its source slot is
+        never a later destination (a node's index is at least its depth), so one gather then
+        one scatter is safe."""
+        src, dst = [], []
+        for b, (s, nodes) in enumerate(zip(spec.seq_lens, accepted, strict=True)):
+            for j, node in enumerate(nodes, start=1):
+                if node != j:
+                    src.append(int(mwb.kv_rows[b, s + node]))
+                    dst.append(int(mwb.kv_rows[b, s + j]))
+        if src:
+            self.target.move_kv(torch.tensor(src), torch.tensor(dst))
+            if self.draft_runner is not None:
+                self.draft_runner.token_to_kv_pool.move_kv(torch.tensor(src), torch.tensor(dst))
+
+    # -- STANDALONE drafting ----------------------------------------------------------------------
+    def draft(self, mwb: ModelWorkerBatch, spec: SpecVerifyInput, reqs: list[Any]) -> None:
+        """Fill each tree's draft tokens (a chain of len(tree) - 1) and their draft q."""
+        runner = self.draft_runner
+        assert runner is not None
+        device = self.target.device
+        steps = max(t.num_drafts for t in spec.trees)
+        if steps == 0:
+            return
+        # Stage A.0: catch up (draft_extend) on every token whose draft KV is missing.
+        ids, pos, loc, prefix, seq, ext = [], [], [], [], [], []
+        for b, (s, tokens, dlen) in enumerate(
+            zip(spec.seq_lens, spec.draft_catch_up, spec.draft_kv_lens, strict=True)
+        ):
+            ids.extend(tokens)
+            pos.extend(range(dlen, s + 1))
+            loc.append(mwb.kv_rows[b, dlen : s + 1])
+            prefix.append(dlen)
+            seq.append(s + 1)
+            ext.append(s + 1 - dlen)
+        catch_up = replace(
+            mwb,
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=ids,
+            positions=pos,
+            seq_lens=seq,
+            prefix_lens=prefix,
+            extend_lens=ext,
+            out_cache_loc=torch.cat(loc),
+        )
+        logits = runner.forward(catch_up.to_forward_batch(device)).next_token_logits
+        chains: list[list[int]] = [[] for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        active = [b for b, t in enumerate(spec.trees) if t.num_drafts > 0]
+        logits = logits[torch.tensor(active)]
+        for j in range(1, steps + 1):
+            info = SamplingBatchInfo.from_reqs([reqs[b] for b in active], self.vocab_size, device)
+            tok, q = draft_sample(logits, info)
+            for i, b in enumerate(active):
+                chains[b].append(int(tok[i]))
+                qs[b].append(q[i])
+            # Requests that want another draft run one decode step over the token just drafted
+            # (position seq_len + j, the slot of their node j).
+            keep = [i for i, b in enumerate(active) if spec.trees[b].num_drafts > j]
+            if not keep:
+                break
+            active = [active[i] for i in keep]
+            rows = torch.tensor(active)
+            sl = [spec.seq_lens[b] for b in active]
+            step = replace(
+                mwb,
+                forward_mode=ForwardMode.DECODE,
+                input_ids=[int(tok[i]) for i in keep],
+                positions=[s + j for s in sl],
+                req_pool_indices=[mwb.req_pool_indices[b] for b in active],
+                seq_lens=[s + j + 1 for s in sl],
+                prefix_lens=[s + j for s in sl],
+                extend_lens=[1] * len(active),
+                out_cache_loc=mwb.kv_rows[rows, torch.tensor(sl) + j],
+                kv_rows=mwb.kv_rows[rows],
+                rids=[mwb.rids[b] for b in active],
+            )
+            logits = runner.forward(step.to_forward_batch(device)).next_token_logits
+        for b, tree in enumerate(spec.trees):
+            if tree.num_drafts:
+                spec.trees[b] = DraftTree.chain([tree.tokens[0], *chains[b]])
+                spec.trees[b].draft_probs = torch.stack(qs[b])
+
+
+def draft_sample(
+    logits: torch.Tensor, info: SamplingBatchInfo
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw each row's draft from the draft model's distribution q (the request's temperature
+    and top-k/top-p/min-p; greedy rows take the argmax, q then a point mass)."""
+    from radixserve.layers.sampler import _filter_probs, _repair_degenerate_rows
+
+    logits = logits.float()
+    argmax = logits.argmax(dim=-1)
+    if info.is_all_greedy:
+        q = torch.nn.functional.one_hot(argmax, logits.shape[-1]).float()
+        return argmax, q
+    q = torch.softmax(logits / info.temperatures, dim=-1)
+    if info.need_filter:
+        q = _filter_probs(q, info)
+    q = _repair_degenerate_rows(q, logits)
+    q = q / q.sum(dim=-1, keepdim=True)
+    drawn = torch.multinomial(q, 1).view(-1)
+    tok = torch.where(info.greedy, argmax, drawn)
+    onehot = torch.nn.functional.one_hot(argmax, logits.shape[-1]).float()
+    q = torch.where(info.greedy.view(-1, 1), onehot, q)
+    return tok, q
+
+
+def check_same_tokenizer(server_args: ServerArgs, tokenizer: Any) -> None:
+    """The draft proposes token ids the target verifies: both must mean the same text."""
+    from radixserve.model_loader.loader import resolve_model_path
+    from radixserve.model_loader.weights import load_tokenizer
+
+    if tokenizer is None:
+        return  # tests that drive the scheduler with token ids only
+    path = resolve_model_path(server_args.speculative_draft_model_path)
+    try:
+        draft_tok = load_tokenizer(path)
+    except Exception as exc:
+        raise ValueError(f"cannot load the draft model's tokenizer from {path}: {exc}") from exc
+    if draft_tok.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            "the draft model's tokenizer differs from the target's: speculative decoding needs "
+            "both to map text to the same token ids"
+        )
