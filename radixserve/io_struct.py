@@ -144,6 +144,11 @@ class BatchTokenIDOutput:
     input_top_logprobs: list[list[list[tuple[float, int]] | None] | None] = field(
         default_factory=list
     )
+    # Speculative decoding (empty when it is off): per request, verify steps with drafts,
+    # tokens committed per such step, share of draft tokens accepted.
+    spec_verify_ct: list[int] = field(default_factory=list)
+    spec_accept_length: list[float] = field(default_factory=list)
+    spec_accept_rate: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -163,6 +168,9 @@ class BatchStrOutput:
     input_top_logprobs: list[list[list[tuple[float, int]] | None] | None] = field(
         default_factory=list
     )
+    spec_verify_ct: list[int] = field(default_factory=list)
+    spec_accept_length: list[float] = field(default_factory=list)
+    spec_accept_rate: list[float] = field(default_factory=list)
     # Requests the detokenizer could not decode: they finish here with an abort, and the
     # TokenizerManager stops them in the scheduler.
     failed_rids: list[str] = field(default_factory=list)

@@ -109,6 +109,10 @@ class NativeParser:
             rec.prompt_len = int(meta["prompt_tokens"])
         if meta.get("cached_tokens") is not None:
             rec.cached_tokens = int(meta["cached_tokens"])
+        if meta.get("spec_verify_ct") is not None:
+            rec.spec_verify_ct = int(meta["spec_verify_ct"])
+            rec.spec_accept_length = float(meta.get("spec_accept_length") or 0.0)
+            rec.spec_accept_rate = float(meta.get("spec_accept_rate") or 0.0)
 
     def finish(self) -> None:
         pass

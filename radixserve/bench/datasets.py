@@ -1,4 +1,6 @@
-"""Request generators for the serving benchmarks: `random`, `generated-shared-prefix`, `sharegpt`.
+"""Request generators for the serving benchmarks: `random`, `generated-shared-prefix`, `sharegpt`,
+`rewrite` and `natural` (chat prompts over the Python documentation: repeat a passage, or
+answer a question about a topic; the workloads of speculative decoding).
 
 Each generator returns a list of `BenchRequest` and is deterministic for a given seed. They need
 only a tokenizer object with `encode`, `decode`, `vocab_size` and `all_special_ids` (a Hugging
@@ -146,6 +148,70 @@ def sample_generated_shared_prefix_requests(
     return requests
 
 
+def _doc_passages(tokenizer: Tokenizer, min_tokens: int) -> list[tuple[str, list[int]]]:
+    """(topic, token ids) of the Python documentation's topics (the stdlib's
+    pydoc_data.topics, on every machine with Python), those of at least `min_tokens`."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for name in sorted(topics):
+        ids = tokenizer.encode(topics[name], add_special_tokens=False)
+        if len(ids) >= min_tokens:
+            out.append((name, ids))
+    return out
+
+
+def _chat(tokenizer: Any, content: str) -> str:
+    """The user message in the model's chat template (plain text where it has none)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+    return content + "\n\n"
+
+
+def sample_rewrite_requests(
+    tokenizer: Tokenizer,
+    num_prompts: int,
+    passage_len: int,
+    output_len: int,
+    seed: int = 1,
+) -> list[BenchRequest]:
+    """`rewrite`: chat prompts asking to repeat a passage of the Python documentation word for
+    word, so that the answer quotes the prompt (the text NGRAM speculation predicts)."""
+    rng = np.random.default_rng(seed)
+    docs = _doc_passages(tokenizer, passage_len)
+    requests = []
+    for _ in range(num_prompts):
+        _, ids = docs[int(rng.integers(len(docs)))]
+        start = int(rng.integers(len(ids) - passage_len + 1))
+        passage = tokenizer.decode(ids[start : start + passage_len]).strip()
+        prompt = _chat(tokenizer, "Repeat the following text exactly, word for word:\n\n" + passage)
+        requests.append(BenchRequest(prompt, _count(tokenizer, prompt), output_len))
+    return requests
+
+
+def sample_natural_requests(
+    tokenizer: Tokenizer, num_prompts: int, output_len: int, seed: int = 1
+) -> list[BenchRequest]:
+    """`natural`: chat questions about topics of the Python documentation, nothing to quote:
+    free natural-language answers."""
+    rng = np.random.default_rng(seed)
+    names = [name for name, _ in _doc_passages(tokenizer, 1)]
+    asks = (
+        "Explain what '{}' means in Python, with an example.",
+        "Write a short tutorial paragraph about Python's {}.",
+        "What should a beginner know about '{}' in Python?",
+    )
+    requests = []
+    for _ in range(num_prompts):
+        name = names[int(rng.integers(len(names)))].replace("-", " ")
+        ask = asks[int(rng.integers(len(asks)))].format(name)
+        prompt = _chat(tokenizer, ask)
+        requests.append(BenchRequest(prompt, _count(tokenizer, prompt), output_len))
+    return requests
+
+
 def _first_exchange(entry: dict[str, Any]) -> tuple[str, str] | None:
     """The first human turn and the reply that follows it, or None."""
     turns = entry.get("conversations", entry.get("conversation", []))
@@ -230,7 +296,7 @@ def add_dataset_args(parser: Any) -> None:
     """The dataset flags shared by `bench serving` and `bench offline`."""
     parser.add_argument(
         "--dataset-name",
-        choices=["random", "generated-shared-prefix", "sharegpt"],
+        choices=["random", "generated-shared-prefix", "sharegpt", "rewrite", "natural"],
         default="random",
     )
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file.")
@@ -247,6 +313,9 @@ def add_dataset_args(parser: Any) -> None:
     parser.add_argument("--gsp-no-shuffle", action="store_true")
     parser.add_argument("--sharegpt-output-len", type=int, default=None)
     parser.add_argument("--sharegpt-context-len", type=int, default=None)
+    parser.add_argument(
+        "--rewrite-passage-len", type=int, default=200, help="rewrite: tokens to repeat."
+    )
     parser.add_argument("--tokenize-prompt", action="store_true", help="Send token ids, not text.")
 
 
@@ -273,6 +342,18 @@ def build_dataset(args: Any, tokenizer: Any) -> list[BenchRequest]:
             seed=args.seed,
             shuffle=not args.gsp_no_shuffle,
             return_text=return_text,
+        )
+    if args.dataset_name == "rewrite":
+        return sample_rewrite_requests(
+            tokenizer,
+            args.num_prompts,
+            args.rewrite_passage_len,
+            args.random_output_len,
+            seed=args.seed,
+        )
+    if args.dataset_name == "natural":
+        return sample_natural_requests(
+            tokenizer, args.num_prompts, args.random_output_len, seed=args.seed
         )
     if not args.dataset_path:
         raise SystemExit("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")

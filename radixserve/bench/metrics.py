@@ -11,6 +11,9 @@ The definitions follow SGLang's `bench_serving`:
   total throughput counts input + output tokens.
 * Concurrency: the sum of E2E latencies over the duration (the mean number of requests in flight).
 * Cached-token ratio: server-reported cached prompt tokens over prompt tokens, when reported.
+* Speculative decoding (radixserve's meta_info): accept length is the tokens committed per
+  verify step (accepted drafts + the bonus token), accept rate the share of draft tokens
+  accepted, both averaged over all verify steps of the run.
 
 Failed requests count only in `failed`. Called by `bench.serving`; `print_metrics` and
 `append_jsonl` are shared with `bench.hf_baseline`.
@@ -38,6 +41,11 @@ class RequestRecord:
     end_time: float = 0.0
     output_len: int = 0
     cached_tokens: int | None = None
+    # Speculative decoding, as the server reports it (meta_info): verify steps with drafts,
+    # tokens committed per such step, and the share of draft tokens accepted.
+    spec_verify_ct: int | None = None
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
     success: bool = False
     error: str = ""
     generated_text: str = ""
@@ -110,7 +118,27 @@ def compute_metrics(records: list[RequestRecord], duration: float) -> dict[str, 
     metrics.update(_stats_ms("tpot", tpots))
     metrics.update(_stats_ms("e2e_latency", latencies))
     metrics.update(_cache_metrics(ok))
+    metrics.update(_spec_metrics(ok))
     return metrics
+
+
+def _spec_metrics(ok: list[RequestRecord]) -> dict[str, Any]:
+    """Mean accepted length and acceptance rate over all verify steps (weighted by steps)."""
+    reported = [r for r in ok if r.spec_verify_ct]
+    if not reported:
+        return {}
+    steps = sum(r.spec_verify_ct or 0 for r in reported)
+    return {
+        "spec_verify_ct": steps,
+        "spec_accept_length": sum(
+            (r.spec_accept_length or 0.0) * (r.spec_verify_ct or 0) for r in reported
+        )
+        / steps,
+        "spec_accept_rate": sum(
+            (r.spec_accept_rate or 0.0) * (r.spec_verify_ct or 0) for r in reported
+        )
+        / steps,
+    }
 
 
 def _cache_metrics(ok: list[RequestRecord]) -> dict[str, Any]:
@@ -138,6 +166,9 @@ _ROWS: list[tuple[str, str]] = [
     ("Total token throughput (tok/s):", "total_throughput"),
     ("Concurrency:", "concurrency"),
     ("Cached token ratio:", "cached_token_ratio"),
+    ("Speculative verify steps:", "spec_verify_ct"),
+    ("Accept length (tokens per verify step):", "spec_accept_length"),
+    ("Accept rate (draft tokens):", "spec_accept_rate"),
     ("Number of batches:", "num_batches"),
     ("Mean batch latency (ms):", "mean_batch_latency_ms"),
 ]

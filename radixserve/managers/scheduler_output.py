@@ -119,8 +119,8 @@ class SchedulerOutputMixin:
             for j, token in enumerate(tokens):
                 logprob = None
                 if req.return_logprob and result.logprobs is not None:
-                    top = result.top_logprobs[i][j] if result.top_logprobs else None
-                    logprob = (result.logprobs[i][j], top or None)
+                    tops = result.top_logprobs[i] if result.top_logprobs else None
+                    logprob = (result.logprobs[i][j], tops[j] if tops else None)
                 self._append_token(req, token, logprob)
                 appended += 1
                 if req.finished():
@@ -184,6 +184,13 @@ class SchedulerOutputMixin:
         out.prompt_tokens.append(len(req.origin_input_ids))
         out.completion_tokens.append(len(req.output_ids))
         out.cached_tokens.append(req.cached_tokens)
+        if self.spec_worker is not None:
+            st = req.spec
+            out.spec_verify_ct.append(st.verify_ct if st else 0)
+            out.spec_accept_length.append(
+                st.committed / st.verify_ct if st and st.verify_ct else 0.0
+            )
+            out.spec_accept_rate.append(st.accepted / st.drafts if st and st.drafts else 0.0)
         if req.return_logprob:
             out.output_token_logprobs.append(req.output_token_logprobs[start:])
             out.output_top_logprobs.append(req.output_top_logprobs[start:])

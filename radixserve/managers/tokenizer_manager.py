@@ -163,6 +163,10 @@ class TokenizerManager:
                 "finish_reason": _public_finish_reason(finished),
                 "e2e_latency": now - state.created,
             }
+            if out.spec_verify_ct:
+                state.meta["spec_verify_ct"] = out.spec_verify_ct[i]
+                state.meta["spec_accept_length"] = out.spec_accept_length[i]
+                state.meta["spec_accept_rate"] = out.spec_accept_rate[i]
             if self.metrics is not None:
                 self.metrics.on_output(state, len(out.output_ids[i]), now, finished)
             state.last_time = now

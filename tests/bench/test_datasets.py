@@ -12,7 +12,9 @@ from radixserve.bench.datasets import (
     BenchRequest,
     model_source,
     sample_generated_shared_prefix_requests,
+    sample_natural_requests,
     sample_random_requests,
+    sample_rewrite_requests,
     sample_sharegpt_requests,
 )
 
@@ -173,3 +175,32 @@ def test_model_source_splits_gguf_paths(tmp_path):
     gguf = tmp_path / "m.Q4_1.gguf"
     assert model_source(str(gguf)) == (str(tmp_path), {"gguf_file": "m.Q4_1.gguf"})
     assert model_source(str(tmp_path)) == (str(tmp_path), {})
+
+
+# ---------------------------------------------------------------- rewrite / natural
+
+
+def test_rewrite_prompts_quote_a_documentation_passage(bpe_tokenizer):
+    from pydoc_data.topics import topics
+
+    reqs = sample_rewrite_requests(bpe_tokenizer, 6, 40, 64, seed=3)
+    assert len(reqs) == 6 and all(r.output_len == 64 for r in reqs)
+    for r in reqs:
+        assert r.prompt.startswith("Repeat the following text exactly")
+        passage = r.prompt.split("\n\n", 1)[1].strip()
+        words = passage.split()
+        assert len(words) >= 5
+        # The passage is a piece of one topic's text (as decoded by the tokenizer).
+        assert any(" ".join(words[1:4]) in " ".join(t.split()) for t in topics.values())
+        assert r.prompt_len == len(bpe_tokenizer.encode(r.prompt))
+    again = sample_rewrite_requests(bpe_tokenizer, 6, 40, 64, seed=3)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]
+    assert [r.prompt for r in sample_rewrite_requests(bpe_tokenizer, 6, 40, 64, seed=4)] != [
+        r.prompt for r in reqs
+    ]
+
+
+def test_natural_prompts_ask_about_a_topic(bpe_tokenizer):
+    reqs = sample_natural_requests(bpe_tokenizer, 20, 32, seed=1)
+    assert len({r.prompt for r in reqs}) > 10
+    assert all("Python" in r.prompt and r.output_len == 32 for r in reqs)

@@ -120,3 +120,17 @@ def test_table_and_jsonl(records, tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["run"] for line in lines] == [1, 2]
     assert lines[0]["completed"] == 3
+
+
+def test_speculative_metrics_are_weighted_by_verify_steps(records):
+    assert "spec_accept_length" not in compute_metrics(records, duration=2.0)
+    a, b = records[0], records[1]
+    a.spec_verify_ct, a.spec_accept_length, a.spec_accept_rate = 3, 4.0, 0.5
+    b.spec_verify_ct, b.spec_accept_length, b.spec_accept_rate = 1, 2.0, 0.1
+    records[3].spec_verify_ct, records[3].spec_accept_length = 50, 9.0  # failed: ignored
+    m = compute_metrics(records, duration=2.0)
+    assert m["spec_verify_ct"] == 4
+    assert m["spec_accept_length"] == pytest.approx((3 * 4.0 + 2.0) / 4)
+    assert m["spec_accept_rate"] == pytest.approx((3 * 0.5 + 0.1) / 4)
+    table = format_metrics(m)
+    assert "Accept length (tokens per verify step):" in table and "3.50" in table

@@ -66,9 +66,12 @@ def _check_invariants(s: Scheduler, streamed: dict[str, list[int]], admitted: se
     radix=st.booleans(),
     mixed=st.booleans(),
     overlap=st.booleans(),
+    spec=st.sampled_from([None, None, "always", "adaptive"]),
 )
-def test_scheduler_invariants(reqs, page_size, pool_pages, chunk, policy, radix, mixed, overlap):
-    _drive(reqs, page_size, pool_pages * 16, chunk, policy, radix, mixed, 6, overlap)
+def test_scheduler_invariants(
+    reqs, page_size, pool_pages, chunk, policy, radix, mixed, overlap, spec
+):
+    _drive(reqs, page_size, pool_pages * 16, chunk, policy, radix, mixed, 6, overlap, spec)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -79,16 +82,27 @@ def test_scheduler_invariants(reqs, page_size, pool_pages, chunk, policy, radix,
     policy=st.sampled_from(["lpm", "dfs-weight", "fcfs"]),
     mixed=st.booleans(),
     overlap=st.booleans(),
+    spec=st.sampled_from([None, "always"]),
 )
-def test_scheduler_invariants_at_load(reqs, page_size, chunk, policy, mixed, overlap):
+def test_scheduler_invariants_at_load(reqs, page_size, chunk, policy, mixed, overlap, spec):
     """More waiting requests than lpm's fallback threshold (128) and more running requests
     than the chunk holds, on a pool that forces eviction and retraction."""
-    _drive(reqs, page_size, 2048, chunk, policy, True, mixed, 40, overlap)
+    _drive(reqs, page_size, 2048, chunk, policy, True, mixed, 40, overlap, spec)
 
 
-def _drive(reqs, page_size, total, chunk, policy, radix, mixed, max_running, overlap) -> None:
+def _drive(
+    reqs, page_size, total, chunk, policy, radix, mixed, max_running, overlap, spec=None
+) -> None:
+    """`spec`: NGRAM speculative decoding, drafting at every step ("always") or as the
+    adaptive controller decides; the fake model then repeats itself (a window of 2 tokens)
+    so that drafts are accepted, and the normal loop runs."""
+    window = 2 if spec else None
     worker = FakeWorker(
-        total_tokens=total, max_running=max_running, context_len=512, page_size=page_size
+        total_tokens=total,
+        max_running=max_running,
+        context_len=512,
+        page_size=page_size,
+        window=window,
     )
     args = ServerArgs(
         device="cpu",
@@ -101,17 +115,19 @@ def _drive(reqs, page_size, total, chunk, policy, radix, mixed, max_running, ove
         max_prefill_tokens=256,
         disable_overlap_schedule=not overlap,
         enable_integrity_checks=True,  # invariant 9 is checked at each launch
+        speculative_algorithm="NGRAM" if spec else None,
+        speculative_disable_adaptive=spec == "always",
     ).resolve()
     outputs: list = []
     s = Scheduler(args, outputs.append, tokenizer=None, tp_worker=worker)
     s.enable_overlap = overlap  # whatever CPUs this machine has
     try:
-        _run(s, reqs, outputs)
+        _run(s, reqs, outputs, window)
     finally:
         s.close()
 
 
-def _run(s: Scheduler, reqs, outputs: list) -> None:
+def _run(s: Scheduler, reqs, outputs: list, window: int | None = None) -> None:
     specs = {f"r{i}": spec for i, spec in enumerate(reqs)}
     prompts = {rid: _prompt(spec) for rid, spec in specs.items()}
     streamed: dict[str, list[int]] = {}
@@ -155,7 +171,7 @@ def _run(s: Scheduler, reqs, outputs: list) -> None:
     for rid, spec in specs.items():
         reason = finished.get(rid)
         assert reason is not None, f"{rid} never finished"
-        want = expected_output(prompts[rid], spec["max_new"])
+        want = expected_output(prompts[rid], spec["max_new"], window)
         got = streamed.get(rid, [])
         if rid in abort_sent:
             assert reason["type"] == "abort", f"{rid}: the abort was lost ({reason})"

@@ -1,0 +1,205 @@
+"""Speculative decoding with real models (tiny random Llamas): greedy outputs are identical
+with and without speculation, for NGRAM and STANDALONE, across batching, chunking, the radix
+cache on and off, pages, mixed steps and retraction; a draft that is the target accepts every
+draft token, a draft with other random weights changes nothing; penalties and logprobs match
+plain decoding; a draft with another tokenizer is refused at start-up."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from rs_testing import SchedulerHarness, make_tiny_model_dir, save_byte_tokenizer
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory) -> str:
+    """Same architecture and vocabulary as tiny_llama_dir, other random weights."""
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_draft")), "llama", seed=5)
+
+
+def _prompts() -> list[list[int]]:
+    # Some repetition (NGRAM finds matches), some not; lengths around the chunk sizes used.
+    out = []
+    for i in range(8):
+        head = [(i * 11 + j * 7) % 300 + 3 for j in range(9 + 13 * i)]
+        out.append(head + [40, 41, 42, 43] * (1 + i % 3) + head[:5])
+    return out
+
+
+def _run(model: str, prompts, params=None, **kwargs):
+    kwargs.setdefault("max_total_tokens", 4096)
+    kwargs.setdefault("disable_overlap_schedule", True)
+    h = SchedulerHarness(model_path=model, **kwargs)
+    p = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True, **(params or {})}
+    rids = [h.submit(x, **p) for x in prompts]
+    h.run_until_idle()
+    h.scheduler.assert_drained()
+    res = h.results()
+    return [res[r] for r in rids], h
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return _run(tiny_llama_dir, _prompts())[0]
+
+
+def _spec(algo: str, tiny: str, draft: str | None = None) -> dict:
+    if algo == "NGRAM":
+        return {"speculative_algorithm": "NGRAM", "speculative_disable_adaptive": True}
+    return {
+        "speculative_algorithm": "STANDALONE",
+        "speculative_draft_model_path": draft or tiny,
+        "speculative_num_steps": 3,
+        "speculative_disable_adaptive": True,
+    }
+
+
+CONFIGS = {
+    "default": {},
+    "torch-native": {"attention_backend": "torch_native"},
+    "radix-off": {"disable_radix_cache": True},
+    "chunk-16": {"chunked_prefill_size": 16},
+    "chunk-16-mixed": {"chunked_prefill_size": 16, "enable_mixed_chunk": True},
+    "page-16": {"page_size": 16, "chunked_prefill_size": 32},
+    "max-running-3": {"max_running_requests": 3},
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_greedy_outputs_are_identical(tiny_llama_dir, plain, algo, config):
+    got, h = _run(tiny_llama_dir, _prompts(), **_spec(algo, tiny_llama_dir), **CONFIGS[config])
+    assert got == plain
+    st = h.scheduler.stats
+    assert st.spec_verify_ct > 0
+    if algo == "STANDALONE":  # the draft is the target itself: every draft is accepted
+        assert st.spec_accepted_tokens == st.spec_draft_tokens > 0
+
+
+def test_a_random_draft_model_changes_nothing(tiny_llama_dir, other_draft_dir, plain):
+    got, h = _run(tiny_llama_dir, _prompts(), **_spec("STANDALONE", "", other_draft_dir))
+    assert got == plain
+    st = h.scheduler.stats
+    assert st.spec_accepted_tokens < st.spec_draft_tokens
+
+
+def test_second_wave_hits_the_cache_and_stays_exact(tiny_llama_dir, plain):
+    h = SchedulerHarness(
+        model_path=tiny_llama_dir,
+        max_total_tokens=4096,
+        disable_overlap_schedule=True,
+        **_spec("STANDALONE", tiny_llama_dir),
+    )
+    p = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+    first = [h.submit(x, **p) for x in _prompts()]
+    h.run_until_idle()
+    second = [h.submit(x, **p) for x in _prompts()]
+    h.run_until_idle()
+    res = h.results()
+    assert [res[r] for r in first] == plain and [res[r] for r in second] == plain
+    assert h.scheduler.stats.cached_tokens > 0
+    st = h.scheduler.stats  # the cached draft KV is right too: still every draft accepted
+    assert st.spec_accepted_tokens == st.spec_draft_tokens
+    h.scheduler.assert_drained()
+
+
+def test_retraction_is_exact(tiny_llama_dir):
+    prompts = _prompts()
+    params = {"ignore_eos": False}
+    want, _ = _run(tiny_llama_dir, prompts, params, max_total_tokens=4096, chunked_prefill_size=-1)
+    for algo in ("NGRAM", "STANDALONE"):
+        got, h = _run(
+            tiny_llama_dir,
+            prompts,
+            params,
+            max_total_tokens=400,
+            schedule_conservativeness=0.05,
+            chunked_prefill_size=-1,
+            **_spec(algo, tiny_llama_dir),
+        )
+        assert h.scheduler.stats.num_retractions > 0, algo
+        assert got == want, algo
+
+
+@pytest.mark.parametrize("tops", ["mixed", "none"])
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_penalties_and_logprobs_match_plain_decoding(tiny_llama_dir, algo, tops):
+    prompts = _prompts()[:4]
+    params = {
+        "repetition_penalty": 1.3,
+        "frequency_penalty": 0.4,
+        "presence_penalty": 0.2,
+        "min_new_tokens": 30,
+        "ignore_eos": False,
+    }
+
+    def run(**kw):
+        h = SchedulerHarness(
+            model_path=tiny_llama_dir, max_total_tokens=4096, disable_overlap_schedule=True, **kw
+        )
+        for i, x in enumerate(prompts):
+            top = 2 if i % 2 and tops == "mixed" else 0  # top-logprob counts in one batch
+            h.scheduler.process_input_requests([_logprob_req(f"r{i}", x, params, top)])
+        h.run_until_idle()
+        reqs = {}
+        for msg in h.outputs:
+            for j, rid in enumerate(msg.rids):
+                st = reqs.setdefault(rid, ([], [], []))
+                st[0].extend(msg.output_ids[j])
+                st[1].extend(msg.output_token_logprobs[j] or [])
+                st[2].extend(msg.output_top_logprobs[j] or [])
+        return reqs, h
+
+    want, _ = run()
+    got, h = run(**_spec(algo, tiny_llama_dir))
+    assert h.scheduler.stats.spec_verify_ct > 0
+    for rid, (ids, lps, tops) in want.items():
+        assert got[rid][0] == ids, rid
+        assert [t for _, t in got[rid][1]] == ids
+        assert [v for v, _ in got[rid][1]] == pytest.approx([v for v, _ in lps], abs=1e-4)
+        assert [[t for _, t in row] for row in got[rid][2]] == [[t for _, t in row] for row in tops]
+
+
+def _logprob_req(rid, ids, params, top):
+    from radixserve.io_struct import TokenizedGenerateReqInput
+    from radixserve.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=NEW, temperature=0.0, **params)
+    return TokenizedGenerateReqInput(rid, None, list(ids), sp, False, True, top)
+
+
+def test_sampling_runs_and_drains(tiny_llama_dir):
+    for algo in ("NGRAM", "STANDALONE"):
+        got, _ = _run(
+            tiny_llama_dir,
+            _prompts(),
+            {"temperature": 0.8, "top_p": 0.9, "top_k": 50},
+            **_spec(algo, tiny_llama_dir),
+        )
+        assert all(len(x) == NEW for x in got)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path, tiny_llama_dir):
+    from radixserve.args import ServerArgs
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.model_loader.weights import load_tokenizer
+
+    target = str(tmp_path / "target")
+    draft = str(tmp_path / "draft")
+    for d, vocab in ((target, 320), (draft, 300)):
+        make_tiny_model_dir(d, "llama")
+        save_byte_tokenizer(d, vocab)
+    args = ServerArgs(
+        model_path=target,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=512,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=draft,
+    ).resolve()
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        Scheduler(args, lambda _: None, load_tokenizer(target))
+    assert os.path.isdir(draft)
