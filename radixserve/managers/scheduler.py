@@ -126,6 +126,7 @@ class Scheduler(SchedulerOutputMixin):
             self.spec_controller = SpecController(
                 server_args.speculative_verify_tokens - 1,
                 adaptive=not server_args.speculative_disable_adaptive,
+                draft_model=self.spec_algorithm.has_draft_model(),
             )
             self.ngram_config = NgramConfig(
                 server_args.speculative_ngram_min_match_window_size,
@@ -286,11 +287,7 @@ class Scheduler(SchedulerOutputMixin):
             start = time.perf_counter()
             result = self.run_batch(batch, snapshot)
             if self.spec_worker is not None and batch.forward_mode.is_decode():
-                self.spec_controller.record_step(
-                    batch.spec_info is not None,
-                    len(batch.input_ids),
-                    time.perf_counter() - start,
-                )
+                self._record_step_cost(batch, time.perf_counter() - start)
             self.process_batch_result(snapshot, result)
         return batch
 
@@ -504,36 +501,49 @@ class Scheduler(SchedulerOutputMixin):
         batch.prepare_for_decode()
         return batch
 
+    def _record_step_cost(self, batch: ScheduleBatch, seconds: float) -> None:
+        """Price the target forward by its tokens, and a draft forward by its requests."""
+        ctrl, worker = self.spec_controller, self.spec_worker
+        assert worker is not None
+        draft_s = 0.0
+        if batch.spec_info is not None and worker.last_draft is not None:
+            forwards, draft_s = worker.last_draft
+            ctrl.record_draft(batch.batch_size(), draft_s / max(forwards, 1))
+        ctrl.record_forward(len(batch.input_ids), seconds - draft_s)
+
     def _prepare_verify(self, batch: ScheduleBatch) -> bool:
-        """Propose a draft tree per request and set the batch up to verify them; False (plain
-        decode) when nothing is proposed, speculating does not pay by the measured costs, or
-        the nodes do not fit in the KV pool."""
-        ctrl = self.spec_controller
+        """Propose a draft tree per request and set the batch up to verify what pays of them
+        (SpecController.select); False (plain decode) when nothing is proposed, speculating
+        does not pay by the measured costs, or the nodes do not fit in the KV pool."""
         draft_model = self.spec_algorithm.has_draft_model()
-        trees: list[DraftTree] = []
+        proposals: list[DraftTree] = []
         for r in batch.reqs:
             if r.spec is None:
                 r.spec = RequestSpecState()
             budget = 0
             if r.grammar is None:  # grammar-constrained requests decode without drafts
                 room = r.max_new_tokens - len(r.output_ids) - 1  # the bonus token is extra
-                budget = max(0, min(ctrl.draft_budget(r), room))
+                budget = max(0, min(self.spec_controller.max_drafts, room))
             root = r.output_ids[-1]
             if budget == 0:
-                trees.append(DraftTree.root_only(root))
+                proposals.append(DraftTree.root_only(root))
             elif draft_model:  # placeholders: the draft model fills them in on the worker
-                trees.append(DraftTree.chain([root] * (budget + 1)))
+                proposals.append(DraftTree.chain([root] * (budget + 1)))
             else:
                 if r.ngram is None:
                     r.ngram = NgramIndex([], self.ngram_config)
                 r.ngram.sync(r.origin_input_ids, r.output_ids)
-                trees.append(r.ngram.propose(budget))
-        drafts = sum(t.num_drafts for t in trees)
-        depths = [max(t.depths) for t in trees]
-        if not ctrl.should_speculate(batch.reqs, depths, drafts):
-            return False
-        need = batch.verify_slots_needed(trees)
-        if need > self.allocator.available_size() + self.tree_cache.evictable_size():
+                proposals.append(r.ngram.propose(budget))
+        trees = self.spec_controller.select(batch.reqs, proposals)
+        if trees is not None:
+            need = batch.verify_slots_needed(trees)
+            if need > self.allocator.available_size() + self.tree_cache.evictable_size():
+                trees = None
+        if not draft_model:  # what was not verified is checked against the real tokens
+            for r, full, kept in zip(batch.reqs, proposals, trees or proposals, strict=True):
+                if trees is None or kept.num_drafts == 0:
+                    r.spec.start_shadow(full)
+        if trees is None:
             return False
         batch.prepare_for_verify(trees, draft_model)
         return True

@@ -82,6 +82,8 @@ class SchedulerOutputMixin:
                 top = result.top_logprobs[i] if result.top_logprobs is not None else None
                 logprob = (result.logprobs[i], top)
             self._append_token(req, token, logprob)
+            if req.spec is not None:
+                req.spec.on_plain_token(token)
             if req.finished():
                 self._on_finished(req)
             to_stream.append(req)
@@ -129,6 +131,8 @@ class SchedulerOutputMixin:
             if tree.num_drafts:
                 req.spec.on_verify(max(tree.depths), result.accepted[i], appended, tree.num_drafts)
                 self.stats.on_verify(tree.num_drafts, result.accepted[i], appended)
+            elif appended:
+                req.spec.on_plain_token(tokens[0])
             if self.spec_algorithm.has_draft_model():
                 # The draft wrote positions up to s (catch-up) and s + 1 .. s + drafts - 1.
                 req.draft_kv_len = min(s + max(tree.num_drafts, 1), committed)

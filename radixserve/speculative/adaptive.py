@@ -1,18 +1,24 @@
-"""When speculation pays (seed 000 §15.9–15.10): measured step costs and acceptance history.
+"""How much to speculate (seed 000 §15.9–15.10): measured step costs and acceptance history.
 
-Speculating is worth it while the tokens a verify step is expected to commit, divided by what
-the step costs, beat the batch size divided by what a plain decode step costs:
+A step that verifies T tokens (every request's root plus its draft nodes) costs t(T), the
+target's forward over T tokens, plus, for a draft model, its k draft forwards. It commits
+Σ_i (1 + E_i) tokens in expectation, where E_i = α_i + α_i² + … up to the depth request i's
+tree keeps, and α_i is the chance that request i's next draft is accepted given its parent
+was. Plain decode commits B tokens for t(B). The controller keeps, level by level, the draft
+nodes whose expected gain raises the step's expected tokens per second the most, and none at
+all when plain decode is better, so that neither a batch nor a request is slower for
+speculating than it would be without.
 
-    Σ_i (1 + E[accepted_i]) / t_spec(T)   >   B / t_decode(B)
-
-with T the tokens verified (roots plus drafts). Both t_spec and t_decode are measured online,
-step by step (wall time of the whole step on the worker: forward, drafting, acceptance), as
-an exponential moving average per bucket of token counts, and interpolated in between; a count
-never measured is priced like the nearest measured one, so speculation is tried (and then
-priced) rather than assumed away. E[accepted_i] comes from each request's acceptance history:
-the chance α_i that a draft is accepted given its parent was (successes / trials, decayed), and
-E = α + α² + … over the tree's depth. A request whose α falls below MIN_ALPHA stops drafting,
-except for a probe every PROBE_INTERVAL steps, so a text that turns repetitive is noticed.
+Both inputs are measured, never assumed:
+* t(T) is the wall time of the target forwards the engine runs (plain decode and verify steps
+  are the same forward for the model), an exponential moving average per power-of-two bucket
+  of token counts, interpolated in between; beyond the largest count measured it is
+  extrapolated from the last two buckets, or taken as flat while only one is known (so larger
+  steps get tried once, and then priced). Draft forwards are timed the same way.
+* α_i counts, with decay, accepted drafts against first rejections. NGRAM proposals are also
+  checked against the tokens a request actually produces while it decodes without speculating
+  (a shadow verification, free), so a text that turns repetitive is noticed at once; a draft
+  model's request that stopped drafting drafts again every PROBE_INTERVAL steps instead.
 """
 
 from __future__ import annotations
@@ -20,14 +26,15 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-DECAY = 0.7  # weight of the history in a request's acceptance counts, per verify step
-MIN_ALPHA = 0.15
-PROBE_INTERVAL = 8
-COST_EMA = 0.25  # weight of a new timing in its bucket
+from radixserve.speculative.spec_info import DraftTree
+
+DECAY = 0.8  # weight of the history in a request's acceptance counts, per observation
+PROBE_INTERVAL = 16
+COST_EMA = 0.3  # weight of a new timing in its bucket
 
 
 class StepCostModel:
-    """Seconds per step as a function of the tokens it runs (EMA per power-of-two bucket)."""
+    """Seconds per forward as a function of the tokens it runs (EMA per power-of-two bucket)."""
 
     def __init__(self) -> None:
         self.points: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, seconds)
@@ -43,9 +50,6 @@ class StepCostModel:
                 old[1] + COST_EMA * (seconds - old[1]),
             )
 
-    def known(self) -> bool:
-        return bool(self.points)
-
     def cost(self, tokens: int) -> float | None:
         if not self.points:
             return None
@@ -55,65 +59,30 @@ class StepCostModel:
         if i == 0:
             return pts[0][1]
         if i == len(pts):
-            return pts[-1][1]
+            if len(pts) == 1:
+                return pts[0][1]
+            (x0, y0), (x1, y1) = pts[-2], pts[-1]
+            slope = max(0.0, (y1 - y0) / max(x1 - x0, 1e-9))
+            return y1 + slope * (tokens - x1)
         (x0, y0), (x1, y1) = pts[i - 1], pts[i]
         return y0 + (y1 - y0) * (tokens - x0) / max(x1 - x0, 1e-9)
 
 
-class SpecController:
-    def __init__(self, max_drafts: int, adaptive: bool = True) -> None:
-        self.max_drafts = max_drafts
-        self.adaptive = adaptive
-        self.decode_cost = StepCostModel()
-        self.spec_cost = StepCostModel()
-
-    # -- per request --------------------------------------------------------------------------
-    def draft_budget(self, req: Any) -> int:
-        """How many draft tokens this request proposes this step."""
-        if not self.adaptive:
-            return self.max_drafts
-        st = req.spec
-        if st.alpha() >= MIN_ALPHA:
-            return self.max_drafts
-        st.skipped += 1
-        if st.skipped >= PROBE_INTERVAL:
-            st.skipped = 0
-            return self.max_drafts
-        return 0
-
-    @staticmethod
-    def expected_accepted(alpha: float, depth: int) -> float:
-        return sum(alpha**j for j in range(1, depth + 1))
-
-    # -- per batch ----------------------------------------------------------------------------
-    def should_speculate(self, reqs: list[Any], depths: list[int], drafts: int) -> bool:
-        """Whether a verify step with these trees (max depths, total drafts) beats plain
-        decode for this batch, by the measured costs."""
-        if drafts == 0:
-            return False
-        if not self.adaptive:
-            return True
-        batch = len(reqs)
-        plain = self.decode_cost.cost(batch)
-        spec = self.spec_cost.cost(batch + drafts)
-        if plain is None:
-            return True  # nothing measured yet: speculate, and measure
-        if spec is None:
-            spec = self.decode_cost.cost(batch + drafts) or plain
-        gain = sum(
-            1.0 + self.expected_accepted(r.spec.alpha(), d)
-            for r, d in zip(reqs, depths, strict=True)
-        )
-        return gain / spec > batch / plain
-
-    def record_step(self, speculative: bool, tokens: int, seconds: float) -> None:
-        (self.spec_cost if speculative else self.decode_cost).record(tokens, seconds)
-
-
 class RequestSpecState:
-    """One request's speculation counters (meta_info's spec_* fields and α)."""
+    """One request's speculation counters (meta_info's spec_* fields) and its α."""
 
-    __slots__ = ("verify_ct", "committed", "drafts", "accepted", "succ", "trials", "skipped")
+    __slots__ = (
+        "verify_ct",
+        "committed",
+        "drafts",
+        "accepted",
+        "succ",
+        "trials",
+        "plain_steps",
+        "shadow",
+        "shadow_node",
+        "shadow_accepted",
+    )
 
     def __init__(self) -> None:
         self.verify_ct = 0  # verify steps with at least one draft
@@ -122,18 +91,110 @@ class RequestSpecState:
         self.accepted = 0  # draft tokens accepted
         self.succ = 1.0  # prior: α = 0.5 until measured
         self.trials = 2.0
-        self.skipped = 0
+        self.plain_steps = 0  # decode steps since it last drafted
+        self.shadow: DraftTree | None = None  # a proposal checked against real tokens
+        self.shadow_node = 0
+        self.shadow_accepted = 0
 
     def alpha(self) -> float:
         return self.succ / self.trials
 
+    def observe(self, accepted: int, depth: int) -> None:
+        """A walk down a proposal accepted `accepted` drafts; it was cut by a rejection unless
+        it reached the proposal's depth."""
+        rejected = 1.0 if accepted < depth else 0.0
+        self.succ = DECAY * self.succ + accepted
+        self.trials = DECAY * self.trials + accepted + rejected
+
     def on_verify(self, depth: int, accepted: int, committed: int, drafts: int) -> None:
-        """`depth`: the tree's max depth; accepted drafts end at the first rejection (or at the
-        tree's end, which is no rejection)."""
         self.verify_ct += 1
         self.committed += committed
         self.drafts += drafts
         self.accepted += accepted
-        rejected = 1.0 if accepted < depth else 0.0
-        self.succ = DECAY * self.succ + accepted
-        self.trials = DECAY * self.trials + accepted + rejected
+        self.plain_steps = 0
+        self.shadow = None
+        self.observe(accepted, depth)
+
+    # -- shadow verification (NGRAM proposals while decoding plainly) --------------------------
+    def start_shadow(self, tree: DraftTree) -> None:
+        if self.shadow is None and tree.num_drafts:
+            self.shadow, self.shadow_node, self.shadow_accepted = tree, 0, 0
+
+    def on_plain_token(self, token: int) -> None:
+        self.plain_steps += 1
+        tree = self.shadow
+        if tree is None:
+            return
+        nxt = next((c for c in tree.children[self.shadow_node] if tree.tokens[c] == token), None)
+        depth = max(tree.depths)
+        if nxt is None:
+            self.observe(self.shadow_accepted, depth)
+            self.shadow = None
+            return
+        self.shadow_node, self.shadow_accepted = nxt, self.shadow_accepted + 1
+        if not tree.children[nxt]:
+            self.observe(self.shadow_accepted, depth)
+            self.shadow = None
+
+
+class SpecController:
+    def __init__(self, max_drafts: int, adaptive: bool = True, draft_model: bool = False):
+        self.max_drafts = max_drafts
+        self.adaptive = adaptive
+        self.draft_model = draft_model
+        self.forward_cost = StepCostModel()  # target forward, by tokens
+        self.draft_cost = StepCostModel()  # one draft forward, by requests
+
+    def select(self, reqs: list[Any], trees: list[DraftTree]) -> list[DraftTree] | None:
+        """The trees to verify this step, cut to the depths that pay; None: decode plainly."""
+        if sum(t.num_drafts for t in trees) == 0:
+            return None
+        if not self.adaptive:
+            return trees
+        batch = len(reqs)
+        plain = self.forward_cost.cost(batch)
+        if plain is None:
+            return trees  # nothing measured yet: speculate, and measure
+        # Candidate increments: one more level of request i's tree, gain α_i^level.
+        alphas = [r.spec.alpha() for r in reqs]
+        if self.draft_model:  # a request that stopped drafting probes again now and then
+            for i, r in enumerate(reqs):
+                if r.spec.plain_steps >= PROBE_INTERVAL:
+                    alphas[i] = max(alphas[i], 0.5)
+        levels: list[tuple[float, int, int]] = []  # (gain, request, level)
+        for i, (tree, a) in enumerate(zip(trees, alphas, strict=True)):
+            for level in range(1, max(tree.depths) + 1):
+                levels.append((a**level, i, level))
+        levels.sort(key=lambda x: -x[0])
+        keep = [0] * len(trees)
+        tokens, gain = batch, float(batch)
+        best_rate, best_keep = batch / plain, None
+        widths = [_level_widths(t) for t in trees]
+        for g, i, level in levels:
+            if level != keep[i] + 1:
+                continue  # a deeper level only after its parent level
+            keep[i] = level
+            tokens += widths[i][level]
+            gain += g
+            depth = max(keep)
+            cost = self.forward_cost.cost(tokens) or plain
+            if self.draft_model:
+                cost += depth * (self.draft_cost.cost(batch) or 0.0)
+            if gain / cost > best_rate:
+                best_rate, best_keep = gain / cost, list(keep)
+        if best_keep is None:
+            return None
+        return [t.truncate(d) for t, d in zip(trees, best_keep, strict=True)]
+
+    def record_forward(self, tokens: int, seconds: float) -> None:
+        self.forward_cost.record(tokens, seconds)
+
+    def record_draft(self, requests: int, seconds: float) -> None:
+        self.draft_cost.record(requests, seconds)
+
+
+def _level_widths(tree: DraftTree) -> list[int]:
+    widths = [0] * (max(tree.depths) + 1)
+    for d in tree.depths:
+        widths[d] += 1
+    return widths

@@ -80,6 +80,18 @@ class DraftTree:
             node = self.parents[node]
         return out[::-1]
 
+    def truncate(self, depth: int) -> DraftTree:
+        """The nodes at most `depth` deep (parents come first, so indices stay ordered)."""
+        if depth >= max(self.depths):
+            return self
+        keep = [i for i, d in enumerate(self.depths) if d <= depth]
+        index = {old: new for new, old in enumerate(keep)}
+        parents = [index[self.parents[i]] if i else -1 for i in keep]
+        tree = DraftTree([self.tokens[i] for i in keep], parents)
+        if self.draft_probs is not None and len(keep) > 1:
+            tree.draft_probs = self.draft_probs[[i - 1 for i in keep[1:]]]
+        return tree
+
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents) if i)
 

@@ -17,6 +17,7 @@ scheduler calls instead of the plain worker:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,6 +54,7 @@ class SpecWorker:
 
             check_same_tokenizer(server_args, tokenizer)
             self.draft_runner = ModelRunner(server_args, draft_of=target.model_runner)
+        self.last_draft: tuple[int, float] | None = None  # (draft forwards, seconds) of a step
 
     # -- extend ---------------------------------------------------------------------------------
     def forward_extend(
@@ -71,8 +73,11 @@ class SpecWorker:
         reqs: list[Any],
         vocab_mask: torch.Tensor | None,
     ) -> SpecBatchResult:
+        self.last_draft = None
         if self.draft_runner is not None:
-            self.draft(mwb, spec, reqs)
+            start = time.perf_counter()
+            forwards = self.draft(mwb, spec, reqs)
+            self.last_draft = (forwards, time.perf_counter() - start)
         node_mwb = self.node_batch(mwb, spec)
         logits = self.target.forward(node_mwb)
         out = verify_trees(
@@ -131,14 +136,15 @@ class SpecWorker:
                 self.draft_runner.token_to_kv_pool.move_kv(torch.tensor(src), torch.tensor(dst))
 
     # -- STANDALONE drafting ----------------------------------------------------------------------
-    def draft(self, mwb: ModelWorkerBatch, spec: SpecVerifyInput, reqs: list[Any]) -> None:
-        """Fill each tree's draft tokens (a chain of len(tree) - 1) and their draft q."""
+    def draft(self, mwb: ModelWorkerBatch, spec: SpecVerifyInput, reqs: list[Any]) -> int:
+        """Fill each tree's draft tokens (a chain of len(tree) - 1) and their draft q; returns
+        the number of draft forwards run."""
         runner = self.draft_runner
         assert runner is not None
         device = self.target.device
         steps = max(t.num_drafts for t in spec.trees)
         if steps == 0:
-            return
+            return 0
         # Stage A.0: catch up (draft_extend) on every token whose draft KV is missing.
         ids, pos, loc, prefix, seq, ext = [], [], [], [], [], []
         for b, (s, tokens, dlen) in enumerate(
@@ -161,6 +167,7 @@ class SpecWorker:
             out_cache_loc=torch.cat(loc),
         )
         logits = runner.forward(catch_up.to_forward_batch(device)).next_token_logits
+        forwards = 1
         chains: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = [b for b, t in enumerate(spec.trees) if t.num_drafts > 0]
@@ -176,6 +183,7 @@ class SpecWorker:
             keep = [i for i, b in enumerate(active) if spec.trees[b].num_drafts > j]
             if not keep:
                 break
+            forwards += 1
             active = [active[i] for i in keep]
             rows = torch.tensor(active)
             sl = [spec.seq_lens[b] for b in active]
@@ -197,6 +205,7 @@ class SpecWorker:
             if tree.num_drafts:
                 spec.trees[b] = DraftTree.chain([tree.tokens[0], *chains[b]])
                 spec.trees[b].draft_probs = torch.stack(qs[b])
+        return forwards
 
 
 def draft_sample(
