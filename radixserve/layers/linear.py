@@ -5,9 +5,9 @@ call (and a single row takes a GEMV): for decode that doubles the bytes read fro
 is what bounds a decode step. Computing (W · xᵀ)ᵀ instead packs only the small activation (a
 single row is doubled so it stays a GEMM). Measured on SmolLM2-135M's 30 layers of weights
 (2 cores, AVX2, weights cold in cache, one call per weight): 40 ms instead of 56 at 1 row,
-42 instead of 95 at 2, 69 instead of 88 at 8, 97 instead of 141 at 32 and 279 instead of 306
-at 128 rows; the output head alone (49152 × 576) 9.7 ms instead of 13.3 at 1 row and 15.8
-instead of 31.9 at 8. Other devices, dtypes and larger row counts keep `F.linear`.
+42 instead of 95 at 2, 97 instead of 141 at 32, 164 instead of 250 at 64; at 128 rows the two
+are even, so only up to 64 rows go this way. The output head alone (49152 × 576): 9.7 ms
+instead of 13.3 at 1 row, 15.8 instead of 31.9 at 8. Other devices and dtypes keep F.linear.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_M_ROWS = 128
+SMALL_M_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

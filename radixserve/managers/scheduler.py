@@ -40,10 +40,7 @@ from radixserve.managers.scheduler_stats import NewTokenRatioTracker, SchedulerS
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
-from radixserve.speculative.adaptive import RequestSpecState, SpecController
-from radixserve.speculative.ngram import NgramConfig, NgramIndex
-from radixserve.speculative.spec_info import DraftTree, SpecAlgorithm
-from radixserve.speculative.spec_worker import SpecWorker
+from radixserve.speculative.scheduler_mixin import SpecSchedulerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +63,7 @@ def cpus_for_overlap(device: str) -> bool:
     return cpus >= 2 * torch.get_num_threads()
 
 
-class Scheduler(SchedulerOutputMixin):
+class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
     def __init__(
         self,
         server_args: ServerArgs,
@@ -119,21 +116,7 @@ class Scheduler(SchedulerOutputMixin):
             self.chunked_prefill_size = max(
                 self.page_size, self.chunked_prefill_size // self.page_size * self.page_size
             )
-        self.spec_algorithm = SpecAlgorithm.of(server_args.speculative_algorithm)
-        self.spec_worker: SpecWorker | None = None
-        if not self.spec_algorithm.is_none():
-            self.spec_worker = SpecWorker(server_args, self.tp_worker, tokenizer)
-            self.spec_controller = SpecController(
-                server_args.speculative_verify_tokens - 1,
-                adaptive=not server_args.speculative_disable_adaptive,
-                draft_model=self.spec_algorithm.has_draft_model(),
-            )
-            self.ngram_config = NgramConfig(
-                server_args.speculative_ngram_min_match_window_size,
-                server_args.speculative_ngram_max_match_window_size,
-                server_args.speculative_ngram_max_bfs_breadth,
-                server_args.speculative_ngram_branch_length,
-            )
+        self.init_speculative(server_args, tokenizer)
         # Speculative steps run in the normal loop (their results decide the next step's input).
         self.enable_overlap = (
             not server_args.disable_overlap_schedule
@@ -500,53 +483,6 @@ class Scheduler(SchedulerOutputMixin):
             self.ratio.on_decode_step()
         batch.prepare_for_decode()
         return batch
-
-    def _record_step_cost(self, batch: ScheduleBatch, seconds: float) -> None:
-        """Price the target forward by its tokens, and a draft forward by its requests."""
-        ctrl, worker = self.spec_controller, self.spec_worker
-        assert worker is not None
-        draft_s = 0.0
-        if batch.spec_info is not None and worker.last_draft is not None:
-            forwards, draft_s = worker.last_draft
-            ctrl.record_draft(batch.batch_size(), draft_s / max(forwards, 1))
-        ctrl.record_forward(len(batch.input_ids), seconds - draft_s)
-
-    def _prepare_verify(self, batch: ScheduleBatch) -> bool:
-        """Propose a draft tree per request and set the batch up to verify what pays of them
-        (SpecController.select); False (plain decode) when nothing is proposed, speculating
-        does not pay by the measured costs, or the nodes do not fit in the KV pool."""
-        draft_model = self.spec_algorithm.has_draft_model()
-        proposals: list[DraftTree] = []
-        for r in batch.reqs:
-            if r.spec is None:
-                r.spec = RequestSpecState()
-            budget = 0
-            if r.grammar is None:  # grammar-constrained requests decode without drafts
-                room = r.max_new_tokens - len(r.output_ids) - 1  # the bonus token is extra
-                budget = max(0, min(self.spec_controller.max_drafts, room))
-            root = r.output_ids[-1]
-            if budget == 0:
-                proposals.append(DraftTree.root_only(root))
-            elif draft_model:  # placeholders: the draft model fills them in on the worker
-                proposals.append(DraftTree.chain([root] * (budget + 1)))
-            else:
-                if r.ngram is None:
-                    r.ngram = NgramIndex([], self.ngram_config)
-                r.ngram.sync(r.origin_input_ids, r.output_ids)
-                proposals.append(r.ngram.propose(budget))
-        trees = self.spec_controller.select(batch.reqs, proposals)
-        if trees is not None:
-            need = batch.verify_slots_needed(trees)
-            if need > self.allocator.available_size() + self.tree_cache.evictable_size():
-                trees = None
-        if not draft_model:  # what was not verified is checked against the real tokens
-            for r, full, kept in zip(batch.reqs, proposals, trees or proposals, strict=True):
-                if trees is None or kept.num_drafts == 0:
-                    r.spec.start_shadow(full)
-        if trees is None:
-            return False
-        batch.prepare_for_verify(trees, draft_model)
-        return True
 
     def _decode_fits(self, batch: ScheduleBatch) -> bool:
         need = batch.decode_slots_needed()

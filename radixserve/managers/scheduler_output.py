@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from radixserve.io_struct import BatchTokenIDOutput
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort
 from radixserve.model_executor.forward_batch import ForwardMode
@@ -51,10 +49,6 @@ class SchedulerOutputMixin:
     server_args: Any
     grammar_manager: Any
     spec_worker: Any
-    spec_algorithm: Any
-    page_size: int
-    req_to_token_pool: Any
-    allocator: Any
 
     def process_batch_result(self, snap: BatchSnapshot, result: Any) -> None:
         """Append each row's token. In the overlap loop a request may have finished, been
@@ -105,52 +99,6 @@ class SchedulerOutputMixin:
         self.stats.num_finished += 1
         if req.finished_reason and req.finished_reason["type"] == "abort":
             self.stats.num_aborted += 1
-
-    def process_verify_result(
-        self, snap: BatchSnapshot, spec: SpecVerifyInput, result: Any
-    ) -> None:
-        """Commit each request's accepted tokens one by one, stopping where it finishes (EOS,
-        a stop string or max_new_tokens inside an accepted run: the rest is dropped), and free
-        the slots of every node past what it committed (invariant 5)."""
-        to_stream: list[Req] = []
-        ps = self.page_size
-        for i, req in enumerate(snap.reqs):
-            s, tree = spec.seq_lens[i], spec.trees[i]
-            tokens = result.tokens[i]
-            appended = 0
-            for j, token in enumerate(tokens):
-                logprob = None
-                if req.return_logprob and result.logprobs is not None:
-                    tops = result.top_logprobs[i] if result.top_logprobs else None
-                    logprob = (result.logprobs[i][j], tops[j] if tops else None)
-                self._append_token(req, token, logprob)
-                appended += 1
-                if req.finished():
-                    break
-            committed = s + appended  # the root and the accepted drafts before the last token
-            if tree.num_drafts:
-                req.spec.on_verify(max(tree.depths), result.accepted[i], appended, tree.num_drafts)
-                self.stats.on_verify(tree.num_drafts, result.accepted[i], appended)
-            elif appended:
-                req.spec.on_plain_token(tokens[0])
-            if self.spec_algorithm.has_draft_model():
-                # The draft wrote positions up to s (catch-up) and s + 1 .. s + drafts - 1.
-                req.draft_kv_len = min(s + max(tree.num_drafts, 1), committed)
-            req.kv_committed_len = committed
-            if req.finished():
-                if self.spec_algorithm.has_draft_model():
-                    # Only tokens with both models' KV go to the cache.
-                    req.kv_committed_len = min(committed, req.draft_kv_len)
-                self._on_finished(req)
-            else:
-                keep = -(-committed // ps) * ps  # the last page stays whole
-                end = s + len(tree)
-                if keep < end:
-                    row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-                    self.allocator.free(row[keep:end].to(torch.int64))
-                req.kv_allocated_len = committed
-            to_stream.append(req)
-        self.stream_output(to_stream)
 
     def _abort_chunked(self, req: Req) -> None:
         req.finished_reason = finish_abort(req.to_abort or "aborted")

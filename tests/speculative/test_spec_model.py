@@ -203,3 +203,66 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match="tokenizer differs"):
         Scheduler(args, lambda _: None, load_tokenizer(target))
     assert os.path.isdir(draft)
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_aborts_mid_generation_leave_the_others_exact(tiny_llama_dir, plain, algo):
+    from radixserve.io_struct import AbortReq
+
+    h = SchedulerHarness(
+        model_path=tiny_llama_dir,
+        max_total_tokens=4096,
+        disable_overlap_schedule=True,
+        **_spec(algo, tiny_llama_dir),
+    )
+    p = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+    rids = [h.submit(x, **p) for x in _prompts()]
+    for step in range(40):
+        h.step()
+        if step in (0, 3, 9):  # after the prefill, early and mid decode
+            h.scheduler.process_input_requests([AbortReq(rids[step % len(rids)])])
+    h.run_until_idle()
+    h.scheduler.assert_drained()
+    res, reasons = h.results(), h.finish_reasons()
+    aborted = {rids[0], rids[3], rids[1]}
+    for i, rid in enumerate(rids):
+        if rid in aborted:
+            assert reasons[rid]["type"] == "abort"
+            assert res.get(rid, []) == plain[i][: len(res.get(rid, []))]
+        else:
+            assert res[rid] == plain[i]
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_stop_strings_inside_an_accepted_run(tmp_path, algo):
+    """A stop string matched inside an accepted run ends the output exactly where plain
+    decoding ends it (a byte-level tokenizer, so a string can end at any token)."""
+    from rs_testing import make_tiny_served_model
+
+    from radixserve.model_loader.weights import load_tokenizer
+
+    model = make_tiny_served_model(str(tmp_path / "served"))
+    tok = load_tokenizer(model)
+    prompts = _prompts()[:4]
+
+    def run(stops, **kw):
+        h = SchedulerHarness(
+            tok, model_path=model, max_total_tokens=4096, disable_overlap_schedule=True, **kw
+        )
+        rids = [
+            h.submit(x, max_new_tokens=NEW, temperature=0.0, stop=stops[i])
+            for i, x in enumerate(prompts)
+        ]
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+        res, reasons = h.results(), h.finish_reasons()
+        return [res[r] for r in rids], [reasons[r] for r in rids], h
+
+    free, _, _ = run([None] * 4)
+    # Each request's stop string: the text of two of its own tokens, 20 tokens in.
+    stops = [[tok.decode(out[20:22])] for out in free]
+    want, want_reasons, _ = run(stops)
+    got, got_reasons, h = run(stops, **_spec(algo, model))
+    assert got == want and got_reasons == want_reasons
+    assert any(r["type"] == "stop" for r in got_reasons)
+    assert h.scheduler.stats.spec_verify_ct > 0
