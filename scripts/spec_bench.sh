@@ -5,13 +5,15 @@
 # Python docs: the answer quotes the prompt) and on `natural` (questions with nothing to
 # quote), both greedy with EOS honoured; and 32 clients at once on `random` (200 in / 128 out).
 # Runs alternate between the servers, so a shared machine's drift falls on both alike.
-# Usage: scripts/spec_bench.sh [OUT_DIR]  (~15 min on 2 cores)
+# Usage: [ROUNDS=n] [WORKLOADS="rewrite natural random32"] scripts/spec_bench.sh [OUT_DIR]
+# (~12 min per round on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 OUT=${1:-/tmp/radixserve-spec}
 ROUNDS=${ROUNDS:-1}
 SOLO_PROMPTS=${SOLO_PROMPTS:-6}
+WORKLOADS=${WORKLOADS:-"rewrite natural random32"}
 mkdir -p "$OUT"
 PORTS=(30151 30152)
 NAMES=(plain ngram)
@@ -43,18 +45,20 @@ bench() {  # server index, tag, extra args...
 }
 
 for r in $(seq 1 "$ROUNDS"); do
-  for i in 0 1; do
-    bench "$i" "rewrite-c1" --dataset-name rewrite --rewrite-passage-len 200 \
-      --random-output-len 256 --num-prompts "$SOLO_PROMPTS" --max-concurrency 1 \
-      --disable-ignore-eos --seed "$r"
-  done
-  for i in 0 1; do
-    bench "$i" "natural-c1" --dataset-name natural --random-output-len 128 \
-      --num-prompts "$SOLO_PROMPTS" --max-concurrency 1 --disable-ignore-eos --seed "$r"
-  done
-  for i in 0 1; do
-    bench "$i" "random-c32" --flush-cache --dataset-name random --random-input-len 200 \
-      --random-output-len 128 --num-prompts 32 --max-concurrency 32 --seed "$r"
+  for w in $WORKLOADS; do
+    # Alternate which server goes first from round to round.
+    for i in $(( r % 2 )) $(( (r + 1) % 2 )); do
+      case $w in
+        rewrite) bench "$i" "rewrite-c1" --dataset-name rewrite --rewrite-passage-len 200 \
+          --random-output-len 256 --num-prompts "$SOLO_PROMPTS" --max-concurrency 1 \
+          --disable-ignore-eos --seed "$r" ;;
+        natural) bench "$i" "natural-c1" --dataset-name natural --random-output-len 128 \
+          --num-prompts "$SOLO_PROMPTS" --max-concurrency 1 --disable-ignore-eos --seed "$r" ;;
+        random32) bench "$i" "random-c32" --flush-cache --dataset-name random \
+          --random-input-len 200 --random-output-len 128 --num-prompts 32 \
+          --max-concurrency 32 --seed "$r" ;;
+      esac
+    done
   done
   echo "round $r done"
 done

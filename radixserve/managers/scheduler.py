@@ -523,7 +523,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             - self.allocator.available_size()
             - self.tree_cache.evictable_size()
         )
-        return self.stats.snapshot(
+        info = self.stats.snapshot(
             running=sum(not r.finished() for r in self.running_batch.reqs),
             queued=len(self.waiting_queue),
             token_usage=used / self.max_total_num_tokens,
@@ -535,6 +535,9 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             max_running_requests=self.max_running_requests,
             free_request_rows=self.req_to_token_pool.available_size(),
         )
+        if self.spec_worker is not None:  # what the speculation controller has measured
+            info["spec_step_cost_ms"] = self.spec_controller.measured_costs_ms()
+        return info
 
     def check_integrity(self) -> None:
         self.tree_cache.check_integrity()

@@ -167,7 +167,7 @@ class SpecController:
             return trees
         plain = self.forward_cost.cost(len(reqs))
         if plain is None:
-            return trees  # nothing measured yet: speculate, and measure
+            return None  # nothing measured yet: a plain step first, then one speculative
         alphas = [r.spec.alpha() for r in reqs]
         if self.draft_model:  # a request that stopped drafting probes again now and then
             for i, r in enumerate(reqs):
@@ -229,6 +229,17 @@ class SpecController:
             t = steps * self._step_cost(tokens, max(keep), batch, plain)
             if t < best_time:
                 best_time, best_keep = t, list(keep)
+
+    def measured_costs_ms(self) -> dict[str, dict[str, float]]:
+        """The cost curves as measured so far ({tokens or requests: milliseconds})."""
+
+        def curve(model: StepCostModel) -> dict[str, float]:
+            return {f"{x:.0f}": round(y * 1000, 1) for x, y in sorted(model.points.values())}
+
+        out = {"forward": curve(self.forward_cost)}
+        if self.draft_model:
+            out["draft_forward"] = curve(self.draft_cost)
+        return out
 
     def record_forward(self, tokens: int, seconds: float) -> None:
         self.forward_cost.record(tokens, seconds)
