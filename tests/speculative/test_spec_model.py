@@ -29,11 +29,18 @@ def _prompts() -> list[list[int]]:
     return out
 
 
-def _run(model: str, prompts, params=None, **kwargs):
+GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+
+
+def _harness(model: str, tokenizer=None, **kwargs) -> SchedulerHarness:
     kwargs.setdefault("max_total_tokens", 4096)
     kwargs.setdefault("disable_overlap_schedule", True)
-    h = SchedulerHarness(model_path=model, **kwargs)
-    p = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True, **(params or {})}
+    return SchedulerHarness(tokenizer, model_path=model, **kwargs)
+
+
+def _run(model: str, prompts, params=None, **kwargs):
+    h = _harness(model, **kwargs)
+    p = {**GREEDY, **(params or {})}
     rids = [h.submit(x, **p) for x in prompts]
     h.run_until_idle()
     h.scheduler.assert_drained()
@@ -87,16 +94,10 @@ def test_a_random_draft_model_changes_nothing(tiny_llama_dir, other_draft_dir, p
 
 
 def test_second_wave_hits_the_cache_and_stays_exact(tiny_llama_dir, plain):
-    h = SchedulerHarness(
-        model_path=tiny_llama_dir,
-        max_total_tokens=4096,
-        disable_overlap_schedule=True,
-        **_spec("STANDALONE", tiny_llama_dir),
-    )
-    p = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
-    first = [h.submit(x, **p) for x in _prompts()]
+    h = _harness(tiny_llama_dir, **_spec("STANDALONE", tiny_llama_dir))
+    first = [h.submit(x, **GREEDY) for x in _prompts()]
     h.run_until_idle()
-    second = [h.submit(x, **p) for x in _prompts()]
+    second = [h.submit(x, **GREEDY) for x in _prompts()]
     h.run_until_idle()
     res = h.results()
     assert [res[r] for r in first] == plain and [res[r] for r in second] == plain
@@ -137,9 +138,7 @@ def test_penalties_and_logprobs_match_plain_decoding(tiny_llama_dir, algo, tops)
     }
 
     def run(**kw):
-        h = SchedulerHarness(
-            model_path=tiny_llama_dir, max_total_tokens=4096, disable_overlap_schedule=True, **kw
-        )
+        h = _harness(tiny_llama_dir, **kw)
         for i, x in enumerate(prompts):
             top = 2 if i % 2 and tops == "mixed" else 0  # top-logprob counts in one batch
             h.scheduler.process_input_requests([_logprob_req(f"r{i}", x, params, top)])
@@ -209,14 +208,8 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path, tiny_llama_dir):
 def test_aborts_mid_generation_leave_the_others_exact(tiny_llama_dir, plain, algo):
     from radixserve.io_struct import AbortReq
 
-    h = SchedulerHarness(
-        model_path=tiny_llama_dir,
-        max_total_tokens=4096,
-        disable_overlap_schedule=True,
-        **_spec(algo, tiny_llama_dir),
-    )
-    p = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
-    rids = [h.submit(x, **p) for x in _prompts()]
+    h = _harness(tiny_llama_dir, **_spec(algo, tiny_llama_dir))
+    rids = [h.submit(x, **GREEDY) for x in _prompts()]
     for step in range(40):
         h.step()
         if step in (0, 3, 9):  # after the prefill, early and mid decode
@@ -246,9 +239,7 @@ def test_stop_strings_inside_an_accepted_run(tmp_path, algo):
     prompts = _prompts()[:4]
 
     def run(stops, **kw):
-        h = SchedulerHarness(
-            tok, model_path=model, max_total_tokens=4096, disable_overlap_schedule=True, **kw
-        )
+        h = _harness(model, tok, **kw)
         rids = [
             h.submit(x, max_new_tokens=NEW, temperature=0.0, stop=stops[i])
             for i, x in enumerate(prompts)
