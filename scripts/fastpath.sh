@@ -14,24 +14,14 @@ mkdir -p "$OUT"
 PORTS=(30141 30142 30143)
 NAMES=(portable cpu_paged cpu_paged-int4)
 FLAGS=("--attention-backend torch_native" "--attention-backend cpu_paged" "--attention-backend cpu_paged --quantization int4")
-PIDS=()
-
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2> /dev/null || true; done; wait || true; }
-trap cleanup EXIT
+# shellcheck source=scripts/lib.sh
+source scripts/lib.sh
 
 for i in 0 1 2; do
   # shellcheck disable=SC2086
-  $PY -m radixserve serve --port "${PORTS[$i]}" --max-total-tokens 40000 --log-level warning \
-    ${FLAGS[$i]} > "$OUT/server-${NAMES[$i]}.log" 2>&1 &
-  PIDS+=($!)
+  start_server "$OUT/server-${NAMES[$i]}.log" "${PORTS[$i]}" ${FLAGS[$i]}
 done
-for port in "${PORTS[@]}"; do
-  for _ in $(seq 1 480); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
-    sleep 0.5
-  done
-  curl -sf "http://127.0.0.1:$port/health" > /dev/null || { echo "server :$port did not start" >&2; exit 1; }
-done
+wait_healthy "${PORTS[@]}"
 
 for r in $(seq 1 "$ROUNDS"); do
   for c in $CONCURRENCIES; do

@@ -15,24 +15,12 @@ ROUNDS=${ROUNDS:-2}
 mkdir -p "$OUT"
 PORTS=(30131 30132)
 LOOPS=(overlap normal)
-PIDS=()
+# shellcheck source=scripts/lib.sh
+source scripts/lib.sh
 
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2> /dev/null || true; done; wait || true; }
-trap cleanup EXIT
-
-$PY -m radixserve serve --port "${PORTS[0]}" --max-total-tokens 40000 --log-level warning \
-  > "$OUT/server-overlap.log" 2>&1 &
-PIDS+=($!)
-$PY -m radixserve serve --port "${PORTS[1]}" --max-total-tokens 40000 --log-level warning \
-  --disable-overlap-schedule > "$OUT/server-normal.log" 2>&1 &
-PIDS+=($!)
-for port in "${PORTS[@]}"; do
-  for _ in $(seq 1 480); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
-    sleep 0.5
-  done
-  curl -sf "http://127.0.0.1:$port/health" > /dev/null || { echo "server :$port did not start" >&2; exit 1; }
-done
+start_server "$OUT/server-overlap.log" "${PORTS[0]}"
+start_server "$OUT/server-normal.log" "${PORTS[1]}" --disable-overlap-schedule
+wait_healthy "${PORTS[@]}"
 
 bench() {  # bench LOOP_INDEX CONCURRENCY ROUND
   local i=$1 c=$2 r=$3 n

@@ -18,24 +18,14 @@ mkdir -p "$OUT"
 PORTS=(30151 30152)
 NAMES=(plain ngram)
 FLAGS=("" "--speculative-algorithm NGRAM")
-PIDS=()
-
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2> /dev/null || true; done; wait || true; }
-trap cleanup EXIT
+# shellcheck source=scripts/lib.sh
+source scripts/lib.sh
 
 for i in 0 1; do
   # shellcheck disable=SC2086
-  $PY -m radixserve serve --port "${PORTS[$i]}" --max-total-tokens 40000 --log-level warning \
-    ${FLAGS[$i]} > "$OUT/server-${NAMES[$i]}.log" 2>&1 &
-  PIDS+=($!)
+  start_server "$OUT/server-${NAMES[$i]}.log" "${PORTS[$i]}" ${FLAGS[$i]}
 done
-for port in "${PORTS[@]}"; do
-  for _ in $(seq 1 480); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
-    sleep 0.5
-  done
-  curl -sf "http://127.0.0.1:$port/health" > /dev/null || { echo "server :$port did not start" >&2; exit 1; }
-done
+wait_healthy "${PORTS[@]}"
 
 bench() {  # server index, tag, extra args...
   local i=$1 tag=$2
@@ -61,6 +51,9 @@ for r in $(seq 1 "$ROUNDS"); do
     done
   done
   echo "round $r done"
+done
+for i in 0 1; do  # what each server measured (the speculation controller's step costs)
+  curl -sf "http://127.0.0.1:${PORTS[$i]}/server_info" > "$OUT/server_info-${NAMES[$i]}.json" || true
 done
 
 $PY - "$OUT/serving.jsonl" << 'PYEOF'

@@ -65,27 +65,38 @@ class SpecSchedulerMixin:
         """Propose a draft tree per request and set the batch up to verify what pays of them
         (SpecController.select); False (plain decode) when nothing is proposed, speculating
         does not pay by the measured costs, or the nodes do not fit in the KV pool."""
+        ctrl = self.spec_controller
         draft_model = self.spec_algorithm.has_draft_model()
-        proposals: list[DraftTree] = []
+        backlog = bool(self.waiting_queue)
+        budgets = []
         for r in batch.reqs:
             if r.spec is None:
                 r.spec = RequestSpecState()
             budget = 0
             if r.grammar is None:  # grammar-constrained requests decode without drafts
                 room = r.max_new_tokens - len(r.output_ids) - 1  # the bonus token is extra
-                budget = max(0, min(self.spec_controller.max_drafts, room))
-            root = r.output_ids[-1]
-            if budget == 0:
-                proposals.append(DraftTree.root_only(root))
-            elif draft_model:  # placeholders: the draft model fills them in on the worker
-                proposals.append(DraftTree.chain([root] * (budget + 1)))
-            else:
-                if r.ngram is None:
-                    r.ngram = NgramIndex([], self.ngram_config)
-                r.ngram.sync(r.origin_input_ids, r.output_ids)
-                proposals.append(r.ngram.propose(budget))
-        backlog = bool(self.waiting_queue)
-        trees = self.spec_controller.select(batch.reqs, proposals, backlog)
+                budget = max(0, min(ctrl.max_drafts, room))
+            budgets.append(budget)
+        # Chains as deep as each budget are the best any proposal can be (the same expected
+        # gain for fewer tokens): if even they do not pay, no NGRAM proposal is needed but the
+        # ones that start a shadow check, and the step decodes plainly at no further cost.
+        chains = [
+            DraftTree.chain([r.output_ids[-1]] * (n + 1))
+            for r, n in zip(batch.reqs, budgets, strict=True)
+        ]
+        if not draft_model and ctrl.select(batch.reqs, chains, backlog) is None:
+            for r, n in zip(batch.reqs, budgets, strict=True):
+                if n and r.spec.shadow is None:
+                    r.spec.start_shadow(self._ngram_proposal(r, n))
+            return False
+        if draft_model:  # placeholders: the draft model fills them in on the worker
+            proposals = chains
+        else:
+            proposals = [
+                self._ngram_proposal(r, n) if n else c
+                for r, n, c in zip(batch.reqs, budgets, chains, strict=True)
+            ]
+        trees = ctrl.select(batch.reqs, proposals, backlog)
         if trees is not None:
             need = batch.verify_slots_needed(trees)
             if need > self.allocator.available_size() + self.tree_cache.evictable_size():
@@ -98,6 +109,12 @@ class SpecSchedulerMixin:
             return False
         batch.prepare_for_verify(trees, draft_model)
         return True
+
+    def _ngram_proposal(self, r: Req, budget: int) -> DraftTree:
+        if r.ngram is None:
+            r.ngram = NgramIndex([], self.ngram_config)
+        r.ngram.sync(r.origin_input_ids, r.output_ids)
+        return r.ngram.propose(budget)
 
     def process_verify_result(
         self, snap: BatchSnapshot, spec: SpecVerifyInput, result: Any
