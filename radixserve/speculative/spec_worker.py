@@ -101,10 +101,11 @@ class SpecWorker:
     @staticmethod
     def node_batch(mwb: ModelWorkerBatch, spec: SpecVerifyInput) -> ModelWorkerBatch:
         """The verify step as the model sees it: a decode of one query per tree node."""
-        seq, owner = [], []
+        seq, owner, rids = [], [], []
         for b, (s, tree) in enumerate(zip(spec.seq_lens, spec.trees, strict=True)):
             seq.extend(s + d + 1 for d in tree.depths)
             owner.extend([mwb.req_pool_indices[b]] * len(tree))
+            rids.extend([mwb.rids[b]] * len(tree))
         return ModelWorkerBatch(
             forward_mode=ForwardMode.DECODE,
             input_ids=[t for tree in spec.trees for t in tree.tokens],
@@ -115,7 +116,7 @@ class SpecWorker:
             extend_lens=[1] * len(seq),
             out_cache_loc=mwb.out_cache_loc,
             kv_rows=spec.node_kv_rows(mwb.kv_rows),
-            rids=mwb.rids,
+            rids=rids,
         )
 
     def move_accepted_kv(
