@@ -196,10 +196,7 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        probs = torch.softmax(logits / info.temperatures, dim=-1)
-        if info.need_filter:
-            probs = _filter_probs(probs, info)
-        probs = _repair_degenerate_rows(probs, logits)
+        probs = sampling_probs(logits, info)
         choice = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
         unseeded = [i for i, s in enumerate(info.seeds) if s is None]
         if unseeded:
@@ -210,6 +207,16 @@ class Sampler:
                 choice[i] = _seeded_draw(probs[i], seed, info.steps[i])
         greedy_ids = logits.argmax(dim=-1)
         return torch.where(info.greedy, greedy_ids, choice)
+
+
+def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Each row's distribution to draw from: temperature, softmax, top-k / top-p / min-p,
+    degenerate rows repaired (processed logits in; the speculative verifier and the draft
+    model use the same distribution as the plain sampler)."""
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    if info.need_filter:
+        probs = _filter_probs(probs, info)
+    return _repair_degenerate_rows(probs, logits)
 
 
 def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -241,7 +248,13 @@ def _repair_degenerate_rows(probs: torch.Tensor, logits: torch.Tensor) -> torch.
 
 def _seeded_draw(probs: torch.Tensor, seed: int, step: int) -> torch.Tensor:
     """Exponential-race draw (argmax p / E, E ~ Exp(1)) from a generator fixed by (seed, step)."""
-    gen = torch.Generator(device=probs.device)
-    gen.manual_seed((seed * 1_000_003 + step) % (1 << 63))
+    gen = seeded_generator(seed, step, probs.device)
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return (probs / noise).argmax()
+
+
+def seeded_generator(seed: int, step: int, device: torch.device | str) -> torch.Generator:
+    """The generator of a seeded request's draw at output position `step`."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + step) % (1 << 63))
+    return gen

@@ -18,7 +18,12 @@ from radixserve.args import ServerArgs
 from radixserve.managers.schedule_batch import Req, ScheduleBatch
 from radixserve.speculative.adaptive import RequestSpecState, SpecController
 from radixserve.speculative.ngram import NgramConfig, NgramIndex
-from radixserve.speculative.spec_info import DraftTree, SpecAlgorithm, SpecVerifyInput
+from radixserve.speculative.spec_info import (
+    DraftTree,
+    SpecAlgorithm,
+    SpecVerifyInput,
+    SpecVerifyOutput,
+)
 from radixserve.speculative.spec_worker import SpecWorker
 
 if TYPE_CHECKING:
@@ -117,7 +122,7 @@ class SpecSchedulerMixin:
         return r.ngram.propose(budget)
 
     def process_verify_result(
-        self, snap: BatchSnapshot, spec: SpecVerifyInput, result: Any
+        self, snap: BatchSnapshot, spec: SpecVerifyInput, result: SpecVerifyOutput
     ) -> None:
         """Commit each request's accepted tokens one by one, stopping where it finishes (EOS,
         a stop string or max_new_tokens inside an accepted run: the rest is dropped), and free
@@ -139,8 +144,9 @@ class SpecSchedulerMixin:
                     break
             committed = s + appended  # the root and the accepted drafts before the last token
             if tree.num_drafts:
-                req.spec.on_verify(max(tree.depths), result.accepted[i], appended, tree.num_drafts)
-                self.stats.on_verify(tree.num_drafts, result.accepted[i], appended)
+                accepted = len(result.accepted_nodes[i])
+                req.spec.on_verify(max(tree.depths), accepted, appended, tree.num_drafts)
+                self.stats.on_verify(tree.num_drafts, accepted, appended)
             elif appended:
                 req.spec.on_plain_token(tokens[0])
             if self.spec_algorithm.has_draft_model():

@@ -18,28 +18,22 @@ scheduler calls instead of the plain worker:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.layers.sampler import SamplingBatchInfo
+from radixserve.layers.sampler import SamplingBatchInfo, sampling_probs
 from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
-from radixserve.speculative.spec_info import DraftTree, SpecAlgorithm, SpecVerifyInput
+from radixserve.speculative.spec_info import (
+    DraftTree,
+    SpecAlgorithm,
+    SpecVerifyInput,
+    SpecVerifyOutput,
+)
 from radixserve.speculative.verify import verify_trees
-
-
-@dataclass
-class SpecBatchResult:
-    """A verify step's result: per request, the committed tokens (accepted drafts + bonus)."""
-
-    tokens: list[list[int]]
-    num_drafts: list[int]
-    accepted: list[int]
-    logprobs: list[list[float]] | None = None
-    top_logprobs: list[list[list[tuple[float, int]]]] | None = None
 
 
 class SpecWorker:
@@ -72,7 +66,7 @@ class SpecWorker:
         spec: SpecVerifyInput,
         reqs: list[Any],
         vocab_mask: torch.Tensor | None,
-    ) -> SpecBatchResult:
+    ) -> SpecVerifyOutput:
         self.last_draft = None
         if self.draft_runner is not None:
             start = time.perf_counter()
@@ -90,13 +84,7 @@ class SpecWorker:
             mwb.top_logprobs_num,
         )
         self.move_accepted_kv(mwb, spec, out.accepted_nodes)
-        return SpecBatchResult(
-            out.tokens,
-            [t.num_drafts for t in spec.trees],
-            [len(n) for n in out.accepted_nodes],
-            out.logprobs,
-            out.top_logprobs,
-        )
+        return out
 
     @staticmethod
     def node_batch(mwb: ModelWorkerBatch, spec: SpecVerifyInput) -> ModelWorkerBatch:
@@ -214,23 +202,16 @@ def draft_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw each row's draft from the draft model's distribution q (the request's temperature
     and top-k/top-p/min-p; greedy rows take the argmax, q then a point mass)."""
-    from radixserve.layers.sampler import _filter_probs, _repair_degenerate_rows
-
     logits = logits.float()
     argmax = logits.argmax(dim=-1)
+    onehot = torch.nn.functional.one_hot(argmax, logits.shape[-1]).float()
     if info.is_all_greedy:
-        q = torch.nn.functional.one_hot(argmax, logits.shape[-1]).float()
-        return argmax, q
-    q = torch.softmax(logits / info.temperatures, dim=-1)
-    if info.need_filter:
-        q = _filter_probs(q, info)
-    q = _repair_degenerate_rows(q, logits)
+        return argmax, onehot
+    q = sampling_probs(logits, info)
     q = q / q.sum(dim=-1, keepdim=True)
     drawn = torch.multinomial(q, 1).view(-1)
     tok = torch.where(info.greedy, argmax, drawn)
-    onehot = torch.nn.functional.one_hot(argmax, logits.shape[-1]).float()
-    q = torch.where(info.greedy.view(-1, 1), onehot, q)
-    return tok, q
+    return tok, torch.where(info.greedy.view(-1, 1), onehot, q)
 
 
 def check_same_tokenizer(server_args: ServerArgs, tokenizer: Any) -> None:

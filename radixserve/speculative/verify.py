@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from radixserve.layers.sampler import SamplingBatchInfo, _filter_probs, _repair_degenerate_rows
+from radixserve.layers.sampler import SamplingBatchInfo, sampling_probs, seeded_generator
 from radixserve.speculative.spec_info import DraftTree, SpecVerifyOutput
 
 
@@ -80,12 +80,7 @@ def verify_trees(
         info.vocab_mask = full.to(logits.device)
     logits = info.apply_logits_processors(logits.float())
     argmax = logits.argmax(dim=-1).tolist()
-    probs = None
-    if not info.is_all_greedy:
-        probs = torch.softmax(logits / info.temperatures, dim=-1)
-        if info.need_filter:
-            probs = _filter_probs(probs, info)
-        probs = _repair_degenerate_rows(probs, logits)
+    probs = None if info.is_all_greedy else sampling_probs(logits, info)
     greedy = info.greedy.tolist()
     out = SpecVerifyOutput([], [])
     for b, tree in enumerate(trees):
@@ -153,11 +148,7 @@ def _accept_sampled(
 
 
 def _generator(seed: int | None, pos: int, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + pos) % (1 << 63))
-    return gen
+    return None if seed is None else seeded_generator(seed, pos, device)
 
 
 def _uniform(gen: torch.Generator | None, device: torch.device) -> float:
