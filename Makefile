@@ -5,15 +5,27 @@ BIN := $(VENV)/bin
 PORT ?= 30000
 HOST ?= 127.0.0.1
 
-.PHONY: setup venv model test test-fast lint format serve clean
+.PHONY: setup venv model browser test test-fast lint format serve clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# The CPU torch wheel lies on disk; installing it first keeps pip from pulling a CUDA build.
+# CPU torch first, so the project's own install never pulls a CUDA build (PyPI's Linux wheel
+# bundles CUDA, several GB): a wheel on this machine's own package source (pip's find-links)
+# if there is one, else PyTorch's CPU index (TORCH_INDEX; empty: pip's default).
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
+	@if [ -z "$(TORCH_INDEX)" ] || $(BIN)/pip download -q --no-deps --no-index \
+			-d $(VENV)/.torch-probe '$(TORCH)' >/dev/null 2>&1; then \
+		$(BIN)/pip install -q '$(TORCH)'; \
+	else \
+		echo "installing the CPU build of $(TORCH) from $(TORCH_INDEX)"; \
+		$(BIN)/pip install -q '$(TORCH)' --index-url $(TORCH_INDEX) \
+			--extra-index-url https://pypi.org/simple; \
+	fi
+	rm -rf $(VENV)/.torch-probe
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
@@ -23,6 +35,14 @@ model: venv
 	$(BIN)/python -m radixserve.model_loader.default_model
 
 setup: venv model
+
+# Debian's chromium for the dashboard's headless-browser test (tests/entrypoints/
+# test_dashboard.py drives /usr/bin/chromium through playwright; never `playwright install`,
+# which downloads a browser build). Needs root, or sudo for a user.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

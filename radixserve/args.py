@@ -20,6 +20,9 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
+# The parser package's registries (radixserve.parser) hold the same names; a test checks it.
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen", "llama3", "pythonic")
+REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
@@ -70,6 +73,24 @@ class ServerArgs:
     num_threads: int | None = _f(None, "Torch threads on CPU (default: physical cores).")
     # Features
     grammar_backend: str = _f("xgrammar", "Structured output backend.", GRAMMAR_BACKENDS)
+    chat_template: str | None = _f(
+        None, "A Jinja chat template file that replaces the tokenizer's own template."
+    )
+    tool_call_parser: str | None = _f(
+        None,
+        "How the model writes tool calls, to turn them into tool_calls with tool_choice auto: "
+        'hermes / qwen25 / qwen (<tool_call>{"name": ..., "arguments": ...}</tool_call>), '
+        "llama3 (JSON objects, after <|python_tag|> or at the start, ';'-separated), pythonic "
+        "([f(a=1)]). Without it tool_choice auto answers in plain text; required and named "
+        "tool_choice work either way (the grammar enforces a JSON array of calls).",
+        TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = _f(
+        None,
+        "Split <think>...</think> into reasoning_content: deepseek-r1 / qwen3-thinking (the "
+        "output starts inside the reasoning) or qwen3 (when the output opens <think>).",
+        REASONING_PARSERS,
+    )
     attention_backend: str = _f(
         "auto",
         "Attention backend: torch_native (portable, the reference) or cpu_paged (decode reads "
@@ -125,6 +146,9 @@ class ServerArgs:
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
     api_key: str | None = _f(None, "Require this key as a Bearer token.")
+    disable_dashboard: bool = _f(
+        False, "Turn off the live dashboard (GET /dashboard and its /dashboard/events stream)."
+    )
     stream_interval: int = _f(1, "Stream every N tokens.")
     max_queued_requests: int | None = _f(
         None,
@@ -150,6 +174,8 @@ class ServerArgs:
             raise ValueError("--max-queued-requests must be >= 0")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
         self._check_speculative()
 
     def _check_speculative(self) -> None:

@@ -85,6 +85,7 @@ class TokenizedGenerateReqInput:
     extra_key: str | None = None
     priority: int | None = None
     routing_key: str | None = None
+    return_text_in_logprobs: bool = False  # read by the TokenizerManager only
 
 
 @dataclass
@@ -114,6 +115,18 @@ class GetServerInfoReq:
 @dataclass
 class GetServerInfoReqOutput:
     """Scheduler statistics and gauges (counters since start)."""
+
+    info: dict[str, Any]
+
+
+@dataclass
+class DashboardSnapshotReq:
+    pass
+
+
+@dataclass
+class DashboardSnapshotReqOutput:
+    """get_server_info plus the dashboard's live view (Scheduler.dashboard_snapshot)."""
 
     info: dict[str, Any]
 

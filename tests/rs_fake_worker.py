@@ -16,6 +16,7 @@ from radixserve.layers.sampler import Sampler
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
+from radixserve.model_executor.model_runner import InputLogprobs, LogitsOutput
 
 VOCAB = 97
 EOS = 2
@@ -28,6 +29,11 @@ def next_token(seq: list[int], window: int | None = None) -> int:
     for t in seq[-window:] if window else seq:
         h = (h * 31 + t) % 1_000_003
     return 3 + h % (8 if window else VOCAB - 3)
+
+
+def prompt_logprob(prefix: list[int], token: int) -> float:
+    """The fake model's logprob of `token` after `prefix` (a prompt logprob)."""
+    return -float(1 + (next_token(prefix) * 7 + token) % 11)
 
 
 @dataclass
@@ -90,7 +96,26 @@ class FakeWorker(TpModelWorker):
             # Ignored for intermediate chunks; otherwise seq_len covers prompt + outputs.
             logits[b, next_token(mr.kv[slots].tolist(), self.window)] = 1.0
         self.steps += 1
-        return logits
+        return LogitsOutput(logits, self._input_logprobs(mwb))
+
+    def _input_logprobs(self, mwb: ModelWorkerBatch) -> InputLogprobs | None:
+        """prompt_logprob of each target after the sequence read back from the KV "pool" up
+        to that token's position; top-k: next_token, next_token + 1, ... at -1, -2, ..."""
+        if mwb.input_logprob_indices is None:
+            return None
+        assert mwb.input_logprob_targets is not None and mwb.input_logprob_counts is not None
+        mr, vals, tops, k = self.model_runner, [], [], mwb.top_logprobs_num
+        row_of = [b for b, n in enumerate(mwb.extend_lens) for _ in range(n)]
+        for idx, target in zip(mwb.input_logprob_indices, mwb.input_logprob_targets, strict=True):
+            b, pos = row_of[idx], mwb.positions[idx]
+            prefix = mr.kv[mwb.kv_rows[b, : pos + 1]].tolist()
+            vals.append(prompt_logprob(prefix, target))
+            tops.append([(next_token(prefix) + j) % VOCAB for j in range(k)])
+        top = None
+        if k > 0:
+            ids = torch.tensor(tops, dtype=torch.int64).view(-1, k)
+            top = (-torch.arange(1, k + 1, dtype=torch.float32).expand(len(vals), k), ids)
+        return InputLogprobs(torch.tensor(vals), top)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         mr = self.model_runner
@@ -159,6 +184,8 @@ class FakeRun:
         *,
         stream: bool = False,
         logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
         **params,
     ) -> None:
         from radixserve.io_struct import TokenizedGenerateReqInput
@@ -168,7 +195,16 @@ class FakeRun:
         params.setdefault("temperature", 0.0)
         params.setdefault("ignore_eos", True)
         sp = SamplingParams(max_new_tokens=max_new, **params)
-        msg = TokenizedGenerateReqInput(rid, None, prompt, sp, stream, logprob)
+        msg = TokenizedGenerateReqInput(
+            rid,
+            None,
+            prompt,
+            sp,
+            stream,
+            logprob,
+            top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len,
+        )
         self.s.process_input_requests([msg])
 
     def abort(self, rid: str) -> None:

@@ -133,3 +133,43 @@ def test_int4_quantized_engine_is_cache_transparent_and_drains(default_model_pat
         assert again["meta_info"]["cached_tokens"] >= len(ids) - 1
         assert again["output_ids"] == outs[0]["output_ids"]
         _assert_drained(e)
+
+
+def test_prompt_logprobs_match_transformers_and_survive_the_cache(engine, default_model_path):
+    """logprob_start_len 0: every prompt token but the first gets the reference model's logprob
+    (SGLang's triples, with the token's text), as do the outputs; the same request again, now
+    a prefix-cache hit, gets the same numbers; a start past the prompt is a clear error."""
+    import torch
+
+    prompt = make_prompts(engine.tokenizer, [70])[0]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    kw = {"return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True}
+    first = engine.generate(input_ids=prompt, sampling_params=params, logprob_start_len=0, **kw)
+    seq = prompt + first["output_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(
+            load_hf_reference(default_model_path)(torch.tensor([seq])).logits[0].float(), -1
+        )
+    meta = first["meta_info"]
+    inp, out = meta["input_token_logprobs"], meta["output_token_logprobs"]
+    assert len(inp) == len(prompt) and len(out) == 6
+    assert inp[0] == (None, prompt[0], engine.tokenizer.decode([prompt[0]]))
+    assert meta["input_top_logprobs"][0] is None
+    for p, (lp, tid, text) in list(enumerate(inp))[1:] + [
+        (len(prompt) + i, o) for i, o in enumerate(out)
+    ]:
+        assert tid == seq[p] and text == engine.tokenizer.decode([tid])
+        assert abs(lp - float(ref[p - 1, tid])) < 2e-3, p
+    for p, top in list(enumerate(meta["input_top_logprobs"]))[1:]:
+        want = torch.topk(ref[p - 1], 3)
+        assert [t for _, t, _ in top] == want.indices.tolist(), p
+    # Again from position 40: the first 39 tokens may come from the cache now.
+    again = engine.generate(input_ids=prompt, sampling_params=params, logprob_start_len=40, **kw)
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert [t[1] for t in again["meta_info"]["input_token_logprobs"]] == prompt[40:]
+    for a, b in zip(again["meta_info"]["input_token_logprobs"], inp[40:], strict=True):
+        assert abs(a[0] - b[0]) < 1e-4
+    assert again["output_ids"] == first["output_ids"]
+    with pytest.raises(RequestError, match="logprob_start_len"):
+        engine.generate(input_ids=prompt, sampling_params=params, logprob_start_len=71, **kw)
+    _assert_drained(engine)

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response, StreamingResponse
 
 from radixserve.args import ServerArgs
+from radixserve.entrypoints.dashboard import router as dashboard_router
 from radixserve.entrypoints.http_utils import (
     SSE_DONE,
     SSE_HEADERS,
@@ -45,17 +46,21 @@ from radixserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    TokenId,
     error_body,
 )
 from radixserve.entrypoints.openai_serving import OpenAIServing
 from radixserve.io_struct import GenerateReqInput
 from radixserve.managers.metrics import CONTENT_TYPE, ServerMetrics
 from radixserve.managers.tokenizer_manager import RequestError
+from radixserve.managers.tokenizer_utils import exported_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+HEALTH_GENERATE_POLL_S = 0.05
+WARMUP_TIMEOUT_S = 300.0
 WATCHDOG_INTERVAL_S = 0.5
 GRACEFUL_SHUTDOWN_S = 3
 HARD_EXIT_AFTER_S = 6.0
@@ -72,6 +77,14 @@ class AppState:
     server: Any = None  # uvicorn.Server
     failure: str | None = None  # set by the watchdog: why the server is going down
     exit_code: int = 0
+    tokenizer_dir: str | None = None  # what /model_info and /server_info report
+
+    def tokenizer_path(self) -> str:
+        return (
+            self.tokenizer_dir
+            or self.server_args.tokenizer_path
+            or resolved_model_path(self.server_args)
+        )
 
     def find_failure(self) -> str | None:
         if self.failure is not None:
@@ -126,17 +139,20 @@ def _tm(request: Request) -> Any:
 
 
 async def _watchdog(state: AppState) -> None:
-    await _announce_ready(state)
-    while True:
-        await asyncio.sleep(WATCHDOG_INTERVAL_S)
-        reason = state.find_failure()
-        if reason is not None:
-            state.failure = reason
-            logger.error("%s; shutting the server down", reason)
-            if hasattr(state.tokenizer_manager, "fail_all"):
-                state.tokenizer_manager.fail_all(reason)  # waiting clients get a 503 now
-            state.request_exit(1)
-            return
+    announce = asyncio.create_task(_announce_ready(state))  # warm-up included: runs beside
+    try:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            reason = state.find_failure()
+            if reason is not None:
+                state.failure = reason
+                logger.error("%s; shutting the server down", reason)
+                if hasattr(state.tokenizer_manager, "fail_all"):
+                    state.tokenizer_manager.fail_all(reason)  # waiting clients get a 503 now
+                state.request_exit(1)
+                return
+    finally:
+        announce.cancel()
 
 
 async def _announce_ready(state: AppState) -> None:
@@ -146,7 +162,46 @@ async def _announce_ready(state: AppState) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     args = state.server_args
+    if state.procs is not None:
+        await _warm_up(state)
+        logger.info("%s", startup_summary(args, state.procs.scheduler_info))
     logger.info("radixserve ready on http://%s:%d", args.host, args.port)
+
+
+async def _warm_up(state: AppState) -> None:
+    """One short greedy request through every process before "ready" (the first request pays
+    for lazy initialisation otherwise), then an empty cache again."""
+    tm = state.tokenizer_manager
+    ids = tm.tokenizer.encode("The capital city of France is")
+    obj = GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0})
+    start = time.monotonic()
+    try:
+        await asyncio.wait_for(collect(tm.generate_request(obj, None), None), WARMUP_TIMEOUT_S)
+        await tm.flush_cache()
+    except Exception as e:  # the watchdog reports a dead child; this only says what it saw
+        logger.warning("warm-up request failed: %r", e)
+        return
+    logger.info("warm-up request done in %.2f s", time.monotonic() - start)
+
+
+def startup_summary(args: ServerArgs, info: dict[str, Any]) -> str:
+    """One line with what a user checks first: the model and how it is served."""
+    chunk = info.get("chunked_prefill_size")
+    spec = info.get("speculative_algorithm")
+    parts = [
+        f"model {served_model_name(args)} ({', '.join(info.get('architectures') or ['?'])})",
+        f"dtype {info.get('dtype')}" + (f" + {q}" if (q := info.get("quantization")) else ""),
+        f"device {info.get('device')}",
+        f"{info.get('threads')} threads",
+        f"attention {info.get('attention_backend')}",
+        f"context {info.get('context_len')}",
+        f"KV pool {info.get('max_total_num_tokens')} tokens",
+        f"max running {info.get('max_running_requests')}",
+        f"chunk {chunk if chunk else 'off'}",
+        f"overlap {'on' if info.get('overlap') else 'off'}",
+        f"speculation {spec if spec else 'off'}",
+    ]
+    return "serving " + ", ".join(parts)
 
 
 # -- routes --------------------------------------------------------------------------------------
@@ -176,12 +231,24 @@ async def health(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
+    """200 once the server generates: a one-token request finishes, or, under load, any output
+    reaches us while it waits (SGLang's rule); 503 if neither happens in time."""
+    tm = _tm(request)
+    start = time.monotonic()
     obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    task = asyncio.ensure_future(collect(tm.generate_request(obj, None), request))
     try:
-        gen = _tm(request).generate_request(obj, None)
-        await asyncio.wait_for(collect(gen, request), HEALTH_GENERATE_TIMEOUT_S)
+        while not task.done():
+            if getattr(tm, "last_output_time", 0.0) > start:
+                return Response(status_code=200)
+            if time.monotonic() - start > HEALTH_GENERATE_TIMEOUT_S:
+                return error_response("no output within the health check's time limit", 503)
+            await asyncio.wait({task}, timeout=HEALTH_GENERATE_POLL_S)
+        task.result()
     except Exception as e:
         return error_response(f"generation failed: {e!r}", 503)
+    finally:
+        task.cancel()  # aborts the probe if it is still queued (see TokenizerManager._wait_one)
     return Response(status_code=200)
 
 
@@ -233,21 +300,28 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     return json_response(serving.model_card())
 
 
-@router.get("/model_info")
+@router.get("/model_info", operation_id="model_info")
+@router.get("/get_model_info", operation_id="get_model_info")
 async def model_info(request: Request) -> Response:
-    args = _state(request).server_args
+    st = _state(request)
+    args = st.server_args
     path = resolved_model_path(args)
+    info = st.procs.scheduler_info if st.procs is not None else {}
     return json_response(
         {
             "model_path": path,
-            "tokenizer_path": args.tokenizer_path or path,
+            "tokenizer_path": st.tokenizer_path(),
             "is_generation": True,
             "served_model_name": served_model_name(args),
+            "model_type": info.get("model_type"),
+            "architectures": info.get("architectures"),
+            "max_context_length": info.get("context_len"),
         }
     )
 
 
-@router.get("/server_info")
+@router.get("/server_info", operation_id="server_info")
+@router.get("/get_server_info", operation_id="get_server_info")
 async def server_info(request: Request) -> Response:
     st = _state(request)
     info = await st.tokenizer_manager.get_server_info()
@@ -257,7 +331,83 @@ async def server_info(request: Request) -> Response:
             "scheduler_pid": st.procs.scheduler.pid,
             "detokenizer_pid": st.procs.detokenizer.pid,
         }
-    return json_response({**dataclasses.asdict(st.server_args), **info, **pids})
+    args = st.server_args
+    path = resolved_model_path(args)
+    # What SGLang's router reads besides the arguments: the model (never null: it names the
+    # model the router routes to), one rank of each kind, no P/D.
+    worker = {
+        "model_path": path,
+        "tokenizer_path": st.tokenizer_path(),
+        "served_model_name": served_model_name(args),
+        "tp_size": 1,
+        "dp_size": 1,
+        "disaggregation_mode": "null",
+    }
+    return json_response({**dataclasses.asdict(args), **worker, **info, **pids})
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> Response:
+    """Load per data-parallel rank, as SGLang's router reads it (`power_of_two` sums
+    num_tokens): requests running and waiting, and the KV tokens they hold."""
+    info = await _tm(request).get_server_info()
+    used = info["max_total_num_tokens"] - info["available_tokens"] - info["evictable_tokens"]
+    load = {
+        "dp_rank": 0,
+        "num_reqs": info["running"] + info["queued"],
+        "num_waiting_reqs": info["queued"],
+        "num_tokens": used,
+    }
+    return json_response([load])
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[TokenId] | list[list[TokenId]]
+    skip_special_tokens: bool = True
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    """SGLang's /tokenize: token ids of a prompt (or of each prompt of a list)."""
+    body = await parse_body(request, TokenizeBody)
+    st = _state(request)
+    st.openai.check_model(body.model)  # type: ignore[union-attr]
+    tok = _tm(request).tokenizer
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    ids = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+    single = isinstance(body.prompt, str)
+    return json_response(
+        {
+            "tokens": ids[0] if single else ids,
+            "count": len(ids[0]) if single else [len(i) for i in ids],
+            "max_model_len": getattr(_tm(request), "context_len", None),
+        }
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    """SGLang's /detokenize: the text of token ids (or of each list of a list)."""
+    body = await parse_body(request, DetokenizeBody)
+    st = _state(request)
+    st.openai.check_model(body.model)  # type: ignore[union-attr]
+    tm = _tm(request)
+    single = not body.tokens or isinstance(body.tokens[0], int)
+    seqs: list[list[int]] = [body.tokens] if single else body.tokens  # type: ignore[list-item]
+    vocab = getattr(tm, "vocab_size", None)
+    if vocab is not None and any(t >= vocab for seq in seqs for t in seq):
+        return error_response(f"tokens must be token ids in [0, {vocab})", 400)
+    texts = [tm.tokenizer.decode(s, skip_special_tokens=body.skip_special_tokens) for s in seqs]
+    return json_response({"text": texts[0] if single else texts})
 
 
 @router.get("/flush_cache", operation_id="flush_cache_get")
@@ -270,7 +420,9 @@ async def flush_cache(request: Request) -> Response:
 
 
 class AbortRequestBody(BaseModel):
-    rid: str
+    model_config = ConfigDict(extra="forbid")
+    rid: str = ""
+    abort_all: bool = False
 
 
 # The bodies that routes read with parse_body, for the OpenAPI document.
@@ -279,14 +431,22 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/abort_request": AbortRequestBody,
+    "/tokenize": TokenizeBody,
+    "/detokenize": DetokenizeBody,
 }
 
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
+    """Abort one request by rid, or every request with abort_all. The waiting clients then
+    receive their outputs with finish_reason "abort"."""
     body = await parse_body(request, AbortRequestBody)
-    # The waiting client then receives its output with finish_reason "abort".
-    return json_response({"success": _tm(request).request_abort(body.rid)})
+    tm = _tm(request)
+    if body.abort_all:
+        return json_response({"success": True, "aborted": tm.request_abort_all()})
+    if not body.rid:
+        return error_response("give a rid, or abort_all: true", 400)
+    return json_response({"success": tm.request_abort(body.rid)})
 
 
 @router.get("/metrics")
@@ -315,11 +475,14 @@ def build_app(
         if hasattr(tm, "start"):
             tm.start()
         state.tokenizer_manager = tm
+        if state.procs is not None:  # a real server: give SGLang's router a tokenizer directory
+            state.tokenizer_dir = await asyncio.to_thread(
+                exported_tokenizer_dir, server_args, tm.tokenizer
+            )
         state.openai = OpenAIServing(
             tm,
             served_model_name(server_args),
             model_aliases(server_args),
-            resolved_model_path(server_args),
         )
         watchdog = asyncio.create_task(_watchdog(state))
         try:
@@ -332,6 +495,8 @@ def build_app(
     app = FastAPI(title="radixserve", lifespan=lifespan)
     app.state.rs = state
     app.include_router(router)
+    if not server_args.disable_dashboard:
+        app.include_router(dashboard_router)
     install_request_bodies(app, REQUEST_BODIES)
     install_error_handlers(app)
     if server_args.api_key:

@@ -31,6 +31,7 @@ from radixserve.entrypoints.openai_responses import (
     TopLogprob,
     UsageInfo,
 )
+from radixserve.entrypoints.openai_tools import history_tool_calls, template_tools, tool_call_schema
 from radixserve.io_struct import GenerateReqInput
 from radixserve.managers.tokenizer_manager import RequestError
 
@@ -171,9 +172,11 @@ def completion_to_generate(req: CompletionRequest) -> GenerateReqInput:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: text content only, developer → system."""
+    """Messages as the chat template expects them: text content only, developer → system;
+    an assistant's tool_calls (arguments as dicts), a tool result's tool_call_id and an
+    assistant's reasoning_content are passed on."""
     messages = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
             content = "\n".join(_text_of(p) for p in content)
@@ -183,6 +186,16 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         }
         if m.name:
             msg["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise RequestError(f"messages.{i}: only an assistant message has tool_calls")
+            msg["tool_calls"] = history_tool_calls(m.tool_calls, f"messages.{i}")
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise RequestError(f"messages.{i}: a tool message needs its tool_call_id")
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         messages.append(msg)
     return messages
 
@@ -205,14 +218,28 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-def chat_to_generate(req: ChatCompletionRequest, tokenizer_manager: Any) -> GenerateReqInput:
+def chat_to_generate(
+    req: ChatCompletionRequest, tokenizer_manager: Any, chat_template: str | None = None
+) -> GenerateReqInput:
+    """`chat_template` (--chat-template's text) replaces the tokenizer's; tools reach the
+    template, and tool_choice required / named becomes the output's JSON schema."""
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true")
-    input_ids = tokenizer_manager.apply_chat_template(chat_messages(req), **template_kwargs(req))
+    kwargs = dict(template_kwargs(req))
+    tools = template_tools(req)
+    if tools is not None:
+        kwargs["tools"] = tools
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    input_ids = tokenizer_manager.apply_chat_template(chat_messages(req), **kwargs)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(req, max_new)
+    schema = tool_call_schema(req)
+    if schema is not None:
+        params["json_schema"] = schema
     return GenerateReqInput(
         input_ids=input_ids,
-        sampling_params=sampling_params(req, max_new),
+        sampling_params=params,
         rid=_rid(req, True),
         stream=req.stream,
         return_logprob=req.logprobs,
@@ -271,12 +298,12 @@ def completion_logprobs(
     pairs = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
     for k in range(start, len(pairs)):
-        lp, tid = pairs[k]
+        lp, tid = pairs[k][:2]  # (logprob, token id, text)
         s = tok(tid)
         out.tokens.append(s)
         out.token_logprobs.append(lp)
         top = tops[k] if k < len(tops) else None
-        out.top_logprobs.append({tok(t): v for v, t in top} if top else None)
+        out.top_logprobs.append({tok(t): v for v, t, *_ in top} if top else None)
         out.text_offset.append(offset)
         offset += len(s)
     return out
@@ -291,8 +318,8 @@ def chat_logprobs(tok: TokenStrings, meta: dict[str, Any], start: int) -> Choice
     pairs = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
     for k in range(start, len(pairs)):
-        e = entry(*pairs[k])
-        top = [entry(v, t) for v, t in (tops[k] if k < len(tops) else None) or []]
+        e = entry(*pairs[k][:2])  # (logprob, token id, text)
+        top = [entry(v, t) for v, t, *_ in (tops[k] if k < len(tops) else None) or []]
         content.append(TokenLogprob(**e.model_dump(), top_logprobs=top))
     return ChoiceLogprobs(content=content)
 

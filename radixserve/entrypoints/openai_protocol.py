@@ -4,10 +4,11 @@
 Requests are validated here (types, simple ranges, finite numbers → HTTP 400 through
 `http_utils.parse_body`); what needs the tokenizer or the model is checked in `openai_api`.
 Fields beyond OpenAI's (top_k, min_p, regex, ...) are SGLang's, sent through `extra_body`.
-An unknown field is a 400 naming it: dropping one that changes the meaning of a request (tools,
-best_of, ...) would answer another question than the one asked. Harmless metadata (user, store,
+An unknown field is a 400 naming it: dropping one that changes the meaning of a request (best_of,
+functions, ...) would answer another question than the one asked. Harmless metadata (user, store,
 ...) and what SGLang's router adds to every request are accepted; a field in NOOP_ONLY is
-accepted only with a value that asks for nothing (false, null, the default).
+accepted only with a value that asks for nothing (false, null, the default). Tools, tool_choice
+and tool_calls are checked here for shape and consistency; `openai_tools` uses them.
 """
 
 from __future__ import annotations
@@ -45,23 +46,17 @@ RANGES = {
     "min_new_tokens": Field(ge=0),
 }
 TokenId = Annotated[int, Field(ge=0)]
-TOOLS = "function calling is not implemented yet"
+LEGACY_FUNCTIONS = "the deprecated functions API; use tools and tool_choice"
 # Fields we know but do not implement: (the values that ask for nothing, why another is a 400).
 NOOP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), TOOLS),
-    "tool_choice": ((None, "none"), TOOLS),
-    "functions": ((None, []), TOOLS),
-    "function_call": ((None, "none"), TOOLS),
-    "tool_calls": ((None, []), TOOLS),
+    "functions": ((None, []), LEGACY_FUNCTIONS),
+    "function_call": ((None, "none"), LEGACY_FUNCTIONS),
     "suffix": ((None, ""), "insertion is not implemented"),
     "continue_final_message": ((False,), "not implemented yet"),
     "continuous_usage_stats": ((False,), "usage comes in the last chunk only"),
     "audio": ((None,), "text only"),
-    "reasoning_content": ((None,), "no reasoning parser"),
     "return_hidden_states": ((False,), ""),
     "data_parallel_rank": ((None, 0), "this server has a single data-parallel rank, 0"),
-    "logprob_start_len": ((-1,), "prompt logprobs are not computed yet"),
-    "return_text_in_logprobs": ((False,), "not implemented yet"),
     "background": ((False,), ""),
     "return_bytes": ((False,), ""),
     "return_entropy": ((False,), ""),
@@ -138,6 +133,46 @@ class JsonSchemaFormat(RequestModel):
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(RequestModel):
+    """A tool's function. `parameters` is the JSON schema of its arguments (absent: none);
+    tool_choice required / named enforces it whatever `strict` says, auto does not."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(RequestModel):
+    name: str
+
+
+class ToolChoice(RequestModel):
+    """tool_choice naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class FunctionCallIn(RequestModel):
+    name: str
+    arguments: str  # a JSON object's text, as the model wrote it
+
+
+class ToolCallIn(RequestModel):
+    """A call in an assistant message of the history (`index` is what a streamed one keeps)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+    index: int | None = None
 
 
 class SamplingFields(RoutingFields):
@@ -224,10 +259,10 @@ class ChatMessage(RequestModel):
     # What clients send back when they replay an assistant message as they received it.
     refusal: str | None = None
     annotations: list[Any] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     function_call: Any = None
     audio: Any = None
-    reasoning_content: str | None = None
+    reasoning_content: str | None = None  # passed to the template (Qwen3's renders it)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -238,15 +273,39 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # a no-op without tools
+    tools: list[Tool] | None = None
+    # None: "auto" with tools, else "none" (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None = true; false: at most one call
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     continue_final_message: bool = False
-    # No reasoning parser: the whole output is content, whatever these say.
+    # With --reasoning-parser: false puts the reasoning in content; stream_reasoning false
+    # sends the reasoning as one delta once it is complete. Without one: no-ops.
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_matches_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("tools", "tools has two functions with the same name")
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return self
+        if not names:
+            label = choice if isinstance(choice, str) else "naming a function"
+            msg = "tool_choice {choice} needs tools"
+            raise PydanticCustomError("tools", msg, {"choice": label})
+        if isinstance(choice, ToolChoice) and choice.function.name not in names:
+            msg = "tool_choice names function '{name}', which is not one of tools"
+            raise PydanticCustomError("tools", msg, {"name": choice.function.name})
+        fmt = self.response_format
+        if (fmt is not None and fmt.type != "text") or self.json_schema or self.regex or self.ebnf:
+            msg = "tool_choice required or a named function constrains the output itself; "
+            msg += "drop response_format / json_schema / regex / ebnf"
+            raise PydanticCustomError("tools", msg)
+        return self
 
 
 class _StrictRequestModel(RequestModel):
@@ -294,7 +353,7 @@ class GenerateRequest(RoutingFields):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
-    logprob_start_len: int = -1
+    logprob_start_len: int = Field(-1, ge=-1)  # -1: no prompt logprobs
     return_text_in_logprobs: bool = False
     priority: int | None = None
     # Added by SGLang's router; no-ops here (the model is the one this server serves).

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import time
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class PromptTokensDetails(BaseModel):
@@ -62,9 +63,38 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class OmitWhenNone(BaseModel):
+    """Leaves the fields named in `_omit_when_none` out of the JSON while they are None (the
+    reasoning and tool-call fields appear only where a parser produced them)."""
+
+    _omit_when_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self._omit_when_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+class FunctionResponse(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionResponse
+
+
+class ChatResponseMessage(OmitWhenNone):
+    _omit_when_none = ("reasoning_content", "tool_calls")
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -84,9 +114,28 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaFunctionCall(OmitWhenNone):
+    _omit_when_none = ("name", "arguments")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitWhenNone):
+    """A piece of a streamed call: the first has id, type and name; the rest arguments."""
+
+    _omit_when_none = ("id", "type")
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(OmitWhenNone):
+    _omit_when_none = ("reasoning_content", "tool_calls")
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

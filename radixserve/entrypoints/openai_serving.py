@@ -4,7 +4,11 @@
 the TokenizerManager and answers with JSON or an SSE stream: chat streams open with one
 role="assistant" delta per choice; text deltas come from the cumulative text; every choice gets
 exactly one finish_reason; a usage chunk follows when stream_options.include_usage; then
-`data: [DONE]`. Called by `http_server`'s routes.
+`data: [DONE]`. With a reasoning or tool-call parser in play (`openai_tools.ChatParsing`), a
+chat choice's text goes through its `ChoiceParser` and streams as reasoning_content, content
+and tool_calls deltas in the order they occur (a call: its id, type and name first, then its
+arguments in pieces); a choice that made calls finishes with "tool_calls". Called by
+`http_server`'s routes.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from radixserve.entrypoints.openai_responses import (
     ModelList,
     UsageInfo,
 )
+from radixserve.entrypoints.openai_tools import ChatParsing, ChoiceParser, final_finish_reason
 from radixserve.io_struct import new_rid
 from radixserve.managers.tokenizer_manager import RequestError
 
@@ -102,6 +107,13 @@ class OpenAIServing:
         self.model_root = model_root
         self.tok = TokenStrings(tokenizer_manager.tokenizer)
         self.created = int(time.time())
+        args = getattr(tokenizer_manager, "server_args", None)
+        self.tool_call_parser: str | None = getattr(args, "tool_call_parser", None)
+        self.reasoning_parser: str | None = getattr(args, "reasoning_parser", None)
+        self.chat_template: str | None = None
+        if getattr(args, "chat_template", None):
+            with open(args.chat_template, encoding="utf-8") as f:  # type: ignore[union-attr]
+                self.chat_template = f.read()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -137,9 +149,9 @@ class OpenAIServing:
                 id=rid, created=created, model=model, choices=choices, usage=usage
             )
 
-        def on_output(i: int, c: ChoiceCursor, out: dict[str, Any]) -> BaseModel | None:
+        def on_output(i: int, c: ChoiceCursor, out: dict[str, Any]) -> list[BaseModel]:
             choice = self._completion_delta(req, echo, i, c, out)
-            return chunk([choice]) if choice is not None else None
+            return [chunk([choice])] if choice is not None else []
 
         def finish(i: int) -> BaseModel:
             return chunk([CompletionChoice(index=i, text="", finish_reason="abort")])
@@ -213,23 +225,24 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, request: Request | None
     ) -> Response:
         self.check_model(req.model)
-        obj = chat_to_generate(req, self.tm)
+        obj = chat_to_generate(req, self.tm, self.chat_template)
+        parsing = ChatParsing.for_request(req, self.tool_call_parser, self.reasoning_parser)
         rid, created = "chatcmpl-" + new_rid(), int(time.time())
         model = self.served_model_name
         gen = self.tm.generate_request(obj, None)
         if not req.stream:
             outs = _as_list(await collect(gen, request))
-            return json_response(self._chat_response(req, rid, created, outs))
+            return json_response(self._chat_response(req, rid, created, outs, parsing))
         first = await first_item(gen, request)
+        parsers = [parsing.new_choice() if parsing.active else None for _ in range(req.n)]
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> BaseModel:
             return ChatCompletionChunk(
                 id=rid, created=created, model=model, choices=choices, usage=usage
             )
 
-        def on_output(i: int, c: ChoiceCursor, out: dict[str, Any]) -> BaseModel | None:
-            choice = self._chat_delta(req, i, c, out)
-            return chunk([choice]) if choice is not None else None
+        def on_output(i: int, c: ChoiceCursor, out: dict[str, Any]) -> list[BaseModel]:
+            return [chunk([choice]) for choice in self._chat_delta(req, i, c, out, parsers[i])]
 
         def finish(i: int) -> BaseModel:
             return chunk([ChatStreamChoice(index=i, delta=DeltaMessage(), finish_reason="abort")])
@@ -244,16 +257,27 @@ class OpenAIServing:
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
     def _chat_response(
-        self, req: ChatCompletionRequest, rid: str, created: int, outs: list[dict[str, Any]]
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        outs: list[dict[str, Any]],
+        parsing: ChatParsing,
     ) -> ChatCompletionResponse:
         choices = []
         for i, out in enumerate(outs):
             meta = out["meta_info"]
             reason, matched = finish_reason(meta)
+            message = ChatResponseMessage(content=out["text"])
+            if parsing.active:
+                parsed = parsing.parse(out["text"])
+                message = ChatResponseMessage(**vars(parsed))
+                if parsed.tool_calls:
+                    reason, matched = final_finish_reason(reason, True), None
             choices.append(
                 ChatChoice(
                     index=i,
-                    message=ChatResponseMessage(content=out["text"]),
+                    message=message,
                     logprobs=chat_logprobs(self.tok, meta, 0) if req.logprobs else None,
                     finish_reason=reason,
                     matched_stop=matched,
@@ -266,22 +290,32 @@ class OpenAIServing:
         )
 
     def _chat_delta(
-        self, req: ChatCompletionRequest, i: int, c: ChoiceCursor, out: dict[str, Any]
-    ) -> ChatStreamChoice | None:
+        self,
+        req: ChatCompletionRequest,
+        i: int,
+        c: ChoiceCursor,
+        out: dict[str, Any],
+        parser: ChoiceParser | None,
+    ) -> list[ChatStreamChoice]:
+        """The chunks of one output of choice i: the parsed deltas in order (logprobs on the
+        first, finish_reason on the last), or one content delta without a parser."""
         meta = out["meta_info"]
         delta = out["text"][c.text_len :]
         reason, matched = finish_reason(meta)
         logprobs = chat_logprobs(self.tok, meta, c.num_logprobs) if req.logprobs else None
         if not delta and reason is None and not (logprobs and logprobs.content):
-            return None
+            return []
         c.advance(out, delta, reason)
-        return ChatStreamChoice(
-            index=i,
-            delta=DeltaMessage(content=delta or None),
-            logprobs=logprobs,
-            finish_reason=reason,
-            matched_stop=matched,
-        )
+        if parser is None:
+            deltas = [DeltaMessage(content=delta or None)]
+        else:
+            deltas = parser.deltas(parser.feed(delta, final=reason is not None))
+            if parser.made_calls:
+                reason, matched = final_finish_reason(reason, True), None
+        chunks = [ChatStreamChoice(index=i, delta=d) for d in deltas or [DeltaMessage()]]
+        chunks[0].logprobs = logprobs
+        chunks[-1].finish_reason, chunks[-1].matched_stop = reason, matched
+        return [ch for ch in chunks if _worth_sending(ch)]
 
     # -- SSE driver shared by both endpoints ------------------------------------------------------
     async def _stream(
@@ -290,7 +324,7 @@ class OpenAIServing:
         first: Any,
         gen: AsyncIterator[Any],
         num_choices: int,
-        on_output: Callable[[int, ChoiceCursor, dict[str, Any]], BaseModel | None],
+        on_output: Callable[[int, ChoiceCursor, dict[str, Any]], list[BaseModel]],
         finish: Callable[[int], BaseModel],
         usage: Callable[[UsageInfo], BaseModel],
         preamble: list[BaseModel] = (),  # type: ignore[assignment]
@@ -303,8 +337,7 @@ class OpenAIServing:
             for chunk in preamble:
                 yield sse_event(chunk)
             async for out in chain(first, gen):
-                chunk = on_output(out.get("index", 0), cursors[out.get("index", 0)], out)
-                if chunk is not None:
+                for chunk in on_output(out.get("index", 0), cursors[out.get("index", 0)], out):
                     yield sse_event(chunk)
         except RequestError as e:
             yield sse_event(error_body(str(e), e.status_code))
@@ -323,6 +356,15 @@ class OpenAIServing:
         if req.stream_options and req.stream_options.include_usage:
             yield sse_event(usage(make_usage([c.meta for c in cursors], req.n)))
         yield SSE_DONE
+
+
+def _worth_sending(ch: ChatStreamChoice) -> bool:
+    d = ch.delta
+    return (
+        ch.finish_reason is not None
+        or (ch.logprobs is not None and bool(ch.logprobs.content))
+        or any(v is not None for v in (d.content, d.reasoning_content, d.tool_calls))
+    )
 
 
 def _as_list(out: Any) -> list[dict[str, Any]]:

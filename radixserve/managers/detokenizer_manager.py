@@ -68,6 +68,8 @@ class DetokenizerManager:
             cached_tokens=out.cached_tokens,
             output_token_logprobs=out.output_token_logprobs,
             output_top_logprobs=out.output_top_logprobs,
+            input_token_logprobs=out.input_token_logprobs,
+            input_top_logprobs=out.input_top_logprobs,
             spec_verify_ct=out.spec_verify_ct,
             spec_accept_length=out.spec_accept_length,
             spec_accept_rate=out.spec_accept_rate,

@@ -25,6 +25,7 @@ import torch
 from radixserve.layers.sampler import SamplingBatchInfo
 from radixserve.managers.tp_worker import GenerationBatchResult
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
+from radixserve.model_executor.model_runner import InputLogprobs
 
 
 class FutureMap:
@@ -74,6 +75,7 @@ class InFlightStep:
         self.mwb = mwb
         self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
         self.logits: torch.Tensor | None = None
+        self.input_logprobs: InputLogprobs | None = None
         self.result: GenerationBatchResult | None = None
         self.error: BaseException | None = None
         self.sample_launched = mwb.sampling_info is not None
@@ -130,7 +132,8 @@ class ForwardThread:
     def _forward(self, step: InFlightStep) -> None:
         try:
             ids = torch.tensor(step.mwb.input_ids, dtype=torch.int64, device=self.device)
-            step.logits = self.worker.forward(step.mwb, self.future_map.resolve(ids))
+            out = self.worker.forward(step.mwb, self.future_map.resolve(ids))
+            step.logits, step.input_logprobs = out.next_token_logits, out.input_logprobs
         except BaseException as e:  # reported by wait(); the scheduler fails loudly there
             step.error = e
         info = step.mwb.sampling_info
@@ -145,7 +148,7 @@ class ForwardThread:
                 assert step.logits is not None
                 out = self.worker.sample(step.logits, info, vocab_mask, step.mwb)
                 self.future_map.store(step.slots, out.next_token_ids)
-                step.result = GenerationBatchResult.from_sample(out)
+                step.result = GenerationBatchResult.from_sample(out, step.mwb, step.input_logprobs)
         except BaseException as e:
             step.error = e
         finally:

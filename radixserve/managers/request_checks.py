@@ -46,14 +46,18 @@ def verify_request_fields(obj: GenerateReqInput) -> None:
         _is_int(n_top) and 0 <= n_top <= MAX_TOP_LOGPROBS,
         f"an integer in [0, {MAX_TOP_LOGPROBS}]",
     )
+    start = obj.logprob_start_len
     _expect(
-        "logprob_start_len", obj.logprob_start_len, obj.logprob_start_len == -1, "-1 (the default)"
+        "logprob_start_len",
+        start,
+        _is_int(start) and start >= -1,
+        "-1 (no prompt logprobs) or a prompt position >= 0",
     )
     _expect(
         "return_text_in_logprobs",
         obj.return_text_in_logprobs,
-        obj.return_text_in_logprobs is False,
-        "false (text in logprobs is not supported yet)",
+        isinstance(obj.return_text_in_logprobs, bool),
+        "a boolean",
     )
     _expect("priority", obj.priority, obj.priority is None or _is_int(obj.priority), "an integer")
     for name in ("extra_key", "routing_key"):

@@ -59,6 +59,7 @@ class Req:
         extra_key: str | None = None,
         priority: int | None = None,
         routing_key: str | None = None,
+        logprob_start_len: int = -1,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -92,6 +93,20 @@ class Req:
         self.sent_len = 0  # output tokens already handed to the detokenizer
         self.output_token_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        # Prompt logprobs of tokens [logprob_start_len, prompt length); the prompt length (none)
+        # unless asked for. The first prompt token has no logprob: (None, token), top None.
+        n = len(self.origin_input_ids)
+        self.logprob_start_len = n
+        if return_logprob and logprob_start_len != -1:
+            self.logprob_start_len = logprob_start_len
+        self.input_token_logprobs: list[tuple[float | None, int]] = []
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
+        if self.logprob_start_len == 0 and n:
+            self.input_token_logprobs.append((None, self.origin_input_ids[0]))
+            self.input_top_logprobs.append(None)
+        # The next prompt position whose logprob no step has been given yet.
+        self.input_logprob_pos = max(self.logprob_start_len, 1)
+        self.input_logprobs_sent = False
         self.arrival_time = time.monotonic()
         self.grammar: Any = None
         # Speculative decoding: counters and acceptance history (RequestSpecState), the NGRAM
@@ -116,11 +131,26 @@ class Req:
     def max_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens or 0
 
+    def schedule_input_logprobs(self, start: int, end: int) -> tuple[int, int]:
+        """Of positions [start, end) that a step runs, those [lo, hi) whose hidden state scores
+        the next prompt token (empty when none is wanted); they count as scheduled now (the
+        overlap loop launches a request's next chunk before the last one's result is in)."""
+        lo = self.input_logprob_pos - 1
+        hi = min(end, len(self.origin_input_ids) - 1)
+        if lo >= hi:
+            return start, start
+        assert lo >= start, f"{self.rid}: prompt position {lo} ran before its logprob was asked"
+        self.input_logprob_pos = hi + 1
+        return lo, hi
+
     def init_next_round_input(self, tree_cache: Any) -> None:
         """Recompute fill_ids and the cached prefix before (re-)admission."""
         self.fill_ids = self.origin_input_ids + self.output_ids
-        # At least one token must run through the model to produce the next logits.
+        # At least one token must run through the model to produce the next logits, and every
+        # position whose prompt logprob is wanted (a cached token has no logits).
         max_prefix = len(self.fill_ids) - 1
+        if self.input_logprob_pos < len(self.origin_input_ids):
+            max_prefix = min(max_prefix, self.input_logprob_pos - 1)
         match = tree_cache.match_prefix(RadixKey(self.fill_ids[:max_prefix], self.extra_key))
         self.prefix_indices = match.device_indices
         self.last_node = match.last_node
@@ -207,6 +237,10 @@ class ScheduleBatch:
         self.decoding_reqs: list[Req] = []  # requests mixed into an extend batch
         self.chunked_req: Req | None = None  # the request this step computes a middle chunk of
         self.spec_info: SpecVerifyInput | None = None  # a speculative verify step
+        # Prompt logprobs of an extend step (see ModelWorkerBatch).
+        self.input_logprob_indices: list[int] = []
+        self.input_logprob_targets: list[int] = []
+        self.input_logprob_counts: list[int] = []
         self.page_size = allocator.page_size
 
     def is_empty(self) -> bool:
@@ -282,7 +316,14 @@ class ScheduleBatch:
         self.extend_lens = [s - p for s, p in zip(self.seq_lens, self.prefix_lens, strict=True)]
         self.out_cache_loc = self._alloc_slots(reqs, self.prefix_lens, self.seq_lens)
         self.input_ids, self.positions = [], []
+        self.input_logprob_indices, self.input_logprob_targets = [], []
+        self.input_logprob_counts = []
         for r, p, s in zip(reqs, self.prefix_lens, self.seq_lens, strict=True):
+            lo, hi = r.schedule_input_logprobs(p, s)
+            base = len(self.input_ids)
+            self.input_logprob_indices.extend(range(base + lo - p, base + hi - p))
+            self.input_logprob_targets.extend(r.origin_input_ids[lo + 1 : hi + 1])
+            self.input_logprob_counts.append(hi - lo)
             self.input_ids.extend(r.fill_ids[p:s])
             self.positions.extend(range(p, s))
             r.kv_committed_len = s
@@ -298,6 +339,7 @@ class ScheduleBatch:
         self.positions = self.positions + running.positions
         self.prefix_lens = self.prefix_lens + [s - 1 for s in running.seq_lens]
         self.extend_lens = self.extend_lens + [1] * len(running.reqs)
+        self.input_logprob_counts = self.input_logprob_counts + [0] * len(running.reqs)
         self.seq_lens = self.seq_lens + running.seq_lens
         self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
 
@@ -402,7 +444,18 @@ class ScheduleBatch:
             top_logprobs_num=max((r.top_logprobs_num for r in self.reqs), default=0),
             rids=[r.rid for r in self.reqs],
             spec_info=self.spec_info,
+            **self._input_logprob_fields(),
         )
+
+    def _input_logprob_fields(self) -> dict[str, Any]:
+        if not self.forward_mode.is_extend() or not self.input_logprob_indices:
+            return {}
+        assert len(self.input_logprob_counts) == len(self.reqs)
+        return {
+            "input_logprob_indices": list(self.input_logprob_indices),
+            "input_logprob_targets": list(self.input_logprob_targets),
+            "input_logprob_counts": list(self.input_logprob_counts),
+        }
 
     def get_forward_batch(self, device: str) -> ForwardBatch:
         return self.get_model_worker_batch().to_forward_batch(device)

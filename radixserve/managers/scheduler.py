@@ -24,6 +24,8 @@ import torch
 from radixserve.args import ServerArgs
 from radixserve.io_struct import (
     AbortReq,
+    DashboardSnapshotReq,
+    DashboardSnapshotReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetServerInfoReq,
@@ -32,6 +34,7 @@ from radixserve.io_struct import (
 )
 from radixserve.layers.sampler import SamplingBatchInfo, needs_processing
 from radixserve.managers.grammar_manager import GrammarManager
+from radixserve.managers.live_stats import LiveStats
 from radixserve.managers.overlap_utils import ForwardThread, FutureMap, InFlightStep
 from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort
 from radixserve.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
@@ -40,9 +43,16 @@ from radixserve.managers.scheduler_stats import NewTokenRatioTracker, SchedulerS
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.mem_cache.radix_cache import RadixCache
+from radixserve.mem_cache.radix_stats import tree_stats
 from radixserve.speculative.scheduler_mixin import SpecSchedulerMixin
 
 logger = logging.getLogger(__name__)
+
+# --attention-backend's names of the backend classes (the start-up summary reports them).
+ATTENTION_BACKEND_NAMES = {
+    "CpuPagedAttnBackend": "cpu_paged",
+    "TorchNativeAttnBackend": "torch_native",
+}
 
 ABORTED_BY_CLIENT = "aborted by the client"
 
@@ -109,6 +119,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         )
         self.ratio = NewTokenRatioTracker(server_args.schedule_conservativeness)
         self.stats = SchedulerStats()
+        self.live = LiveStats()  # the dashboard's recent steps and tokens per second
         self.chunked_prefill_size = (
             server_args.chunked_prefill_size if server_args.chunked_prefill_enabled else None
         )
@@ -140,6 +151,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 self.send_output(self.flush_cache())
             elif isinstance(msg, GetServerInfoReq):
                 self.send_output(GetServerInfoReqOutput(self.get_server_info()))
+            elif isinstance(msg, DashboardSnapshotReq):
+                self.send_output(DashboardSnapshotReqOutput(self.dashboard_snapshot()))
             else:
                 logger.error("scheduler got an unknown message %r", type(msg))
 
@@ -153,6 +166,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             stream=recv.stream,
             return_logprob=recv.return_logprob,
             top_logprobs_num=recv.top_logprobs_num,
+            logprob_start_len=recv.logprob_start_len,
             extra_key=recv.extra_key,
             priority=recv.priority,
             routing_key=recv.routing_key,
@@ -259,6 +273,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         overlap = self.enable_overlap and self.spec_worker is None
         batch = self._overlap_step() if overlap else self._normal_step()
         self.last_batch = batch
+        self.live.on_step(batch, self.stats)
         if self.server_args.enable_integrity_checks:
             self.check_integrity()
         return batch
@@ -517,6 +532,22 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.req_to_token_pool.clear()
         return FlushCacheReqOutput(True)
 
+    def startup_summary(self) -> dict[str, Any]:
+        """What the server's start-up line reports (sent with the scheduler's "ready")."""
+        runner = self.tp_worker.model_runner
+        args = self.server_args
+        backend = getattr(runner, "attn_backend", None)
+        return {
+            "dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."),
+            "device": self.tp_worker.device,
+            "threads": torch.get_num_threads(),
+            "attention_backend": ATTENTION_BACKEND_NAMES.get(type(backend).__name__),
+            "quantization": args.quantization,
+            "chunked_prefill_size": self.chunked_prefill_size,
+            "overlap": self.enable_overlap,
+            "speculative_algorithm": args.speculative_algorithm,
+        }
+
     def get_server_info(self) -> dict[str, Any]:
         used = (
             self.max_total_num_tokens
@@ -537,6 +568,16 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         )
         if self.spec_worker is not None:  # what the speculation controller has measured
             info["spec_step_cost_ms"] = self.spec_controller.measured_costs_ms()
+        return info
+
+    def dashboard_snapshot(self) -> dict[str, Any]:
+        """get_server_info plus what the dashboard draws: the chunked request, the recent steps,
+        tokens per second (LiveStats) and a bounded walk of the tree (only done here)."""
+        info = self.get_server_info()
+        info["chunked"] = int(self.chunked_req is not None)
+        info["grammar_queue"] = len(self.grammar_manager.queue)
+        info.update(self.live.snapshot())
+        info["tree"] = tree_stats(self.tree_cache.root_node)
         return info
 
     def check_integrity(self) -> None:

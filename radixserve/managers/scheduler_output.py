@@ -64,6 +64,11 @@ class SchedulerOutputMixin:
                 req.draft_kv_len = req.kv_committed_len
         to_stream: list[Req] = []
         for i, req in enumerate(snap.reqs):
+            if result.input_token_logprobs is not None and not req.finished():
+                req.input_token_logprobs.extend(result.input_token_logprobs[i])
+                if req.top_logprobs_num:
+                    k = req.top_logprobs_num
+                    req.input_top_logprobs.extend(t[:k] for t in result.input_top_logprobs[i])
             if snap.chunk_rows[i]:  # an intermediate chunk: no token, nothing streamed
                 continue
             if req.finished() or req.num_retractions != snap.retractions[i]:
@@ -149,3 +154,10 @@ class SchedulerOutputMixin:
         else:
             out.output_token_logprobs.append(None)
             out.output_top_logprobs.append(None)
+        if req.return_logprob and not req.input_logprobs_sent:  # once, with the first output
+            req.input_logprobs_sent = True
+            out.input_token_logprobs.append(req.input_token_logprobs)
+            out.input_top_logprobs.append(req.input_top_logprobs if req.top_logprobs_num else [])
+        else:
+            out.input_token_logprobs.append(None)
+            out.input_top_logprobs.append(None)

@@ -43,7 +43,8 @@ def run_scheduler_process(
             ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
         sys.exit(1)
     if ready is not None:
-        ready.send({"status": "ready", **scheduler.tp_worker.get_memory_info()})
+        info = {**scheduler.tp_worker.get_memory_info(), **scheduler.startup_summary()}
+        ready.send({"status": "ready", **info})
         ready.close()
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)

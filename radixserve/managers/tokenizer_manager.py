@@ -12,13 +12,15 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.io_struct import (
     AbortReq,
     BatchStrOutput,
+    DashboardSnapshotReq,
+    DashboardSnapshotReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -28,6 +30,7 @@ from radixserve.io_struct import (
     new_rid,
 )
 from radixserve.managers.grammar_check import GrammarCheck
+from radixserve.managers.live_stats import LatencyWindow
 from radixserve.managers.request_checks import (
     RequestError,
     check_length,
@@ -40,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a 503 for overload tells the client to wait
 __all__ = ["RequestError", "ReqState", "TokenizerManager"]
+Triple = tuple[float | None, int, str | None]
 
 
 @dataclass
@@ -58,15 +62,29 @@ class ReqState:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     last_time: float = 0.0
-    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # Logprobs as SGLang's triples (logprob, token id, token text or None); top-k as lists of
+    # triples, None for a position without any (the first prompt token).
+    return_logprob: bool = False
+    token_text: Callable[[int], str] | None = None  # set by return_text_in_logprobs
+    output_token_logprobs: list[Triple] = field(default_factory=list)
+    output_top_logprobs: list[list[Triple]] = field(default_factory=list)
+    input_token_logprobs: list[Triple] = field(default_factory=list)
+    input_top_logprobs: list[list[Triple] | None] = field(default_factory=list)
+
+    def triple(self, logprob: float | None, token: int) -> Triple:
+        return (logprob, token, self.token_text(token) if self.token_text else None)
+
+    def triples(self, pairs: list[tuple[float, int]] | None) -> list[Triple] | None:
+        return None if pairs is None else [self.triple(lp, t) for lp, t in pairs]
 
     def snapshot(self) -> dict[str, Any]:
         """The output dict as of now. Its lists are the state's own (read-only for the caller,
         valid until the next await): copying them per token would cost O(output²)."""
         meta = dict(self.meta)
-        if self.output_token_logprobs:
+        if self.return_logprob:
+            meta["input_token_logprobs"] = self.input_token_logprobs
             meta["output_token_logprobs"] = self.output_token_logprobs
+            meta["input_top_logprobs"] = self.input_top_logprobs
             meta["output_top_logprobs"] = self.output_top_logprobs
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
 
@@ -105,7 +123,16 @@ class TokenizerManager:
             else max_running_requests + queued
         )
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
+        self.latency_window = LatencyWindow()  # TTFT/TPOT per second for the dashboard
         self._loop_task: asyncio.Task | None = None
+        self._token_texts: dict[int, str] = {}  # return_text_in_logprobs; at most the vocab
+        self.last_output_time = 0.0  # monotonic time of the last output from the scheduler
+
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def close(self) -> None:
         """Stop receiving and close both sockets and their context (call on the loop's thread);
@@ -140,7 +167,7 @@ class TokenizerManager:
                 fut.set_result(msg)
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
-        now = time.monotonic()
+        now = self.last_output_time = time.monotonic()
         for rid in out.failed_rids:  # the detokenizer failed these; stop them in the scheduler
             self._abort_in_scheduler(rid)
         for i, rid in enumerate(out.rids):
@@ -153,8 +180,13 @@ class TokenizerManager:
             state.text += out.output_strs[i]
             state.output_ids.extend(out.output_ids[i])
             if out.output_token_logprobs and out.output_token_logprobs[i] is not None:
-                state.output_token_logprobs.extend(out.output_token_logprobs[i])
-                state.output_top_logprobs.extend(out.output_top_logprobs[i] or [])
+                state.output_token_logprobs.extend(state.triples(out.output_token_logprobs[i]))
+                for top in out.output_top_logprobs[i] or []:
+                    state.output_top_logprobs.append(state.triples(top))
+            if out.input_token_logprobs and out.input_token_logprobs[i] is not None:
+                state.input_token_logprobs.extend(state.triples(out.input_token_logprobs[i]))
+                for top in out.input_top_logprobs[i] or []:
+                    state.input_top_logprobs.append(state.triples(top))
             state.meta = {
                 "id": rid,
                 "prompt_tokens": out.prompt_tokens[i],
@@ -169,6 +201,7 @@ class TokenizerManager:
                 state.meta["spec_accept_rate"] = out.spec_accept_rate[i]
             if self.metrics is not None:
                 self.metrics.on_output(state, len(out.output_ids[i]), now, finished)
+            self.latency_window.on_output(state, len(out.output_ids[i]), now, finished)
             state.last_time = now
             if finished is not None:
                 if finished.get("status_code"):
@@ -209,6 +242,11 @@ class TokenizerManager:
         except SamplingParamsError as e:
             raise RequestError(str(e)) from None
         check_length(len(input_ids), sp, self.context_len)
+        if obj.return_logprob and obj.logprob_start_len > len(input_ids):
+            raise RequestError(
+                f"logprob_start_len {obj.logprob_start_len} is past the prompt's "
+                f"{len(input_ids)} tokens"
+            )
         return TokenizedGenerateReqInput(
             rid=obj.rid if isinstance(obj.rid, str) else new_rid(),
             input_text=text,
@@ -218,6 +256,7 @@ class TokenizerManager:
             return_logprob=obj.return_logprob,
             top_logprobs_num=obj.top_logprobs_num,
             logprob_start_len=obj.logprob_start_len,
+            return_text_in_logprobs=obj.return_text_in_logprobs,
             extra_key=obj.extra_key,
             priority=obj.priority,
             routing_key=obj.routing_key,
@@ -291,6 +330,9 @@ class TokenizerManager:
 
     def _send(self, tokenized: TokenizedGenerateReqInput) -> ReqState:
         state = ReqState(tokenized.rid, tokenized.stream, len(tokenized.input_ids))
+        state.return_logprob = tokenized.return_logprob
+        if tokenized.return_logprob and tokenized.return_text_in_logprobs:
+            state.token_text = self._token_text
         self.rid_to_state[tokenized.rid] = state
         if self.metrics is not None:
             self.metrics.on_request(len(tokenized.input_ids))
@@ -371,6 +413,13 @@ class TokenizerManager:
         self.send_to_scheduler.send_pyobj(AbortReq(rid))
         return True
 
+    def request_abort_all(self) -> int:
+        """Abort every request in flight (/abort_request with abort_all); their waiters receive
+        finish_reason "abort". Returns how many there were."""
+        n = len(self.rid_to_state)
+        self.send_to_scheduler.send_pyobj(AbortReq("", abort_all=True))
+        return n
+
     def abort_request(self, rid: str) -> None:
         """The waiter is gone: drop its state and stop the request in the scheduler."""
         if self.rid_to_state.pop(rid, None) is not None:
@@ -398,6 +447,17 @@ class TokenizerManager:
             GetServerInfoReq(), GetServerInfoReqOutput
         )
         return out.info
+
+    async def get_dashboard_snapshot(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The scheduler's dashboard snapshot plus this side's requests and latencies."""
+        out: DashboardSnapshotReqOutput = await self._control(
+            DashboardSnapshotReq(), DashboardSnapshotReqOutput, timeout
+        )
+        return {
+            **out.info,
+            "in_flight": len(self.rid_to_state),
+            "latency": self.latency_window.snapshot(),
+        }
 
 
 def _choices(base: TokenizedGenerateReqInput, n: int) -> list[TokenizedGenerateReqInput]:

@@ -19,3 +19,35 @@ def load_tokenizer_for(server_args: Any) -> Any:
     from radixserve.model_loader.weights import load_tokenizer
 
     return load_tokenizer(tokenizer_source(server_args))
+
+
+def exported_tokenizer_dir(server_args: Any, tokenizer: Any) -> str:
+    """A directory holding the tokenizer, for clients that load it from the path a worker
+    reports (SGLang's router does): the tokenizer's own directory where there is one, else (a
+    GGUF file, whose tokenizer lives in its metadata) a copy saved once next to the model
+    cache. Falls back to the source path when saving fails."""
+    import os
+    import tempfile
+
+    from radixserve.model_loader.default_model import default_cache_dir
+
+    source = tokenizer_source(server_args)
+    if os.path.isdir(source):
+        return source
+    name = os.path.splitext(os.path.basename(source))[0]
+    target = os.path.join(os.path.dirname(default_cache_dir()), "tokenizers", name)
+    if os.path.isfile(os.path.join(target, "tokenizer_config.json")):
+        return target
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=f".{name}-")
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another server saved it first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception:
+        return source
+    return target if os.path.isdir(target) else source

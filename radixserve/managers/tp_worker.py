@@ -15,27 +15,55 @@ import torch
 from radixserve.args import ServerArgs
 from radixserve.layers.sampler import SampleOutput, SamplingBatchInfo
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
-from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.model_executor.model_runner import InputLogprobs, LogitsOutput, ModelRunner
+
+Pairs = list[tuple[float, int]]
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 
 
 @dataclass
 class GenerationBatchResult:
     next_token_ids: list[int]
     logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[float, int]]] | None = None
+    top_logprobs: list[Pairs] | None = None
+    # Prompt logprobs of an extend step, per row: (logprob, prompt token), and the top-k.
+    input_token_logprobs: list[Pairs] | None = None
+    input_top_logprobs: list[list[Pairs]] | None = None
 
     @classmethod
-    def from_sample(cls, out: SampleOutput) -> GenerationBatchResult:
+    def from_sample(
+        cls,
+        out: SampleOutput,
+        mwb: ModelWorkerBatch | None = None,
+        input_logprobs: InputLogprobs | None = None,
+    ) -> GenerationBatchResult:
         result = cls(out.next_token_ids.tolist())
         if out.logprobs is not None:
             result.logprobs = out.logprobs.tolist()
         if out.top_logprobs is not None:
-            vals, ids = out.top_logprobs
-            result.top_logprobs = [
-                list(zip(v, i, strict=True))
-                for v, i in zip(vals.tolist(), ids.tolist(), strict=True)
-            ]
+            result.top_logprobs = _pairs(*out.top_logprobs)
+        if input_logprobs is not None:
+            assert mwb is not None and mwb.input_logprob_counts is not None
+            assert mwb.input_logprob_targets is not None
+            pairs = list(
+                zip(input_logprobs.token_logprobs.tolist(), mwb.input_logprob_targets, strict=True)
+            )
+            tops = _pairs(*input_logprobs.top) if input_logprobs.top is not None else None
+            result.input_token_logprobs, result.input_top_logprobs = [], []
+            pos = 0
+            for n in mwb.input_logprob_counts:
+                result.input_token_logprobs.append(pairs[pos : pos + n])
+                result.input_top_logprobs.append(tops[pos : pos + n] if tops else [])
+                pos += n
         return result
+
+
+def _pairs(vals: torch.Tensor, ids: torch.Tensor) -> list[Pairs]:
+    return [list(zip(v, i, strict=True)) for v, i in zip(vals.tolist(), ids.tolist(), strict=True)]
 
 
 class TpModelWorker:
@@ -44,10 +72,11 @@ class TpModelWorker:
         self.device = self.model_runner.device
         self.vocab_size = self.model_runner.model_config.vocab_size
 
-    def forward(self, mwb: ModelWorkerBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-token logits [B, V]; `input_ids` replaces mwb.input_ids (resolved futures)."""
+    def forward(self, mwb: ModelWorkerBatch, input_ids: torch.Tensor | None = None) -> LogitsOutput:
+        """Next-token logits [B, V] (and prompt logprobs where asked for); `input_ids` replaces
+        mwb.input_ids (resolved futures)."""
         fb = mwb.to_forward_batch(self.device, input_ids)
-        return self.model_runner.forward(fb).next_token_logits
+        return self.model_runner.forward(fb)
 
     def sample(
         self,
@@ -65,9 +94,11 @@ class TpModelWorker:
     ) -> GenerationBatchResult:
         """One whole step, as the normal loop runs it."""
         assert isinstance(mwb.sampling_info, SamplingBatchInfo)
-        logits = self.forward(mwb)
+        out = self.forward(mwb)
         return GenerationBatchResult.from_sample(
-            self.sample(logits, mwb.sampling_info, vocab_mask, mwb)
+            self.sample(out.next_token_logits, mwb.sampling_info, vocab_mask, mwb),
+            mwb,
+            out.input_logprobs,
         )
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -82,4 +113,7 @@ class TpModelWorker:
             "context_len": mr.context_len,
             "vocab_size": self.vocab_size,
             "eos_token_ids": list(mr.model_config.eos_token_ids),
+            "architectures": [mr.model_config.architecture],
+            "model_type": mr.model_config.hf_config.get("model_type")
+            or MODEL_TYPES.get(mr.model_config.architecture),
         }

@@ -54,6 +54,11 @@ class ModelWorkerBatch:
     top_logprobs_num: int = 0
     rids: list[str] = field(default_factory=list)  # for error messages and the fake worker
     spec_info: object | None = None  # SpecVerifyInput of a speculative verify step
+    # Prompt logprobs (extend steps): packed token indices whose logits are scored, the prompt
+    # token each one predicts, and how many of them belong to each request of the batch.
+    input_logprob_indices: list[int] | None = None
+    input_logprob_targets: list[int] | None = None
+    input_logprob_counts: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -75,6 +80,13 @@ class ModelWorkerBatch:
             extend_prefix_lens_cpu=list(self.prefix_lens),
             extend_seq_lens_cpu=list(self.extend_lens),
             kv_rows=self.kv_rows.to(device),
+            input_logprob_indices=(
+                None if self.input_logprob_indices is None else tensor(self.input_logprob_indices)
+            ),
+            input_logprob_targets=(
+                None if self.input_logprob_targets is None else tensor(self.input_logprob_targets)
+            ),
+            top_logprobs_num=self.top_logprobs_num,
         )
 
 
@@ -95,6 +107,9 @@ class ForwardBatch:
     token_to_kv_pool: MHATokenToKVPool | None = None
     attn_backend: AttentionBackend | None = None
     attn_metadata: object | None = None  # filled by the attention backend once per step
+    input_logprob_indices: torch.Tensor | None = None  # [N] packed token indices
+    input_logprob_targets: torch.Tensor | None = None  # [N] the prompt token each predicts
+    top_logprobs_num: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -35,9 +35,23 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
+# Rows of prompt logprobs computed per block: a block's logits are [rows, vocab] fp32.
+INPUT_LOGPROB_BLOCK = 256
+
+
+@dataclass
+class InputLogprobs:
+    """Logprobs of prompt tokens (`logprob_start_len`): for each requested position, the
+    logprob of the next prompt token, and the top-k (values, ids) when asked for."""
+
+    token_logprobs: torch.Tensor  # [N] fp32
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # ([N, k], [N, k])
+
+
 @dataclass
 class LogitsOutput:
     next_token_logits: torch.Tensor  # [B, V] fp32, one row per request (its last token)
+    input_logprobs: InputLogprobs | None = None
 
 
 class ModelRunner:
@@ -151,7 +165,27 @@ class ModelRunner:
         hidden = self.forward_hidden(fb)
         last = hidden if fb.forward_mode.is_decode() else hidden[fb.last_token_indices()]
         logits = self.model.compute_logits(last).float()
-        return LogitsOutput(logits)
+        input_logprobs = None
+        if fb.input_logprob_indices is not None:
+            input_logprobs = self._input_logprobs(hidden, fb)
+        return LogitsOutput(logits, input_logprobs)
+
+    def _input_logprobs(self, hidden: torch.Tensor, fb: ForwardBatch) -> InputLogprobs:
+        """Prompt logprobs at fb.input_logprob_indices, in blocks of rows so a long prompt
+        never holds [tokens, vocab] logits at once."""
+        assert fb.input_logprob_targets is not None
+        idx, targets, k = fb.input_logprob_indices, fb.input_logprob_targets, fb.top_logprobs_num
+        vals, tops_v, tops_i = [], [], []
+        for lo in range(0, len(idx), INPUT_LOGPROB_BLOCK):
+            rows = idx[lo : lo + INPUT_LOGPROB_BLOCK]
+            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            vals.append(lp.gather(1, targets[lo : lo + INPUT_LOGPROB_BLOCK].view(-1, 1)).view(-1))
+            if k > 0:
+                v, i = lp.topk(k, dim=-1)
+                tops_v.append(v)
+                tops_i.append(i)
+        top = (torch.cat(tops_v), torch.cat(tops_i)) if k > 0 else None
+        return InputLogprobs(torch.cat(vals), top)
 
     @torch.inference_mode()
     def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:

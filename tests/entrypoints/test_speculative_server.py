@@ -74,8 +74,8 @@ def test_greedy_equals_plain_decoding_and_reports_acceptance(server, tokenizer, 
     assert meta["spec_accept_length"] > 1.5  # the answer quotes the prompt
     assert 0 < meta["spec_accept_rate"] <= 1
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
-    assert "radixserve:spec_verify_steps_total" in metrics
-    assert "radixserve:spec_accept_length" in metrics
+    assert "sglang:spec_verify_steps_total" in metrics
+    assert "sglang:spec_accept_length" in metrics
     costs = server.server_info()["spec_step_cost_ms"]["forward"]
     assert costs and all(ms > 0 for ms in costs.values())  # measured, by tokens per step
     wait_drained(server)

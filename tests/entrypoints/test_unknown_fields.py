@@ -75,24 +75,20 @@ def test_unknown_nested_field_is_400_naming_it(client, path, body, field):
     _assert_400_naming(_post(client, path, body), "unsupported field", field)
 
 
-# -- function calling (a later issue) ------------------------------------------------------------
+# -- function calling (the rest is in test_tool_calls.py) ---------------------------------------
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest.mark.parametrize(
     "extra,field",
     [
-        ({"tools": [TOOL]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"functions": [TOOL["function"]]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
     ],
 )
-def test_function_calling_is_400(client, extra, field):
+def test_legacy_function_calling_is_400(client, extra, field):
     r = client.post(CHAT, json={"messages": [USER], **extra})
-    _assert_400_naming(r, f"{field} is not supported", "function calling")
+    _assert_400_naming(r, f"{field} is not supported", "use tools and tool_choice")
 
 
 def test_function_calling_no_op_values_pass(client, fake_tm):
@@ -101,7 +97,7 @@ def test_function_calling_no_op_values_pass(client, fake_tm):
     assert client.post(CHAT, json={"messages": [USER], "tool_choice": None}).status_code == 200
     calls = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}
     r = client.post(CHAT, json={"messages": [USER, calls]})
-    _assert_400_naming(r, "messages.1", "tool_calls is not supported")
+    _assert_400_naming(r, "messages.1.tool_calls.0.function", "Field required")
 
 
 # -- harmless metadata ---------------------------------------------------------------------------
@@ -217,8 +213,6 @@ def test_router_generate_stream_and_only_set_sampling_params(client, fake_tm):
         (GENERATE, {"background": True}, "background is not supported"),
         (GENERATE, {"return_bytes": True}, "return_bytes is not supported"),
         (GENERATE, {"return_entropy": True}, "return_entropy is not supported"),
-        (GENERATE, {"logprob_start_len": 0}, "logprob_start_len is not supported"),
-        (GENERATE, {"return_text_in_logprobs": True}, "return_text_in_logprobs is not supported"),
         (CHAT, {"continue_final_message": True}, "continue_final_message is not supported"),
         (
             CHAT,
@@ -229,6 +223,17 @@ def test_router_generate_stream_and_only_set_sampling_params(client, fake_tm):
 )
 def test_router_field_asking_for_more_is_400(client, path, extra, message):
     _assert_400_naming(_post(client, path, {**BASE[path], **extra}), message)
+
+
+def test_prompt_logprob_fields_reach_the_tokenizer_manager(client, fake_tm):
+    body = {"text": "ab", "return_logprob": True, "logprob_start_len": 0}
+    body["return_text_in_logprobs"] = True
+    assert client.post(GENERATE, json=body).status_code == 200
+    sent = fake_tm.requests[-1]
+    assert sent.logprob_start_len == 0 and sent.return_text_in_logprobs is True
+    _assert_400_naming(
+        _post(client, GENERATE, {"text": "ab", "logprob_start_len": -2}), "logprob_start_len"
+    )
 
 
 def test_router_no_op_fields_with_other_no_op_values_pass(client):

@@ -1,0 +1,138 @@
+"""Scanning a JSON object that is still being generated: where its top-level values start and
+end, without parsing what is inside them. The streaming tool-call parsers use it to find a call's
+name as soon as its string closes and to forward the raw text of its arguments piece by piece.
+
+The scanner checks the structure at the top level only (keys, colons, commas, matching
+brackets); the caller parses the finished object with `json.loads` before trusting it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+INCOMPLETE = -1  # a span end: the value has not closed yet
+_CLOSERS = {"{": "}", "[": "]"}
+_LITERAL_CHARS = frozenset("-+.0123456789eEtrufalsn")
+_WS = " \t\r\n"
+
+
+class ScanError(ValueError):
+    """The text cannot be the beginning of a JSON object."""
+
+
+@dataclass
+class ObjectScan:
+    """What is known of a JSON object that starts at `start` of some text."""
+
+    start: int
+    values: dict[str, tuple[int, int]] = field(default_factory=dict)  # key → (start, end)
+    end: int | None = None  # index just past the closing brace, once it has closed
+
+    def value_text(self, text: str, key: str) -> str | None:
+        """The raw text of a value so far (all of it once closed), or None when absent."""
+        if key not in self.values:
+            return None
+        start, end = self.values[key]
+        return text[start : len(text) if end == INCOMPLETE else end]
+
+    def closed(self, key: str) -> bool:
+        return key in self.values and self.values[key][1] != INCOMPLETE
+
+
+def skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def string_end(text: str, i: int) -> int:
+    """End (past the closing quote) of the JSON string opening at text[i], or INCOMPLETE."""
+    i += 1
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == '"':
+            return i + 1
+        i += 1
+    return INCOMPLETE
+
+
+def value_end(text: str, i: int) -> int:
+    """End of the JSON value starting at text[i], or INCOMPLETE; ScanError if none starts."""
+    c = text[i]
+    if c == '"':
+        return string_end(text, i)
+    if c in _CLOSERS:
+        return _container_end(text, i)
+    j = i
+    while j < len(text) and text[j] in _LITERAL_CHARS:
+        j += 1
+    if j == i:
+        raise ScanError(f"unexpected {c!r}")
+    return INCOMPLETE if j == len(text) else j
+
+
+def _container_end(text: str, i: int) -> int:
+    expected = [_CLOSERS[text[i]]]
+    j = i + 1
+    while j < len(text):
+        c = text[j]
+        if c == '"':
+            j = string_end(text, j)
+            if j == INCOMPLETE:
+                return INCOMPLETE
+            continue
+        if c in _CLOSERS:
+            expected.append(_CLOSERS[c])
+        elif c in "}]":
+            if c != expected.pop():
+                raise ScanError("mismatched brackets")
+            if not expected:
+                return j + 1
+        j += 1
+    return INCOMPLETE
+
+
+def scan_object(text: str, start: int) -> ObjectScan:
+    """Scan the (possibly unfinished) JSON object at text[start]; ScanError if it is not one."""
+    scan = ObjectScan(start)
+    if start >= len(text):
+        return scan
+    if text[start] != "{":
+        raise ScanError("not an object")
+    i = skip_ws(text, start + 1)
+    if i < len(text) and text[i] == "}":
+        scan.end = i + 1
+        return scan
+    while i < len(text):
+        if text[i] != '"':
+            raise ScanError("expected a key")
+        key_end = string_end(text, i)
+        if key_end == INCOMPLETE:
+            return scan
+        key = json.loads(text[i:key_end])
+        i = skip_ws(text, key_end)
+        if i >= len(text):
+            return scan
+        if text[i] != ":":
+            raise ScanError("expected ':'")
+        i = skip_ws(text, i + 1)
+        if i >= len(text):
+            return scan
+        end = value_end(text, i)
+        scan.values.setdefault(key, (i, end))
+        if end == INCOMPLETE:
+            return scan
+        i = skip_ws(text, end)
+        if i >= len(text):
+            return scan
+        if text[i] == "}":
+            scan.end = i + 1
+            return scan
+        if text[i] != ",":
+            raise ScanError("expected ',' or '}'")
+        i = skip_ws(text, i + 1)
+    return scan

@@ -1,0 +1,141 @@
+"""The `pythonic` tool-call format (Llama 3.2 / 4 style): a Python list of calls with keyword
+arguments whose values are literals, `[get_weather(city="Paris"), get_time(tz="CET")]`, anywhere
+in the output. The arguments become a JSON object; a list that is not such a list of calls to
+known tools stays normal text. The whole list is parsed once it has closed, so a call streams as
+its name and then its arguments in one piece."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+from radixserve.parser.function_call_parser import (
+    CallDelta,
+    FormatDetector,
+    ParseResult,
+    Piece,
+    ToolCallItem,
+)
+
+_LIST_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+_MAYBE_LIST_START = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?")  # could still become one
+_CLOSERS = {"(": ")", "[": "]", "{": "}"}
+
+
+class PythonicDetector(FormatDetector):
+    def parse(self, text: str) -> ParseResult:
+        normal: list[str] = []
+        calls: list[ToolCallItem] = []
+        pos = 0
+        while (m := _LIST_START.search(text, pos)) is not None:
+            end = _list_end(text, m.start())
+            found = self._calls(text[m.start() : end]) if end is not None else None
+            if found is None:
+                normal.append(text[pos : m.start() + 1])
+                pos = m.start() + 1
+                continue
+            normal.append(text[pos : m.start()])
+            calls.extend(found)
+            pos = end  # type: ignore[assignment]
+        normal.append(text[pos:])
+        return ParseResult("".join(normal), calls)
+
+    def _drain(self, out: list[Piece], final: bool) -> None:
+        while True:
+            m = _LIST_START.search(self._buf)
+            if m is None:  # no list here; keep only what may still become one
+                keep = self._held_from(final)
+                out.append(self._buf[:keep])
+                self._buf = self._buf[keep:]
+                return
+            out.append(self._buf[: m.start()])
+            self._buf = self._buf[m.start() :]
+            end = _list_end(self._buf, 0)
+            if end is None and not final:
+                return
+            found = self._calls(self._buf[:end]) if end is not None else None
+            if found is None:
+                out.append("[")
+                self._buf = self._buf[1:]
+                continue
+            for call in found:
+                out.append(CallDelta(self._num_calls, name=call.name))
+                out.append(CallDelta(self._num_calls, arguments=call.arguments))
+                self._num_calls += 1
+            self._buf = self._buf[end:]
+
+    def _held_from(self, final: bool) -> int:
+        """Where the text that may still open a call list starts (len(buf): none)."""
+        if final:
+            return len(self._buf)
+        i = self._buf.rfind("[")
+        while i >= 0:
+            if _MAYBE_LIST_START.fullmatch(self._buf, i):
+                return i
+            i = self._buf.rfind("[", 0, i)
+        return len(self._buf)
+
+    def _calls(self, source: str) -> list[ToolCallItem] | None:
+        """The calls of a list's source text, or None when it is not a list of known calls."""
+        try:
+            tree = ast.parse(source, mode="eval")
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        if not isinstance(tree.body, ast.List) or not tree.body.elts:
+            return None
+        calls = []
+        for node in tree.body.elts:
+            call = self._call(node)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+    def _call(self, node: ast.expr) -> ToolCallItem | None:
+        if not isinstance(node, ast.Call) or node.args:
+            return None
+        name = ast.unparse(node.func)
+        if not isinstance(node.func, ast.Name | ast.Attribute) or not self._known(name):
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+            if len(args) != len(node.keywords):
+                return None  # **kwargs
+            return ToolCallItem(name, json.dumps(args, ensure_ascii=False, allow_nan=False))
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+
+
+def _list_end(text: str, i: int) -> int | None:
+    """End (past the `]`) of the bracketed Python expression opening at text[i], or None."""
+    expected: list[str] = []
+    j = i
+    while j < len(text):
+        c = text[j]
+        if c in "'\"":
+            j = _py_string_end(text, j)
+            if j < 0:
+                return None
+            continue
+        if c in _CLOSERS:
+            expected.append(_CLOSERS[c])
+        elif c in ")]}":
+            if not expected or c != expected.pop() or not expected:
+                return j + 1  # the list ends here (a mismatch makes it invalid Python)
+        j += 1
+    return None
+
+
+def _py_string_end(text: str, j: int) -> int:
+    """End of the Python string literal opening at text[j] (one quote), or -1 if unfinished."""
+    quote = text[j]
+    j += 1
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+        elif text[j] == quote:
+            return j + 1
+        else:
+            j += 1
+    return -1

@@ -1,0 +1,383 @@
+"""Function calling on /v1/chat/completions.
+
+Fast tests run the real app around the fake TokenizerManager (its reply is the "model output"):
+the response and stream shapes, what reaches the template and the sampling params, and every
+malformed request answered with a 400. The real-model tests serve the default model with a
+Qwen2.5-style template (templates/qwen25_tools.jinja) and --tool-call-parser qwen25, and talk
+to it with the official openai client: required and named tool_choice must yield calls whose
+arguments validate against the schema; auto is driven through the parser by a regex that makes
+the model write a Hermes call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from test_http_server import MODEL, ServerProcess, wait_drained
+
+from radixserve.args import ServerArgs
+
+CHAT = "/v1/chat/completions"
+TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
+QWEN25_TEMPLATE = os.path.join(TEMPLATES, "qwen25_tools.jinja")
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+TIME = {
+    "type": "object",
+    "properties": {"tz": {"type": "string", "maxLength": 8}},
+    "required": ["tz"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time in a time zone",
+            "parameters": TIME,
+        },
+    },
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+USER = {"role": "user", "content": "What is the weather in Paris?"}
+CALL_TEXT = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+REPLY = "Let me look.\n" + CALL_TEXT
+
+
+def _sse(resp: Any) -> list[Any]:
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: ") :]))
+    return out
+
+
+@pytest.fixture
+def tools_client(fake_tm, make_client):
+    """A client of the app around a fake TM that replies with text and then a Hermes call."""
+    tm = fake_tm
+    tm.reply = REPLY
+    tm.server_args = ServerArgs(tool_call_parser="qwen25", chat_template=QWEN25_TEMPLATE)
+    with make_client(tm) as client:
+        yield client, tm
+
+
+# -- fast: shapes, template, sampling params, 400s -------------------------------------------------
+def test_auto_parses_the_call(tools_client):
+    client, tm = tools_client
+    r = client.post(CHAT, json={"messages": [USER], "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (
+        choice["finish_reason"] == "length"
+    )  # the fake stops by length: not turned into tool_calls
+    message = choice["message"]
+    assert message["content"] == "Let me look."
+    [call] = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) == {"tz": "CET"}
+    _, kwargs = tm.template_calls[-1]
+    assert kwargs["tools"] == TOOLS
+    assert kwargs["chat_template"] == open(QWEN25_TEMPLATE).read()
+    assert "json_schema" not in tm.requests[-1].sampling_params
+
+
+def test_auto_stream_sends_content_then_name_then_arguments(tools_client):
+    client, _ = tools_client
+    r = client.post(CHAT, json={"messages": [USER], "tools": TOOLS, "stream": True})
+    chunks = _sse(r)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    content = "".join(d.get("content") or "" for d in deltas)
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert content == "Let me look.\n"
+    first_call = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
+    assert all(not d.get("content") for d in deltas[first_call:])  # no text after the call
+    assert calls[0]["function"] == {"name": "get_time", "arguments": ""} and calls[0]["id"]
+    assert all("name" not in tc["function"] and "id" not in tc for tc in calls[1:])
+    assert len(calls) > 2  # the arguments came in pieces
+    assert json.loads("".join(tc["function"].get("arguments", "") for tc in calls)) == {"tz": "CET"}
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert [x for x in reasons if x] == ["length"]
+
+
+def test_none_leaves_the_text_and_the_template_without_tools(tools_client):
+    client, tm = tools_client
+    r = client.post(CHAT, json={"messages": [USER], "tools": TOOLS, "tool_choice": "none"})
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] == REPLY and "tool_calls" not in message
+    assert "tools" not in tm.template_calls[-1][1]
+
+
+@pytest.mark.parametrize(
+    "choice,parallel,names,max_items",
+    [
+        ("required", None, ["get_weather", "get_time"], None),
+        ("required", False, ["get_weather", "get_time"], 1),
+        ({"type": "function", "function": {"name": "get_time"}}, None, ["get_time"], 1),
+    ],
+)
+def test_required_and_named_constrain_to_a_schema_of_calls(
+    tools_client, choice, parallel, names, max_items
+):
+    client, tm = tools_client
+    body = {"messages": [USER], "tools": TOOLS, "tool_choice": choice}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    assert client.post(CHAT, json=body).status_code == 200
+    schema = json.loads(tm.requests[-1].sampling_params["json_schema"])
+    assert schema.get("maxItems") == max_items and schema["minItems"] == 1
+    validator = jsonschema.Draft202012Validator(schema)
+    for name in names:
+        params = {"tz": "UTC"} if name == "get_time" else {"city": "Oslo", "unit": "celsius"}
+        assert validator.is_valid([{"name": name, "parameters": params}])
+        assert not validator.is_valid([{"name": name, "parameters": {"bogus": 1}}])
+    assert validator.is_valid(
+        [{"name": "get_weather", "parameters": {"city": "a", "unit": "celsius"}}]
+    ) == ("get_weather" in names)
+    assert not validator.is_valid([{"name": "rm", "parameters": {}}])
+    assert not validator.is_valid([])
+
+
+def test_history_with_calls_and_results_reaches_the_template(tools_client):
+    client, tm = tools_client
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": '{"tz": "CET"}'},
+    }
+    messages = [
+        USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    assert client.post(CHAT, json={"messages": messages, "tools": TOOLS}).status_code == 200
+    rendered, _ = tm.template_calls[-1]
+    assert rendered[1]["tool_calls"] == [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_time", "arguments": {"tz": "CET"}},
+        }
+    ]
+    assert rendered[2] == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}
+
+
+BAD_CALL = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}}
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "'nope', which is not one of tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice required needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "same name"),
+        (
+            {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+            "tools.0.function.name",
+        ),
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools.0.function.name",
+        ),
+        ({"tools": TOOLS, "tool_choice": "required", "regex": "a"}, "drop response_format"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "must be an object schema",
+        ),
+        ({"messages": [USER, {"role": "tool", "content": "x"}]}, "needs its tool_call_id"),
+        (
+            {"messages": [USER, {"role": "assistant", "tool_calls": [BAD_CALL]}]},
+            "arguments is not valid JSON",
+        ),
+        ({"messages": [{**USER, "tool_calls": [BAD_CALL]}]}, "only an assistant message"),
+    ],
+)
+def test_malformed_tool_requests_are_400(tools_client, extra, message):
+    client, _ = tools_client
+    r = client.post(CHAT, json={"messages": [USER], **extra})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+
+
+# -- the real model --------------------------------------------------------------------------------
+AUTO_REGEX = (
+    r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "(Paris|Lyon)", "unit": "celsius"\}\}\n</tool_call>'
+)
+GREEDY = {"temperature": 0.0, "max_tokens": 80}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model_path):
+    proc = ServerProcess(
+        str(tmp_path_factory.mktemp("tools")),
+        *("--chat-template", QWEN25_TEMPLATE, "--tool-call-parser", "qwen25"),
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def _check_calls(tool_calls: list[Any], names: set[str]) -> None:
+    assert tool_calls
+    for call in tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def _collect_stream(stream: Any) -> tuple[str, dict[int, dict[str, str]], list[str]]:
+    """(content, calls by index {id, name, arguments}, finish reasons) of a streamed choice."""
+    content, calls, reasons = "", {}, []
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id and tc.type == "function" and tc.function.name, "name comes first"
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                else:
+                    assert tc.function.name is None and tc.id is None
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    return content, calls, reasons
+
+
+@pytest.mark.real_model
+class TestServedToolCalls:
+    def test_required(self, client):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[USER], tools=TOOLS, tool_choice="required", **GREEDY
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        _check_calls(choice.message.tool_calls, set(SCHEMAS))
+
+    def test_named_streaming(self, client):
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[USER],
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            stream=True,
+            **GREEDY,
+        )
+        content, calls, reasons = _collect_stream(stream)
+        assert content == "" and reasons == ["tool_calls"]
+        assert [c["name"] for c in calls.values()] == ["get_time"]
+        jsonschema.validate(json.loads(calls[0]["arguments"]), TIME)
+
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_auto_goes_through_the_parser(self, client, stream):
+        """The regex makes the model write a Hermes call after some text; the parser must turn
+        it into tool_calls (without the parser it would stay content)."""
+        kwargs = dict(model=MODEL, messages=[USER], tools=TOOLS, extra_body={"regex": AUTO_REGEX})
+        r = client.chat.completions.create(**kwargs, stream=stream, **GREEDY)
+        if stream:
+            content, calls, reasons = _collect_stream(r)
+            assert content.strip() == "Checking." and reasons == ["tool_calls"]
+            [call] = calls.values()
+            name, arguments = call["name"], call["arguments"]
+        else:
+            message = r.choices[0].message
+            assert message.content == "Checking." and r.choices[0].finish_reason == "tool_calls"
+            [call] = message.tool_calls
+            name, arguments = call.function.name, call.function.arguments
+        assert name == "get_weather"
+        assert json.loads(arguments)["city"] in ("Paris", "Lyon")
+
+    def test_none_is_plain_text_without_tools_in_the_prompt(self, client):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[USER],
+            tools=TOOLS,
+            tool_choice="none",
+            extra_body={"regex": AUTO_REGEX},
+            **GREEDY,
+        )
+        assert r.choices[0].message.tool_calls is None
+        assert r.choices[0].message.content.startswith("Checking.\n<tool_call>")
+        assert r.choices[0].finish_reason == "stop"
+        plain = client.chat.completions.create(model=MODEL, messages=[USER], max_tokens=1)
+        assert r.usage.prompt_tokens == plain.usage.prompt_tokens  # tools not rendered
+
+    def test_multi_turn_with_a_tool_result(self, client):
+        first = client.chat.completions.create(
+            model=MODEL, messages=[USER], tools=TOOLS, tool_choice="required", **GREEDY
+        )
+        message = first.choices[0].message
+        history = [USER, message.model_dump(exclude_none=True)]
+        history += [
+            {"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21}'}
+            for c in message.tool_calls
+        ]
+        r = client.chat.completions.create(
+            model=MODEL, messages=history, tools=TOOLS, tool_choice="required", **GREEDY
+        )
+        assert r.usage.prompt_tokens > first.usage.prompt_tokens + 20  # the turn was rendered
+        assert r.choices[0].finish_reason == "tool_calls"
+        _check_calls(r.choices[0].message.tool_calls, set(SCHEMAS))
+
+    def test_bad_requests_are_400_and_the_server_keeps_serving(self, client, server):
+        bad = {"type": "function", "function": {"name": "nope"}}
+        with pytest.raises(openai.BadRequestError, match="not one of tools"):
+            client.chat.completions.create(
+                model=MODEL, messages=[USER], tools=TOOLS, tool_choice=bad
+            )
+        broken = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
+                },
+            }
+        ]
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                model=MODEL, messages=[USER], tools=broken, tool_choice="required"
+            )
+        wait_drained(server)

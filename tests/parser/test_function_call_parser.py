@@ -1,0 +1,204 @@
+"""Tool-call parsers: what `parse` makes of whole outputs (calls, normal text, malformed output
+left as text), and that streaming the same text in any chunking (chunk edges inside tags, names
+and arguments included) sends pieces that join to the one-shot result, a call's name first."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from radixserve.args import TOOL_CALL_PARSERS
+from radixserve.parser.function_call_parser import (
+    CallDelta,
+    FormatDetector,
+    detector_classes,
+    make_detector,
+)
+from radixserve.parser.json_detectors import JsonArrayDetector
+
+TOOLS = ["get_weather", "get_time"]
+W_ARGS = '{"city": "Paris", "days": [1, {"k": "}]"}]}'
+W = '{"name": "get_weather", "arguments": ' + W_ARGS + "}"
+
+# (parser, text, expected normal text, expected calls as (name, arguments as JSON))
+CASES = [
+    ("hermes", "plain text, no call", "plain text, no call", []),
+    ("hermes", f"Sure.\n<tool_call>\n{W}\n</tool_call>", "Sure.\n", [("get_weather", W_ARGS)]),
+    (
+        "qwen25",
+        '<tool_call>{"arguments": {}, "name": "get_time"}</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "a\\"b"}}</tool_call> ok',
+        "\n ok",
+        [("get_time", "{}"), ("get_weather", '{"city": "a\\"b"}')],
+    ),
+    ("hermes", '<tool_call>{"name": "get_time"}', "", [("get_time", "{}")]),  # no end tag
+    ("hermes", "a < b <tool_call", "a < b <tool_call", []),
+    ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    (
+        "hermes",
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not one of the tools
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "get_time", "arguments": "x"}</tool_call>',  # not an object
+        '<tool_call>{"name": "get_time", "arguments": "x"}</tool_call>',
+        [],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "get_time"}</tool_call>',
+        '<tool_call>{"arguments": {}}</tool_call>',
+        [("get_time", "{}")],
+    ),
+    (
+        "llama3",
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", '
+        '"parameters": {"tz": "CET"}}',
+        "",
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"tz": "CET"}')],
+    ),
+    (
+        "llama3",
+        'Let me check.<|python_tag|>{"name": "get_time", "parameters": {}}',
+        "Let me check.",
+        [("get_time", "{}")],
+    ),
+    ("llama3", '{"a": 1} is JSON', '{"a": 1} is JSON', []),
+    (
+        "llama3",
+        'text first {"name": "get_time", "parameters": {}}',  # a call only at the start
+        'text first {"name": "get_time", "parameters": {}}',
+        [],
+    ),
+    (
+        "llama3",
+        '{"name": "get_time", "parameters": {}}; not a call',
+        "; not a call",
+        [("get_time", "{}")],
+    ),
+    (
+        "pythonic",
+        'Calling [get_weather(city="Paris]", days=[1, 2]), get_time(tz=None)] now',
+        "Calling  now",
+        [("get_weather", '{"city": "Paris]", "days": [1, 2]}'), ("get_time", '{"tz": null}')],
+    ),
+    ("pythonic", "a list [1, 2] and [x", "a list [1, 2] and [x", []),
+    ("pythonic", "[get_time(1)]", "[get_time(1)]", []),  # positional arguments
+    ("pythonic", "[unknown(a=1)]", "[unknown(a=1)]", []),
+    ("pythonic", "[get_time(tz=", "[get_time(tz=", []),
+]
+
+
+def _join(pieces: list) -> tuple[str, list[tuple[str, object]]]:
+    """Streamed pieces → (normal text, calls with parsed arguments); checks the piece order."""
+    text, calls = "", {}
+    for p in pieces:
+        if isinstance(p, str):
+            text += p
+        elif p.name is not None:
+            assert p.index == len(calls) and not p.arguments, "a call starts with its name alone"
+            calls[p.index] = [p.name, ""]
+        else:
+            assert p.index in calls, "arguments before the name"
+            calls[p.index][1] += p.arguments
+    return text, [(n, json.loads(a)) for n, a in calls.values()]
+
+
+def _stream(detector: FormatDetector, text: str, rng: random.Random) -> list:
+    pieces, i = [], 0
+    while i < len(text):
+        k = rng.randint(1, 6)
+        pieces += detector.parse_streaming(text[i : i + k]).pieces
+        i += k
+    return pieces + detector.finish().pieces
+
+
+@pytest.mark.parametrize("parser,text,normal,calls", CASES)
+def test_parse(parser, text, normal, calls):
+    result = make_detector(parser, TOOLS).parse(text)
+    assert result.normal_text == normal
+    assert [(c.name, json.loads(c.arguments)) for c in result.calls] == [
+        (n, json.loads(a)) for n, a in calls
+    ]
+
+
+@pytest.mark.parametrize("parser,text,normal,calls", CASES)
+def test_streaming_joins_to_parse(parser, text, normal, calls):
+    rng = random.Random(text)
+    expected = (normal, [(n, json.loads(a)) for n, a in calls])
+    for _ in range(40):
+        assert _join(_stream(make_detector(parser, TOOLS), text, rng)) == expected
+    # one character at a time: every tag and key is cut at every position
+    detector = make_detector(parser, TOOLS)
+    pieces = [p for c in text for p in detector.parse_streaming(c).pieces]
+    assert _join(pieces + detector.finish().pieces) == expected
+
+
+def test_streaming_sends_text_before_the_call_and_arguments_incrementally():
+    detector = make_detector("hermes", TOOLS)
+    assert detector.parse_streaming("Sure. <tool").pieces == ["Sure. "]  # the tag prefix waits
+    first = detector.parse_streaming('_call>{"name": "get_time", "arguments": {"tz": "C').pieces
+    assert first == [CallDelta(0, name="get_time"), CallDelta(0, arguments='{"tz": "C')]
+    assert detector.parse_streaming('ET"}}</tool_call> done').pieces == [
+        CallDelta(0, arguments='ET"}'),
+        " done",
+    ]
+
+
+def test_a_call_waits_for_its_arguments_to_open():
+    """The name alone does not commit the call: the arguments might not be an object."""
+    detector = make_detector("hermes", TOOLS)
+    assert detector.parse_streaming('<tool_call>{"name": "get_time", ').pieces == []
+    assert detector.parse_streaming('"arguments": 5}').pieces == [
+        '<tool_call>{"name": "get_time", "arguments": 5}'
+    ]
+
+
+def test_malformed_after_commit_does_not_crash():
+    """A call broken after its name was sent keeps what was sent; the rest is text."""
+    detector = make_detector("hermes", TOOLS)
+    text = '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"} oops</tool_call> end'
+    pieces = _stream(detector, text, random.Random(0))
+    assert [p.name for p in pieces if isinstance(p, CallDelta) and p.name] == ["get_time"]
+    assert "end" in "".join(p for p in pieces if isinstance(p, str))
+    assert make_detector("hermes", TOOLS).parse(text).calls == []
+
+
+def test_any_name_without_a_tool_list():
+    assert (
+        make_detector("hermes").parse('<tool_call>{"name": "x"}</tool_call>').calls[0].name == "x"
+    )
+
+
+JSON_ARRAY = (
+    '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+    '{"name": "get_time", "parameters": {"tz": "UTC"}}]'
+)
+
+
+def test_json_array_parse_and_stream():
+    result = JsonArrayDetector(TOOLS).parse(JSON_ARRAY)
+    assert result.normal_text == ""
+    expected = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]
+    assert [(c.name, json.loads(c.arguments)) for c in result.calls] == expected
+    rng = random.Random(1)
+    for _ in range(40):
+        assert _join(_stream(JsonArrayDetector(TOOLS), JSON_ARRAY + "\n", rng)) == ("", expected)
+
+
+@pytest.mark.parametrize(
+    "text", ['[{"name": "get_weather", "parameters": {"ci', "[]", '{"name": "get_time"}']
+)
+def test_json_array_that_is_not_a_list_of_calls_is_text(text):
+    result = JsonArrayDetector(TOOLS).parse(text)
+    assert result.calls == [] and result.normal_text == text
+
+
+def test_parser_names_match_the_flag():
+    assert set(detector_classes()) == set(TOOL_CALL_PARSERS)
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        make_detector("nope")
