@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from test_http_server import MODEL, ServerProcess, sse_events, wait_drained
+from test_unknown_fields import ROUTER_CHAT, ROUTER_COMPLETIONS, ROUTER_GENERATE
 
 from radixserve.utils import free_port
 
@@ -127,30 +128,11 @@ def test_get_load_is_one_rank_with_the_tokens_in_use(server):
 
 
 # -- the bodies the router sends ------------------------------------------------------------------
-ROUTER_GENERATE_EXTRAS = {
-    "model": None,
-    "return_text_in_logprobs": False,
-    "log_metrics": True,
-    "return_hidden_states": False,
-    "background": False,
-    "no_logs": False,
-    "return_bytes": False,
-    "return_entropy": False,
-}
-
-
 def test_generate_with_the_router_fields_and_request_id(server):
-    body = {
-        "text": "The capital of France is",
-        "sampling_params": {"max_new_tokens": 4, **GREEDY},
-        "rid": "router-rid-1",
-        "return_logprob": False,
-        "stream": False,
-        **ROUTER_GENERATE_EXTRAS,
-    }
+    body = {**ROUTER_GENERATE, "text": "The capital of France is", "rid": "router-rid-1"}
     r = _post(server, "/generate", body, headers={"X-Request-Id": "abc"})
     assert r.status_code == 200, r.text
-    assert r.json()["meta_info"]["completion_tokens"] == 4
+    assert r.json()["meta_info"]["completion_tokens"] == 2
     with httpx.stream(
         "POST", server.url + "/generate", json={**body, "rid": "router-rid-2", "stream": True}
     ) as r:
@@ -159,36 +141,11 @@ def test_generate_with_the_router_fields_and_request_id(server):
 
 
 def test_openai_routes_with_the_router_fields(server):
-    chat = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Say hi."}],
-        "max_completion_tokens": 5,
-        "temperature": 0,
-        "stream": False,
-        "logprobs": False,
-        "no_stop_trim": False,
-        "ignore_eos": False,
-        "continue_final_message": False,
-        "skip_special_tokens": True,
-        "separate_reasoning": True,
-        "stream_reasoning": True,
-        "return_hidden_states": False,
-    }
+    chat = {**ROUTER_CHAT, "model": MODEL, "messages": [{"role": "user", "content": "Say hi."}]}
     r = _post(server, "/v1/chat/completions", chat)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] <= 5
-    completion = {
-        "model": MODEL,
-        "prompt": "Once upon a time",
-        "max_tokens": 5,
-        "stream": False,
-        "echo": False,
-        "no_stop_trim": False,
-        "ignore_eos": False,
-        "skip_special_tokens": True,
-        "return_hidden_states": False,
-    }
-    r = _post(server, "/v1/completions", completion)
+    assert r.json()["usage"]["completion_tokens"] <= 2
+    r = _post(server, "/v1/completions", {**ROUTER_COMPLETIONS, "model": MODEL})
     assert r.status_code == 200, r.text
 
 
