@@ -4,9 +4,9 @@ TokenizerManager's output dicts become OpenAI choices, logprobs and usage.
 Pure functions (no I/O), used by `openai_serving`. Defaults follow OpenAI: completions generate
 at most 16 tokens unless `max_tokens` says otherwise (set in `openai_protocol`); chat completions
 generate up to the context window. `n > 1` and prompt lists become choices in prompt-major order
-(choice index = prompt index × n + sample index). Prompt logprobs are not computed yet, so
-`echo` with `logprobs` is refused (`openai_protocol.CompletionRequest`) rather than answered
-with null logprobs for the prompt tokens.
+(choice index = prompt index × n + sample index). `echo` with `logprobs` asks for the prompt's
+logprobs too (logprob_start_len 0): the echoed prompt's tokens come first, the first one with
+a null logprob, as in OpenAI's legacy API.
 """
 
 from __future__ import annotations
@@ -168,6 +168,7 @@ def completion_to_generate(req: CompletionRequest) -> GenerateReqInput:
         stream=req.stream,
         return_logprob=req.logprobs is not None,
         top_logprobs_num=req.logprobs or 0,
+        logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
     )
 
 
@@ -290,19 +291,23 @@ class TokenStrings:
 
 
 def completion_logprobs(
-    tok: TokenStrings, meta: dict[str, Any], start: int, offset: int
+    tok: TokenStrings, meta: dict[str, Any], start: int, offset: int, echo: bool = False
 ) -> CompletionLogprobs:
-    """Legacy logprobs of output tokens [start:]; text_offset continues from `offset`, the
-    characters of this choice already sent."""
+    """Legacy logprobs of output tokens [start:], after the prompt's tokens when `echo`;
+    text_offset continues from `offset`, the characters of this choice already sent."""
     out = CompletionLogprobs()
+    entries: list[tuple[Any, Any]] = []  # ((logprob, token id, text), top triples or None)
+    if echo:
+        prompt_tops = meta.get("input_top_logprobs") or []
+        for k, triple in enumerate(meta.get("input_token_logprobs") or []):
+            entries.append((triple, prompt_tops[k] if k < len(prompt_tops) else None))
     pairs = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
-    for k in range(start, len(pairs)):
-        lp, tid = pairs[k][:2]  # (logprob, token id, text)
+    entries += [(pairs[k], tops[k] if k < len(tops) else None) for k in range(start, len(pairs))]
+    for (lp, tid, *_), top in entries:
         s = tok(tid)
         out.tokens.append(s)
         out.token_logprobs.append(lp)
-        top = tops[k] if k < len(tops) else None
         out.top_logprobs.append({tok(t): v for v, t, *_ in top} if top else None)
         out.text_offset.append(offset)
         offset += len(s)

@@ -237,9 +237,6 @@ class CompletionRequest(SamplingFields):
     def _supported_combinations(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise unsupported("best_of", "only best_of == n, which returns every sample")
-        if self.echo and self.logprobs is not None:
-            msg = "echo with logprobs (prompt logprobs) is not supported yet"
-            raise PydanticCustomError("unsupported", msg)
         return self
 
 

@@ -181,7 +181,7 @@ class OpenAIServing:
             prefix = echo[i // req.n] if echo else ""
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(self.tok, meta, 0, 0)
+                logprobs = completion_logprobs(self.tok, meta, 0, 0, echo=bool(echo))
             reason, matched = finish_reason(meta)
             choices.append(
                 CompletionChoice(
@@ -211,8 +211,9 @@ class OpenAIServing:
         delta = prefix + out["text"][c.text_len :]
         reason, matched = finish_reason(meta)
         logprobs = None
-        if req.logprobs is not None:
-            logprobs = completion_logprobs(self.tok, meta, c.num_logprobs, c.chars_sent)
+        if req.logprobs is not None:  # the echoed prompt's logprobs come with its text
+            first = bool(echo) and not c.started
+            logprobs = completion_logprobs(self.tok, meta, c.num_logprobs, c.chars_sent, first)
         if not delta and reason is None and not (logprobs and logprobs.tokens):
             return None
         c.advance(out, delta, reason)

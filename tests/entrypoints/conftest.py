@@ -62,10 +62,13 @@ class FakeTokenizerManager:
     async def flush_cache(self) -> FlushCacheReqOutput:
         return FlushCacheReqOutput(True)
 
-    def _prompt_len(self, single: GenerateReqInput) -> int:
+    def _prompt_ids(self, single: GenerateReqInput) -> list[int]:
         if single.input_ids is not None:
-            return len(single.input_ids)
-        return len(self.tokenizer.encode(single.text))  # type: ignore[arg-type]
+            return list(single.input_ids)  # type: ignore[arg-type]
+        return self.tokenizer.encode(single.text)  # type: ignore[arg-type]
+
+    def _prompt_len(self, single: GenerateReqInput) -> int:
+        return len(self._prompt_ids(single))
 
     def _output(self, single: GenerateReqInput, k: int, total: int) -> dict[str, Any]:
         ids = [ord(c) for c in self.reply[:k]]
@@ -81,6 +84,14 @@ class FakeTokenizerManager:
             meta["output_token_logprobs"] = [(-0.5, t) for t in ids]
             alt = (-1.5, ord(TOP_ALT))
             meta["output_top_logprobs"] = [[(-0.5, t), alt][: single.top_logprobs_num] for t in ids]
+            prompt = self._prompt_ids(single)[max(single.logprob_start_len, 0) :]
+            if single.logprob_start_len < 0:
+                prompt = []
+            meta["input_token_logprobs"] = [(-0.25, t, None) for t in prompt]
+            meta["input_top_logprobs"] = [[(-0.25, t, None)] for t in prompt]
+            if single.logprob_start_len == 0 and prompt:  # the first token has no logprob
+                meta["input_token_logprobs"][0] = (None, prompt[0], None)
+                meta["input_top_logprobs"][0] = None
         return {"text": self.reply[:k], "output_ids": ids, "meta_info": meta}
 
     async def generate_request(self, obj: GenerateReqInput, request: Any = None):

@@ -193,11 +193,29 @@ class TestServing:
         )
         text = echoed.choices[0].text
         assert text.startswith(prompt) and len(text) > len(prompt)
-        # Prompt logprobs are not computed yet: a clear 400, never null logprobs.
-        with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-            client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=5, echo=True, logprobs=3, **GREEDY
-            )
+        # echo with logprobs: the prompt's tokens first (the first one has no logprob), then
+        # the same output logprobs as without echo; streamed, the same entries in pieces.
+        both = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, echo=True, logprobs=3, **GREEDY
+        )
+        blp = both.choices[0].logprobs
+        n_prompt = both.usage.prompt_tokens
+        assert len(blp.tokens) == len(blp.token_logprobs) == n_prompt + n_out
+        assert blp.token_logprobs[0] is None and blp.top_logprobs[0] is None
+        assert all(x <= 0 for x in blp.token_logprobs[1:n_prompt])
+        assert all(1 <= len(top) <= 3 for top in blp.top_logprobs[1:])
+        assert "".join(blp.tokens[:n_prompt]) == prompt
+        assert blp.tokens[n_prompt:] == lp.tokens
+        assert all(
+            abs(a - b) < 1e-4
+            for a, b in zip(blp.token_logprobs[n_prompt:], lp.token_logprobs, strict=True)
+        )
+        assert blp.text_offset == sorted(blp.text_offset) and blp.text_offset[0] == 0
+        stream = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, echo=True, logprobs=3, stream=True, **GREEDY
+        )
+        tokens = [t for c in stream for t in (c.choices[0].logprobs.tokens if c.choices else [])]
+        assert tokens == blp.tokens
 
     def test_completion_stream(self, client):
         kw = dict(model=MODEL, prompt="The sky is", max_tokens=6, extra_body=IGNORE_EOS, **GREEDY)

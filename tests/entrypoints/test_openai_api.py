@@ -194,9 +194,15 @@ def test_completion_logprobs_and_echo(fake_tm, make_client):
     assert lp["top_logprobs"][0] == {"H": -0.5, "x": -1.5}
     assert lp["text_offset"] == [0, 1, 2]
     assert echoed.json()["choices"][0]["text"] == "abHi!"
-    # Prompt logprobs are not computed: refused rather than answered with nulls.
-    assert both.status_code == 400
-    assert "echo with logprobs" in both.json()["error"]["message"]
+    # echo + logprobs: the prompt's tokens first, the first without a logprob or top.
+    assert fake_tm.requests[-1].logprob_start_len == 0
+    assert fake_tm.requests[0].logprob_start_len == -1
+    blp = both.json()["choices"][0]["logprobs"]
+    assert both.json()["choices"][0]["text"] == "abHi!"
+    assert blp["tokens"] == ["a", "b", "H", "i", "!"]
+    assert blp["token_logprobs"] == [None, -0.25, -0.5, -0.5, -0.5]
+    assert blp["top_logprobs"][:2] == [None, {"b": -0.25}]
+    assert blp["text_offset"] == [0, 1, 2, 3, 4]
 
 
 def test_completion_stream_shape(fake_tm, make_client):

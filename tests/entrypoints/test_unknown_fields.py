@@ -247,7 +247,6 @@ def test_router_no_op_fields_with_other_no_op_values_pass(client):
 @pytest.mark.parametrize(
     "extra,message",
     [
-        ({"echo": True, "logprobs": 0}, "echo with logprobs (prompt logprobs) is not supported"),
         ({"suffix": "end"}, "suffix is not supported"),
         ({"best_of": 3}, "best_of is not supported"),
         ({"best_of": 1, "n": 2}, "best_of is not supported"),
