@@ -82,13 +82,25 @@ def _safetensors_shards(model_dir: str) -> list[str]:
 
 
 def _iter_safetensors(shards: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    """Every tensor of the shards, with a progress bar over all of them on a terminal."""
+    import sys
 
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    total = 0
     for shard in shards:
-        logger.info("loading %s", os.path.basename(shard))
         with safe_open(shard, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            total += len(f.keys())
+    with tqdm(
+        total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=None
+    ) as bar:
+        for shard in shards:
+            logger.info("loading %s", os.path.basename(shard))
+            with safe_open(shard, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update()
 
 
 def _iter_torch_bins(bins: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
