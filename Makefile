@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 30000
 HOST ?= 127.0.0.1
 
-.PHONY: setup venv model browser test test-fast lint format serve clean
+.PHONY: setup venv model browser test test-fast lint format serve router clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -60,6 +60,14 @@ format: venv
 
 serve: setup
 	$(BIN)/python -m radixserve serve --host $(HOST) --port $(PORT)
+
+# Two servers (ports ROUTER_WORKER_PORTS) behind SGLang's router on PORT until Ctrl-C;
+# ROUTER_POLICY: cache_aware (default), round_robin, ...; SERVER_ARGS: extra serve flags.
+ROUTER_POLICY ?= cache_aware
+ROUTER_WORKER_PORTS ?= 30001 30002
+router: setup
+	ROUTER_HOST=$(HOST) ROUTER_PORT=$(PORT) WORKER_PORTS="$(ROUTER_WORKER_PORTS)" \
+		POLICY=$(ROUTER_POLICY) PY=$(BIN)/python scripts/router.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -24,6 +24,9 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen", "llama3", "pythonic")
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+LOAD_BALANCE_METHODS = ("prefix_affinity", "round_robin", "shortest_queue")
+# Extra option strings of a field's flag (SGLang's short forms).
+CLI_ALIASES = {"tp_size": ("--tp",), "dp_size": ("--dp",)}
 
 
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -70,7 +73,36 @@ class ServerArgs:
     )
     enable_integrity_checks: bool = _f(False, "Check cache/pool integrity after every step.")
     random_seed: int = _f(0, "Seed for weights of the dummy format and for sampling.")
-    num_threads: int | None = _f(None, "Torch threads on CPU (default: physical cores).")
+    num_threads: int | None = _f(
+        None, "Torch threads on CPU per scheduler rank (default: physical cores / TP ranks)."
+    )
+    # Tensor parallelism (SGLang's flags)
+    tp_size: int = _f(
+        1,
+        "Tensor parallelism (alias --tp): scheduler ranks that split the attention heads, the "
+        "MLP and the vocabulary; torch.distributed over gloo on CPU, nccl on CUDA.",
+    )
+    dist_init_addr: str | None = _f(
+        None,
+        "host:port of the TP ranks' rendezvous (default with --tp-size > 1: a free loopback "
+        "port; required with --nnodes > 1).",
+    )
+    nnodes: int = _f(1, "Machines the TP ranks span (multi-machine TP is not launched yet).")
+    node_rank: int = _f(0, "This machine's index, 0 .. --nnodes - 1.")
+    # Data parallelism (SGLang's flags)
+    dp_size: int = _f(
+        1,
+        "Data parallelism (alias --dp): scheduler replicas, each with its own model, KV pool "
+        "and radix cache, behind one HTTP server; on CPU each gets its share of the cores, on "
+        "CUDA its own GPU.",
+    )
+    load_balance_method: str = _f(
+        "prefix_affinity",
+        "How --dp-size replicas share requests: prefix_affinity (to the replica that holds "
+        "the longest part of the prompt, else the least-filled cache; the least loaded when "
+        "the loads drift apart), round_robin, shortest_queue (fewest requests in flight).",
+        LOAD_BALANCE_METHODS,
+    )
     # Features
     grammar_backend: str = _f("xgrammar", "Structured output backend.", GRAMMAR_BACKENDS)
     chat_template: str | None = _f(
@@ -177,6 +209,59 @@ class ServerArgs:
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
         self._check_speculative()
+        self._check_tensor_parallel()
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.tp_size > 1:
+            raise ValueError("--dp-size > 1 with --tp-size > 1 is not supported yet; use one")
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} needs --nnodes > {max(self.node_rank, 0)} "
+                f"(got --nnodes {self.nnodes}); node ranks run from 0 to --nnodes - 1"
+            )
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")
+        if self.tp_size % self.nnodes != 0:
+            raise ValueError(
+                f"--tp-size {self.tp_size} must be divisible by --nnodes {self.nnodes} "
+                "(the same number of ranks on every machine)"
+            )
+        if self.dist_init_addr is not None:
+            parse_dist_init_addr(self.dist_init_addr)
+
+    def _check_tp_support(self, device: str) -> None:
+        """What the TP ranks do not serve (yet): refused at start-up with the reason."""
+        if self.tp_size == 1:
+            return
+        if self.quantization:
+            raise ValueError(
+                "--quantization is not supported with --tp-size > 1 (the quantized layers "
+                "are not sharded); drop one of them"
+            )
+        if self.speculative_algorithm:
+            raise ValueError(
+                "speculative decoding is not supported with --tp-size > 1 (the draft and "
+                "verify steps are not sharded); drop --speculative-algorithm"
+            )
+        if self.nnodes > 1:
+            raise ValueError(
+                "--nnodes > 1: multi-machine TP is validated but not launched yet; run all "
+                "--tp-size ranks on one machine"
+            )
+        if device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < self.tp_size:
+                raise ValueError(
+                    f"--tp-size {self.tp_size} needs {self.tp_size} GPUs, this machine has "
+                    f"{torch.cuda.device_count()}"
+                )
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm
@@ -238,6 +323,7 @@ class ServerArgs:
     def resolve(self) -> ServerArgs:
         """Return a copy with device, dtype and size defaults that depend on the machine filled in."""
         device = resolve_device(self.device)
+        self._check_tp_support(device)
         if self.quantization and device != "cpu":
             raise ValueError(
                 f"--quantization {self.quantization} runs on ATen's CPU kernels; on {device} "
@@ -260,6 +346,7 @@ class ServerArgs:
             kv_cache_dtype=kv_dtype,
             chunked_prefill_size=chunk,
             mem_fraction_static=fraction,
+            dist_init_addr=self.dist_init_addr or _default_dist_init_addr(self.tp_size),
         )
 
     @property
@@ -277,6 +364,7 @@ class ServerArgs:
                 continue
             parser.add_argument(
                 flag,
+                *CLI_ALIASES.get(f.name, ()),
                 type=_arg_type(f.type),
                 default=f.default,
                 choices=f.metadata.get("choices"),
@@ -293,6 +381,23 @@ class ServerArgs:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def parse_dist_init_addr(addr: str) -> tuple[str, int]:
+    """(host, port) of --dist-init-addr host:port (an IPv6 host may be in brackets)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr must be host:port, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def _default_dist_init_addr(tp_size: int) -> str | None:
+    """A free loopback port for the TP ranks' rendezvous (one rank needs none)."""
+    if tp_size == 1:
+        return None
+    from radixserve.utils import free_port
+
+    return f"127.0.0.1:{free_port()}"
 
 
 def _arg_type(type_str: Any):

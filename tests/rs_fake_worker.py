@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.distributed.parallel_state import TpGroup
 from radixserve.layers.sampler import Sampler
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -71,6 +72,7 @@ class FakeWorker(TpModelWorker):
         window: int | None = None,
     ) -> None:
         self.model_runner = FakeModelRunner(total_tokens, max_running, context_len, page_size)
+        self.tp_group = TpGroup.single()  # one rank: TpModelWorker.sample broadcasts nothing
         self.window = window
         self.device = "cpu"
         self.vocab_size = VOCAB

@@ -20,6 +20,11 @@ from typing import Any
 
 from radixserve.args import ServerArgs
 from radixserve.io_struct import GenerateReqInput
+from radixserve.managers.data_parallel_controller import (
+    DataParallelController,
+    replica_port_args,
+    replica_processes,
+)
 from radixserve.managers.detokenizer_manager import run_detokenizer_process
 from radixserve.managers.scheduler_process import run_scheduler_process
 from radixserve.managers.tokenizer_manager import TokenizerManager
@@ -42,22 +47,60 @@ class Subprocesses:
         detok_r, detok_w = ctx.Pipe(duplex=False)
         # The scheduler loop's last time.monotonic(), written each iteration (see liveness).
         self.heartbeat = ctx.Value("d", time.monotonic(), lock=False)
-        self.scheduler = ctx.Process(
-            target=run_scheduler_process,
-            args=(server_args, self.port_args, sched_w, self.heartbeat),
-            name="radixserve-scheduler",
-            daemon=True,
-        )
+        # One scheduler per TP rank; rank 0 (`self.scheduler`) talks to the other processes.
+        self.schedulers, rank_pipes = [], [sched_r]
+        for rank in range(server_args.tp_size):
+            if rank > 0:
+                sched_r, sched_w = ctx.Pipe(duplex=False)
+                rank_pipes.append(sched_r)
+            self.schedulers.append(
+                ctx.Process(
+                    target=run_scheduler_process,
+                    args=(
+                        server_args,
+                        self.port_args,
+                        sched_w,
+                        self.heartbeat if rank == 0 else None,
+                        rank,
+                    ),
+                    name="radixserve-scheduler" + (f"-tp{rank}" if server_args.tp_size > 1 else ""),
+                    daemon=True,
+                )
+            )
+        self.scheduler = self.schedulers[0]
+        self.heartbeats = [self.heartbeat]
+        if server_args.dp_size > 1:  # instead, one scheduler per data-parallel replica
+            self.schedulers, rank_pipes, self.heartbeats = replica_processes(
+                ctx, server_args, self.port_args
+            )
+            self.scheduler, self.heartbeat = self.schedulers[0], self.heartbeats[0]
         self.detokenizer = ctx.Process(
             target=run_detokenizer_process,
             args=(server_args, self.port_args, detok_w),
             name="radixserve-detokenizer",
             daemon=True,
         )
-        self.scheduler.start()
+        for proc in self.schedulers:
+            proc.start()
         self.detokenizer.start()
-        self.scheduler_info = self._wait_ready(sched_r, self.scheduler, "scheduler")
+        self.scheduler_info = self._wait_ranks_ready(rank_pipes)
         self._wait_ready(detok_r, self.detokenizer, "detokenizer")
+
+    def _wait_ranks_ready(self, pipes: list[Any]) -> dict[str, Any]:
+        """Every TP rank's (or data-parallel replica's) "ready" (rank 0's carries the scheduler
+        info); the first rank that fails or exits fails the start-up, even while the others
+        wait for it in a collective."""
+        if len(pipes) == 1:
+            return self._wait_ready(pipes[0], self.scheduler, "scheduler")
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        infos: dict[int, dict[str, Any]] = {}
+        while len(infos) < len(pipes):
+            for rank, (pipe, proc) in enumerate(zip(pipes, self.schedulers, strict=True)):
+                if rank not in infos and (pipe.poll(0.1) or not proc.is_alive()):
+                    infos[rank] = self._wait_ready(pipe, proc, proc.name)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the schedulers did not start within {STARTUP_TIMEOUT_S} s")
+        return infos[0]
 
     @staticmethod
     def _wait_ready(pipe: Any, proc: mp.Process, name: str) -> dict[str, Any]:
@@ -79,22 +122,23 @@ class Subprocesses:
         return msg
 
     def alive(self) -> bool:
-        return self.scheduler.is_alive() and self.detokenizer.is_alive()
+        return all(p.is_alive() for p in (*self.schedulers, self.detokenizer))
 
     def dead_child(self) -> str | None:
-        for p in (self.scheduler, self.detokenizer):
+        for p in (*self.schedulers, self.detokenizer):
             if not p.is_alive():
                 return f"{p.name} exited with code {p.exitcode}"
         return None
 
     def seconds_since_heartbeat(self) -> float:
-        return time.monotonic() - self.heartbeat.value
+        """Of the scheduler (data-parallel replica) that has been silent longest."""
+        return time.monotonic() - min(h.value for h in self.heartbeats)
 
     def shutdown(self) -> None:
-        for p in (self.scheduler, self.detokenizer):
+        for p in (*self.schedulers, self.detokenizer):
             if p.is_alive():
                 p.terminate()
-        for p in (self.scheduler, self.detokenizer):
+        for p in (*self.schedulers, self.detokenizer):
             p.join(5)
             if p.is_alive():
                 p.kill()
@@ -110,8 +154,21 @@ def create_tokenizer_manager(
 
     ctx = zmq.asyncio.Context(2)
     recv = zmq_socket(ctx, zmq.PULL, procs.port_args.tokenizer_ipc, bind=True)
-    send = zmq_socket(ctx, zmq.PUSH, procs.port_args.scheduler_input_ipc, bind=False)
     info = procs.scheduler_info
+    dp_size = server_args.dp_size
+    dp_controller = None
+    if dp_size == 1:
+        send: Any = zmq_socket(ctx, zmq.PUSH, procs.port_args.scheduler_input_ipc, bind=False)
+    else:  # the controller stands in for the socket and dispatches to the replicas' sockets
+        endpoints = [
+            replica_port_args(procs.port_args, r).scheduler_input_ipc for r in range(dp_size)
+        ]
+        send = dp_controller = DataParallelController(
+            [zmq_socket(ctx, zmq.PUSH, e, bind=False) for e in endpoints],
+            server_args.load_balance_method,
+            info["max_total_num_tokens"],  # per replica (each sized its own KV pool alike)
+        )
+    max_running = info.get("max_running_requests")
     tokenizer = load_tokenizer_for(server_args)
     return TokenizerManager(
         server_args,
@@ -122,7 +179,8 @@ def create_tokenizer_manager(
         vocab_size=info["vocab_size"],
         metrics=metrics,
         eos_token_ids=info.get("eos_token_ids"),
-        max_running_requests=info.get("max_running_requests"),
+        max_running_requests=max_running * dp_size if max_running else max_running,
+        dp_controller=dp_controller,
     )
 
 

@@ -170,13 +170,21 @@ async def _announce_ready(state: AppState) -> None:
 
 async def _warm_up(state: AppState) -> None:
     """One short greedy request through every process before "ready" (the first request pays
-    for lazy initialisation otherwise), then an empty cache again."""
+    for lazy initialisation otherwise), then an empty cache again. With --dp-size N, N distinct
+    prompts at once: every load-balance method sends them to N different replicas."""
     tm = state.tokenizer_manager
-    ids = tm.tokenizer.encode("The capital city of France is")
-    obj = GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": 2, "temperature": 0})
+    params = {"max_new_tokens": 2, "temperature": 0}
+    objs = [
+        GenerateReqInput(
+            input_ids=tm.tokenizer.encode(f"{i or ''}The capital city of France is"),
+            sampling_params=params,
+        )
+        for i in range(state.server_args.dp_size)
+    ]
     start = time.monotonic()
     try:
-        await asyncio.wait_for(collect(tm.generate_request(obj, None), None), WARMUP_TIMEOUT_S)
+        warm = asyncio.gather(*(collect(tm.generate_request(o, None), None) for o in objs))
+        await asyncio.wait_for(warm, WARMUP_TIMEOUT_S)
         await tm.flush_cache()
     except Exception as e:  # the watchdog reports a dead child; this only says what it saw
         logger.warning("warm-up request failed: %r", e)
@@ -201,6 +209,8 @@ def startup_summary(args: ServerArgs, info: dict[str, Any]) -> str:
         f"overlap {'on' if info.get('overlap') else 'off'}",
         f"speculation {spec if spec else 'off'}",
     ]
+    if args.dp_size > 1:  # the figures above are each replica's
+        parts.append(f"{args.dp_size} data-parallel replicas ({args.load_balance_method})")
     return "serving " + ", ".join(parts)
 
 
@@ -329,18 +339,19 @@ async def server_info(request: Request) -> Response:
     if st.procs is not None:  # lets operators (and tests) find the children
         pids = {
             "scheduler_pid": st.procs.scheduler.pid,
+            "scheduler_pids": [p.pid for p in st.procs.schedulers],  # per TP rank / DP replica
             "detokenizer_pid": st.procs.detokenizer.pid,
         }
     args = st.server_args
     path = resolved_model_path(args)
     # What SGLang's router reads besides the arguments: the model (never null: it names the
-    # model the router routes to), one rank of each kind, no P/D.
+    # model the router routes to), the parallel layout, no P/D.
     worker = {
         "model_path": path,
         "tokenizer_path": st.tokenizer_path(),
         "served_model_name": served_model_name(args),
-        "tp_size": 1,
-        "dp_size": 1,
+        "tp_size": args.tp_size,
+        "dp_size": args.dp_size,
         "disaggregation_mode": "null",
     }
     return json_response({**dataclasses.asdict(args), **worker, **info, **pids})
@@ -351,14 +362,17 @@ async def get_load(request: Request) -> Response:
     """Load per data-parallel rank, as SGLang's router reads it (`power_of_two` sums
     num_tokens): requests running and waiting, and the KV tokens they hold."""
     info = await _tm(request).get_server_info()
+    return json_response([_load(rank) for rank in info.get("replicas", [info])])
+
+
+def _load(info: dict[str, Any]) -> dict[str, Any]:
     used = info["max_total_num_tokens"] - info["available_tokens"] - info["evictable_tokens"]
-    load = {
-        "dp_rank": 0,
+    return {
+        "dp_rank": info.get("dp_rank", 0),
         "num_reqs": info["running"] + info["queued"],
         "num_waiting_reqs": info["queued"],
         "num_tokens": used,
     }
-    return json_response([load])
 
 
 class TokenizeBody(BaseModel):

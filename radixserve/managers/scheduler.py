@@ -12,6 +12,8 @@ ZMQ socket's send in the served engine, a list's append in tests).
 
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import logging
 import os
 import time
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from radixserve.args import ServerArgs
+from radixserve.distributed.tp_sync import TpSync
 from radixserve.io_struct import (
     AbortReq,
     DashboardSnapshotReq,
@@ -80,8 +83,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         send_output: Callable[[Any], None],
         tokenizer: Any = None,
         tp_worker: TpModelWorker | None = None,
+        dp_rank: int = 0,
     ) -> None:
         self.server_args = server_args
+        self.dp_rank = dp_rank  # which --dp-size replica this is (reported in server info)
         self.send_output = send_output
         self.tokenizer = tokenizer  # only for stop strings; may be None
         self.tp_worker = tp_worker or TpModelWorker(server_args)
@@ -93,6 +98,11 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.max_running_requests = runner.max_running_requests
         self.context_len = runner.context_len
         self.page_size = server_args.page_size
+        tp_group = getattr(self.tp_worker, "tp_group", None)
+        # With TP every rank runs this scheduler on the same inputs (TpSync); see step().
+        self.tp_sync = (
+            TpSync(tp_group) if tp_group is not None and tp_group.world_size > 1 else None
+        )
         if server_args.disable_radix_cache:
             self.tree_cache: Any = ChunkCache(
                 self.req_to_token_pool, self.allocator, self.page_size
@@ -103,6 +113,9 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 self.allocator,
                 self.page_size,
                 server_args.radix_eviction_policy,
+                # TP ranks must evict the same nodes: a logical clock orders accesses the same
+                # way on every rank, where time.monotonic() may tie on one rank and not another.
+                **({"clock": itertools.count().__next__} if self.tp_sync is not None else {}),
             )
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, server_args.random_seed
@@ -190,6 +203,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self._finish_queued_abort(req, message, status_code=400)
 
     def move_ready_grammar_requests(self) -> None:
+        if self.tp_sync is not None:  # every rank must admit them in the same round
+            concurrent.futures.wait([r.grammar for r in self.grammar_manager.queue])
         ready, failed = self.grammar_manager.pop_ready()
         self.waiting_queue.extend(ready)
         for req, message in failed:
@@ -276,6 +291,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.live.on_step(batch, self.stats)
         if self.server_args.enable_integrity_checks:
             self.check_integrity()
+            if self.tp_sync is not None:  # invariant 10: every rank scheduled this step
+                self.tp_sync.check_schedule(batch, self.allocator, self.tree_cache)
         return batch
 
     def _normal_step(self) -> ScheduleBatch | None:
@@ -565,6 +582,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             max_total_num_tokens=self.max_total_num_tokens,
             max_running_requests=self.max_running_requests,
             free_request_rows=self.req_to_token_pool.available_size(),
+            dp_rank=self.dp_rank,
         )
         if self.spec_worker is not None:  # what the speculation controller has measured
             info["spec_step_cost_ms"] = self.spec_controller.measured_costs_ms()

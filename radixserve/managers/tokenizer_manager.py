@@ -101,10 +101,14 @@ class TokenizerManager:
         metrics: Any = None,
         eos_token_ids: list[int] | None = None,
         max_running_requests: int | None = None,
+        dp_controller: Any = None,
     ) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.send_to_scheduler = send_to_scheduler  # zmq.asyncio PUSH socket
+        # --dp-size > 1: the DataParallelController, which is also send_to_scheduler; it sees
+        # every output and merges the replicas' replies to control requests.
+        self.dp_controller = dp_controller
         self.recv_from_detokenizer = recv_from_detokenizer  # zmq.asyncio PULL socket
         self.context_len = context_len
         self.vocab_size = vocab_size
@@ -160,7 +164,12 @@ class TokenizerManager:
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchStrOutput):
+            if self.dp_controller is not None:
+                self.dp_controller.on_output(msg)
             self._handle_batch_output(msg)
+            return
+        if self.dp_controller is not None:
+            self.dp_controller.on_reply(msg)
             return
         for fut in self._control_waiters.pop(type(msg), []):
             if not fut.done():
@@ -434,6 +443,8 @@ class TokenizerManager:
     # -- control --------------------------------------------------------------------------------
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
         self.start()
+        if self.dp_controller is not None:  # every replica answers; the controller merges
+            return await self.dp_controller.control(req, reply_type, timeout)
         fut = asyncio.get_running_loop().create_future()
         self._control_waiters.setdefault(reply_type, []).append(fut)
         self.send_to_scheduler.send_pyobj(req)

@@ -1,7 +1,9 @@
 """TpModelWorker: runs one step's ModelWorkerBatch through the model and samples.
 
 The scheduler's only door to the model. With one rank there is no collective; with tensor
-parallelism every rank would run the same step and agree on the sampled tokens (invariant 10).
+parallelism every rank runs the same step, and `sample` hands every rank rank 0's sampled
+tokens (a broadcast on the model's group, from the thread that runs the forward), so the ranks
+agree on the tokens whatever their sampling did (invariant 10).
 The step is split in two (`forward` → logits, `sample` → tokens) so the overlap loop can run
 the forward before the sampling inputs are known (grammar masks, penalties).
 """
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.args import ServerArgs
+from radixserve.distributed.parallel_state import TpGroup
 from radixserve.layers.sampler import SampleOutput, SamplingBatchInfo
 from radixserve.model_executor.forward_batch import ModelWorkerBatch
 from radixserve.model_executor.model_runner import InputLogprobs, LogitsOutput, ModelRunner
@@ -67,8 +70,14 @@ def _pairs(vals: torch.Tensor, ids: torch.Tensor) -> list[Pairs]:
 
 
 class TpModelWorker:
-    def __init__(self, server_args: ServerArgs, model_runner: ModelRunner | None = None) -> None:
-        self.model_runner = model_runner or ModelRunner(server_args)
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_runner: ModelRunner | None = None,
+        tp: TpGroup | None = None,
+    ) -> None:
+        self.tp_group = tp or TpGroup.single()
+        self.model_runner = model_runner or ModelRunner(server_args, tp=self.tp_group)
         self.device = self.model_runner.device
         self.vocab_size = self.model_runner.model_config.vocab_size
 
@@ -87,7 +96,11 @@ class TpModelWorker:
     ) -> SampleOutput:
         if vocab_mask is not None:
             info.vocab_mask = vocab_mask.to(self.device)
-        return self.model_runner.sample(logits, info, mwb.return_logprob, mwb.top_logprobs_num)
+        out = self.model_runner.sample(logits, info, mwb.return_logprob, mwb.top_logprobs_num)
+        if self.tp_group.world_size > 1:
+            ids = out.next_token_ids.contiguous()
+            out.next_token_ids = self.tp_group.broadcast_from_first(ids)
+        return out
 
     def forward_batch_generation(
         self, mwb: ModelWorkerBatch, vocab_mask: torch.Tensor | None = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.args import ServerArgs, physical_core_count
+from radixserve.distributed.parallel_state import TpGroup, local_head_counts
 from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
@@ -60,12 +61,21 @@ class ModelRunner:
     shares the target's req_to_token rows and slot allocator, so a slot holds both models' KV
     of the same token and the radix cache serves both."""
 
-    def __init__(self, server_args: ServerArgs, draft_of: ModelRunner | None = None) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        draft_of: ModelRunner | None = None,
+        tp: TpGroup | None = None,
+    ) -> None:
         self.server_args = server_args
         self.device = server_args.device
         self.is_draft = draft_of is not None
+        self.tp = tp or TpGroup.single()
         if self.device == "cpu" and not self.is_draft:
-            torch.set_num_threads(server_args.num_threads or physical_core_count())
+            # The ranks on this machine share its cores.
+            local_ranks = max(1, server_args.tp_size // server_args.nnodes)
+            threads = server_args.num_threads or max(1, physical_core_count() // local_ranks)
+            torch.set_num_threads(threads)
         torch.manual_seed(server_args.random_seed)
         path = server_args.speculative_draft_model_path if draft_of else server_args.model_path
         self.model_path = resolve_model_path(path)
@@ -79,6 +89,7 @@ class ModelRunner:
             server_args.random_seed,
             server_args.context_length,
             server_args.quantization,
+            tp=self.tp if self.tp.world_size > 1 else None,
         )
         if draft_of is not None:
             self.share_target_pools(draft_of)
@@ -95,10 +106,16 @@ class ModelRunner:
         cfg: ModelConfig = self.model_config
         sa = self.server_args
         kv_dtype = to_torch_dtype(sa.kv_cache_dtype)
+        # With TP each rank's pool holds only its own KV heads.
+        _, kv_heads = local_head_counts(
+            cfg.num_attention_heads, cfg.num_key_value_heads, self.tp.world_size
+        )
         per_token = MHATokenToKVPool.bytes_per_token(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype
+            cfg.num_hidden_layers, kv_heads, cfg.head_dim, kv_dtype
         )
         total = sa.max_total_tokens or self._profile_max_num_tokens(per_token)
+        if self.tp.world_size > 1:  # every rank schedules the same slots: the smallest pool
+            total = self.tp.min_int(total)
         total = max(sa.page_size, total // sa.page_size * sa.page_size)
         self.max_total_num_tokens = total
         self.max_running_requests = sa.max_running_requests or min(
@@ -111,7 +128,7 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             total,
             cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
+            kv_heads,
             cfg.head_dim,
             kv_dtype,
             self.device,

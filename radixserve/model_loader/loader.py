@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from radixserve.model_loader.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from radixserve.distributed.parallel_state import TpGroup
 
 logger = logging.getLogger(__name__)
 
@@ -91,18 +95,21 @@ def load_model(
     seed: int = 0,
     context_length: int | None = None,
     quantization: str | None = None,
+    tp: TpGroup | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `model_path` and load its weights; returns (model, config).
 
     With `quantization` (int8 / int4) the linear layers are quantized from the fp32 weights
-    before the dtype cast; GGUF Q4 tensors keep their own codes under int4.
+    before the dtype cast; GGUF Q4 tensors keep their own codes under int4. With `tp` (more
+    than one rank) the model holds this rank's shard: its load_weights narrows each full tensor
+    (the dummy format draws random shards).
     """
     from radixserve.models.registry import get_model_class
 
     cfg = load_model_config(model_path, load_format)
     if context_length and context_length > cfg.max_position_embeddings:
         cfg = _with_max_positions(cfg, context_length)
-    model = get_model_class(cfg)(cfg)
+    model = get_model_class(cfg)(cfg) if tp is None else get_model_class(cfg)(cfg, tp)
     q4_blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = (
         {} if quantization == "int4" else None
     )

@@ -3,6 +3,12 @@ Qwen3 (per-head q/k RMSNorm), with fused qkv and gate_up projections.
 
 `forward` returns hidden states for the packed tokens; the LogitsProcessor in the ModelRunner
 applies lm_head only to the rows that are sampled. `load_weights` takes Hugging Face names.
+
+Tensor parallelism (`tp`, --tp-size > 1): each rank holds its share of the attention heads
+(KV heads replicated where tp exceeds them) and of the MLP columns, column-parallel qkv and
+gate_up, row-parallel o_proj and down_proj (all-reduce), a vocab-parallel embedding and head
+(parallel_layers). `load_weights` narrows each full checkpoint tensor to the rank's shard.
+At tp 1 the layers are the dense ones and the loader copies whole tensors.
 """
 
 from __future__ import annotations
@@ -13,9 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.distributed.parallel_state import TpGroup, kv_head_start, local_head_counts
 from radixserve.layers.attention.base import AttentionLayer
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import Linear, linear
+from radixserve.layers.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+    vocab_shard,
+)
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_loader.model_config import ModelConfig
@@ -23,18 +38,33 @@ from radixserve.model_loader.model_config import ModelConfig
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) rows of this step's positions
 
 
+def _column(in_features: int, out_features: int, bias: bool, tp: TpGroup) -> Linear:
+    """`out_features` are this rank's rows."""
+    if tp.world_size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return ColumnParallelLinear(in_features, out_features, bias=bias)
+
+
+def _row(in_features: int, out_features: int, bias: bool, tp: TpGroup) -> Linear:
+    """`in_features` are this rank's columns."""
+    if tp.world_size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TpGroup) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads, self.num_kv_heads = local_head_counts(
+            cfg.num_attention_heads, cfg.num_key_value_heads, tp.world_size
+        )
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        self.qkv_proj = _column(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, tp
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = _row(self.q_size, cfg.hidden_size, False, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = AttentionLayer(
@@ -56,10 +86,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TpGroup) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        start, end = tp.shard_range(cfg.intermediate_size, "the MLP's intermediate size")
+        inter = self.local_intermediate_size = end - start
+        self.gate_up_proj = _column(cfg.hidden_size, 2 * inter, cfg.mlp_bias, tp)
+        self.down_proj = _row(inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -67,10 +99,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TpGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_id, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -80,13 +112,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TpGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Module = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            if tp.world_size == 1
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -108,19 +146,27 @@ _STACKED = (
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TpGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.tp = tp or TpGroup.single()
+        self.model = LlamaModel(cfg, self.tp)
+        self.lm_head: nn.Module | None = None
         if cfg.tie_word_embeddings:
             self.lm_head = None
-        else:
+        elif self.tp.world_size == 1:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the given hidden rows (the head is the embedding when tied)."""
+        """Logits of the given hidden rows (the head is the embedding when tied); with TP, the
+        full vocabulary on every rank (ParallelLMHead / gather_logits all-gather it)."""
         if self.lm_head is None:
-            return linear(hidden, self.model.embed_tokens.weight)
+            logits = linear(hidden, self.model.embed_tokens.weight)
+            if self.tp.world_size > 1:
+                logits = gather_logits(logits, self.config.vocab_size, self.tp)
+            return logits
         return self.lm_head(hidden)
 
     def quantize_tied_head(self, quantize: Callable[[torch.Tensor], nn.Module]) -> nn.Module | None:
@@ -143,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            if self.tp.world_size > 1:
+                tensor = self.shard_weight(name, tensor)
             target, offset = self.weight_location(name)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter")
@@ -160,22 +208,50 @@ class LlamaForCausalLM(nn.Module):
         self._check_all_loaded(params, loaded)
 
     def weight_location(self, name: str) -> tuple[str, int | None]:
-        """Our parameter for HF tensor `name`, and its first row there (None: the whole)."""
-        cfg = self.config
+        """Our parameter for HF tensor `name`, and its first row there (None: the whole);
+        rows are this rank's (at tp 1, all of them)."""
         for fused, part, shard in _STACKED:
             if f".{part}." not in name:
                 continue
             target = name.replace(f".{part}.", f".{fused}.")
             if shard == "q":
                 return target, 0
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            q = cfg.num_attention_heads * cfg.head_dim
+            attn = self.model.layers[0].self_attn
             if shard == "k":
-                return target, q
+                return target, attn.q_size
             if shard == "v":
-                return target, q + kv
-            return target, shard * cfg.intermediate_size
+                return target, attn.q_size + attn.kv_size
+            return target, shard * self.model.layers[0].mlp.local_intermediate_size
         return name, None
+
+    def shard_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full checkpoint tensor `name` (replicated ones whole)."""
+        cfg, tp = self.config, self.tp
+        hd = cfg.head_dim
+        leaf = name.split(".")[-2] if name.count(".") else name
+        if leaf == "q_proj":
+            start, end = tp.shard_range(cfg.num_attention_heads, "the attention heads")
+            return tensor[start * hd : end * hd]
+        if leaf in ("k_proj", "v_proj"):
+            _, local_kv = local_head_counts(
+                cfg.num_attention_heads, cfg.num_key_value_heads, tp.world_size
+            )
+            first = kv_head_start(cfg.num_key_value_heads, tp.world_size, tp.rank)
+            return tensor[first * hd : (first + local_kv) * hd]
+        if leaf in ("gate_proj", "up_proj"):
+            start, end = tp.shard_range(cfg.intermediate_size, "the MLP's intermediate size")
+            return tensor[start:end]
+        if leaf in ("o_proj", "down_proj") and name.endswith(".weight"):
+            n = tensor.shape[1]
+            start, end = tp.shard_range(n, f"{leaf}'s input columns")
+            return tensor[:, start:end]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, rows = vocab_shard(cfg.vocab_size, tp)
+            shard = tensor.new_zeros(rows, *tensor.shape[1:])
+            part = tensor[start : start + rows]
+            shard[: part.shape[0]] = part
+            return shard
+        return tensor  # norms, down_proj's bias: replicated
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []

@@ -1,0 +1,253 @@
+"""The DataParallelController without processes: dispatch by each load-balance method, aborts
+and control requests fanned out, replies merged, the prefix index bounded."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from radixserve.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetServerInfoReq,
+    GetServerInfoReqOutput,
+    TokenizedGenerateReqInput,
+)
+from radixserve.managers.data_parallel_controller import (
+    BLOCK_TOKENS,
+    DataParallelController,
+    PrefixIndex,
+    block_hashes,
+    merge_server_infos,
+)
+from radixserve.sampling_params import SamplingParams
+
+
+class FakeSocket:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.closed = False
+
+    def send_pyobj(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+    def close(self, linger: int | None = None) -> None:
+        self.closed = True
+
+
+def _controller(method: str, n: int = 2, **kw: Any) -> tuple[DataParallelController, list]:
+    socks = [FakeSocket() for _ in range(n)]
+    return DataParallelController(socks, method, **kw), socks
+
+
+def _req(rid: str, ids: list[int], extra_key: str | None = None) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(rid, None, ids, SamplingParams(), extra_key=extra_key)
+
+
+def _finish(ctl: DataParallelController, *rids: str) -> None:
+    n = len(rids)
+    ctl.on_output(
+        BatchStrOutput(
+            list(rids), [{"type": "length"}] * n, [""] * n, [[]] * n, [1] * n, [1] * n, [0] * n
+        )
+    )
+
+
+def _prefix(seed: int, n: int = 256) -> list[int]:
+    return [(seed * 7919 + i * 31) % 300 + 3 for i in range(n)]
+
+
+def test_round_robin_cycles_whatever_the_prompt():
+    ctl, socks = _controller("round_robin", 3)
+    ranks = [ctl.dispatch(_req(f"r{i}", _prefix(0))) for i in range(7)]
+    assert ranks == [0, 1, 2, 0, 1, 2, 0]
+    assert [len(s.sent) for s in socks] == [3, 2, 2]
+
+
+def test_shortest_queue_counts_requests_in_flight():
+    ctl, _ = _controller("shortest_queue")
+    assert [ctl.dispatch(_req(r, [5])) for r in ("a", "b", "c")] == [0, 1, 0]
+    _finish(ctl, "b")  # replica 1 is free again; replica 0 still has two
+    assert ctl.loads == [2, 0]
+    assert ctl.dispatch(_req("d", [5])) == 1
+    _finish(ctl, "a", "c", "d")
+    assert ctl.loads == [0, 0] and ctl.rid_to_rank == {}
+
+
+def test_prefix_affinity_keeps_each_group_on_one_replica():
+    ctl, _ = _controller("prefix_affinity")
+    leaders = {g: ctl.dispatch(_req(f"g{g}", _prefix(g) + [1, 2])) for g in range(4)}
+    assert sorted(leaders.values()) == [0, 0, 1, 1]  # new prefixes spread over the replicas
+    for g in range(4):
+        for q in range(5):
+            rank = ctl.dispatch(_req(f"g{g}q{q}", _prefix(g) + [q + 10] * 20))
+            assert rank == leaders[g], (g, q)
+
+
+def test_prefix_affinity_needs_the_threshold_share_of_the_prompt():
+    ctl, _ = _controller("prefix_affinity", cache_threshold=0.5)
+    assert ctl.dispatch(_req("a", _prefix(1, 64))) == 0
+    # 64 shared tokens of 160: under half, so the smaller index (replica 1) wins.
+    assert ctl.dispatch(_req("b", _prefix(1, 64) + _prefix(2, 96))) == 1
+    # 64 of 96: over half, the replica that holds them.
+    assert ctl.dispatch(_req("c", _prefix(1, 64) + _prefix(3, 32))) == 0
+
+
+def test_prefix_affinity_falls_back_to_the_least_loaded_when_imbalanced():
+    ctl, _ = _controller("prefix_affinity", balance_abs_threshold=4, balance_rel_threshold=1.5)
+    ranks = [ctl.dispatch(_req(f"r{i}", _prefix(0))) for i in range(8)]
+    # The shared prefix pulls everything to replica 0 until it has 5 more than replica 1.
+    assert ranks[:5] == [0] * 5 and ranks[5] == 1
+    assert ctl.loads[0] - ctl.loads[1] <= 5
+
+
+def test_extra_key_namespaces_the_index():
+    ctl, _ = _controller("prefix_affinity")
+    assert ctl.dispatch(_req("a", _prefix(0), extra_key="lora-a")) == 0
+    assert ctl.dispatch(_req("b", _prefix(0), extra_key="lora-b")) == 1
+    assert ctl.dispatch(_req("c", _prefix(0), extra_key="lora-a")) == 0
+
+
+def test_prefix_index_is_bounded_and_evicts_leaves_first():
+    index = PrefixIndex(capacity_tokens=8 * BLOCK_TOKENS)
+    shared = block_hashes(_prefix(0, 4 * BLOCK_TOKENS))
+    a = block_hashes(_prefix(0, 4 * BLOCK_TOKENS) + _prefix(1, 4 * BLOCK_TOKENS))
+    b = block_hashes(_prefix(0, 4 * BLOCK_TOKENS) + _prefix(2, 4 * BLOCK_TOKENS))
+    index.insert(a)
+    index.insert(b)  # 12 blocks into 8: a's own blocks go, the shared prefix stays
+    assert len(index.blocks) == 8
+    assert index.match(b) == 8 * BLOCK_TOKENS
+    assert index.match(a) == 4 * BLOCK_TOKENS == index.match(shared)
+    assert block_hashes(list(range(BLOCK_TOKENS - 1))) == []  # no full block, nothing indexed
+
+
+def test_aborts_go_to_the_owner_and_abort_all_everywhere():
+    ctl, socks = _controller("round_robin")
+    ctl.dispatch(_req("a", [5]))
+    ctl.dispatch(_req("b", [5]))
+    for s in socks:
+        s.sent.clear()
+    ctl.send_pyobj(AbortReq("b"))
+    assert socks[0].sent == [] and socks[1].sent == [AbortReq("b")]
+    ctl.send_pyobj(AbortReq("", abort_all=True))
+    ctl.send_pyobj(AbortReq("unknown"))  # finished already, or never ours: everyone checks
+    assert all(s.sent[-2:] == [AbortReq("", True), AbortReq("unknown")] for s in socks)
+    ctl.close(linger=0)
+    assert all(s.closed for s in socks)
+
+
+def _info(rank: int, **kw: Any) -> dict[str, Any]:
+    base = {
+        "dp_rank": rank,
+        "running": 1,
+        "queued": rank,
+        "max_total_num_tokens": 100,
+        "available_tokens": 60,
+        "evictable_tokens": 20,
+        "token_usage": 0.2,
+        "new_token_ratio": 0.5 + rank * 0.2,
+        "cached_tokens": 10 * (rank + 1),
+        "spec_step_cost_ms": {"verify": rank},
+    }
+    return {**base, **kw}
+
+
+def test_merge_server_infos_sums_and_lists_the_replicas():
+    merged = merge_server_infos([_info(1), _info(0)])
+    assert merged["running"] == 2 and merged["queued"] == 1 and merged["cached_tokens"] == 30
+    assert merged["max_total_num_tokens"] == 200
+    assert merged["token_usage"] == pytest.approx(0.2)
+    assert merged["new_token_ratio"] == pytest.approx(0.6)
+    assert merged["spec_step_cost_ms"] == {"verify": 0}  # not a number: replica 0's
+    assert "dp_rank" not in merged
+    assert [r["dp_rank"] for r in merged["replicas"]] == [0, 1]
+
+
+def test_control_fans_out_merges_and_shares_one_broadcast():
+    async def run() -> None:
+        ctl, socks = _controller("round_robin")
+        calls = [
+            asyncio.ensure_future(ctl.control(GetServerInfoReq(), GetServerInfoReqOutput, 5))
+            for _ in range(3)
+        ]
+        await asyncio.sleep(0)
+        assert [len(s.sent) for s in socks] == [1, 1]  # one broadcast for the three calls
+        ctl.on_reply(GetServerInfoReqOutput(_info(1)))
+        assert not any(c.done() for c in calls)
+        ctl.on_reply(GetServerInfoReqOutput(_info(0)))
+        outs = await asyncio.gather(*calls)
+        assert all(o.info["running"] == 2 for o in outs)
+
+        flush = asyncio.ensure_future(ctl.control(FlushCacheReq(), FlushCacheReqOutput, 5))
+        await asyncio.sleep(0)
+        ctl.on_reply(FlushCacheReqOutput(True))
+        ctl.on_reply(FlushCacheReqOutput(False, "requests are running"))
+        out = await flush
+        assert not out.success and out.message == "requests are running"
+
+        # A call that times out leaves nothing behind: its late replies are dropped.
+        with pytest.raises(asyncio.TimeoutError):
+            await ctl.control(GetServerInfoReq(), GetServerInfoReqOutput, 0.01)
+        ctl.on_reply(GetServerInfoReqOutput(_info(0)))
+        late = asyncio.ensure_future(ctl.control(GetServerInfoReq(), GetServerInfoReqOutput, 5))
+        await asyncio.sleep(0)
+        ctl.on_reply(GetServerInfoReqOutput(_info(0)))
+        ctl.on_reply(GetServerInfoReqOutput(_info(1)))
+        assert [r["dp_rank"] for r in (await late).info["replicas"]] == [0, 1]
+
+    asyncio.run(run())
+
+
+def test_a_successful_flush_empties_the_prefix_indexes():
+    async def run() -> None:
+        ctl, _ = _controller("prefix_affinity")
+        ctl.dispatch(_req("a", _prefix(0)))
+        assert ctl.indexes[0].blocks
+        flush = asyncio.ensure_future(ctl.control(FlushCacheReq(), FlushCacheReqOutput, 5))
+        await asyncio.sleep(0)
+        ctl.on_reply(FlushCacheReqOutput(True))
+        ctl.on_reply(FlushCacheReqOutput(True))
+        assert (await flush).success
+        assert not ctl.indexes[0].blocks
+
+    asyncio.run(run())
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="load balance method"):
+        DataParallelController([FakeSocket()], "random")
+
+
+def test_dp_flags():
+    import argparse
+
+    from radixserve.args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--dp", "2", "--load-balance-method", "shortest_queue"])
+    assert (ns.dp_size, ns.load_balance_method) == (2, "shortest_queue")
+    assert ServerArgs().load_balance_method == "prefix_affinity"
+    with pytest.raises(ValueError, match="--dp-size must be >= 1"):
+        ServerArgs(dp_size=0)
+    with pytest.raises(ValueError, match="not supported yet"):
+        ServerArgs(dp_size=2, tp_size=2)
+    with pytest.raises(ValueError, match="load-balance-method"):
+        ServerArgs(load_balance_method="random")
+
+
+def test_the_watchdog_sees_the_most_silent_replica():
+    import time
+    from types import SimpleNamespace
+
+    from radixserve.entrypoints.engine import Subprocesses
+
+    now = time.monotonic()
+    procs = SimpleNamespace(
+        heartbeats=[SimpleNamespace(value=now), SimpleNamespace(value=now - 60)]
+    )
+    assert Subprocesses.seconds_since_heartbeat(procs) >= 60  # replica 1 is stuck
