@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -187,3 +188,17 @@ def make_tiny_served_model(path: str) -> str:
     with open(os.path.join(path, "config.json")) as f:
         save_byte_tokenizer(path, json.load(f)["vocab_size"])
     return path
+
+
+def sglang_router_command() -> list[str]:
+    """The command that starts SGLang's router (the sglang-router dev extra). Skips the test
+    when it is not installed, except where RADIXSERVE_REQUIRE_ROUTER=1 (CI) makes that fail."""
+    import pytest
+
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        if os.environ.get("RADIXSERVE_REQUIRE_ROUTER") == "1":
+            pytest.fail("sglang-router is not installed (pip install -e '.[dev]')")
+        pytest.skip("sglang-router is not installed (pip install sglang-router)")
+    return [sys.executable, "-m", "sglang_router.launch_router"]

@@ -17,7 +17,6 @@ import random
 import signal
 import string
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from rs_testing import make_tiny_served_model
+from rs_testing import make_tiny_served_model, sglang_router_command
 from test_http_server import ServerProcess, sse_events
 
 from radixserve.utils import free_port
@@ -318,16 +317,6 @@ def test_dp2_shortest_queue_then_a_dead_replica_takes_the_server_down(tmp_path_f
 
 
 # -- SGLang's router in front of two servers --------------------------------------------------------
-def _router_launch() -> list[str]:
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
-        if os.environ.get("RADIXSERVE_REQUIRE_ROUTER") == "1":  # CI (.ci/run) sets it
-            pytest.fail("sglang-router is not installed (pip install -e '.[dev]')")
-        pytest.skip("sglang-router is not installed (pip install sglang-router)")
-    return [sys.executable, "-m", "sglang_router.launch_router"]
-
-
 class Router:
     """`python -m sglang_router.launch_router` on a free port in front of `workers`."""
 
@@ -335,7 +324,7 @@ class Router:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"router-{policy}.log")
-        cmd = [*_router_launch(), "--worker-urls", *workers, "--policy", policy]
+        cmd = [*sglang_router_command(), "--worker-urls", *workers, "--policy", policy]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn"]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         with open(self.log_path, "w") as log:

@@ -16,12 +16,12 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from typing import Any
 
 import httpx
 import pytest
+from rs_testing import sglang_router_command
 from test_http_server import MODEL, ServerProcess, sse_events, wait_drained
 from test_unknown_fields import ROUTER_CHAT, ROUTER_COMPLETIONS, ROUTER_GENERATE
 
@@ -270,18 +270,8 @@ def test_metrics_use_sglang_names(server):
 
 
 # -- the real router -----------------------------------------------------------------------------
-def _router_binary() -> list[str]:
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
-        if os.environ.get("RADIXSERVE_REQUIRE_ROUTER") == "1":  # CI (.ci/run) sets it
-            pytest.fail("sglang-router is not installed (pip install -e '.[dev]')")
-        pytest.skip("sglang-router is not installed (pip install sglang-router)")
-    return [sys.executable, "-m", "sglang_router.launch_router"]
-
-
 def test_real_sglang_router_in_front_of_two_workers(server, tmp_path):
-    launch = _router_binary()
+    launch = sglang_router_command()
     second = ServerProcess(str(tmp_path))
     router = None
     try:
