@@ -310,19 +310,24 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     return json_response(serving.model_card())
 
 
+def _model_fields(st: AppState) -> dict[str, Any]:
+    """The model as /model_info and /server_info name it (resolved: never null)."""
+    return {
+        "model_path": resolved_model_path(st.server_args),
+        "tokenizer_path": st.tokenizer_path(),
+        "served_model_name": served_model_name(st.server_args),
+    }
+
+
 @router.get("/model_info", operation_id="model_info")
 @router.get("/get_model_info", operation_id="get_model_info")
 async def model_info(request: Request) -> Response:
     st = _state(request)
-    args = st.server_args
-    path = resolved_model_path(args)
     info = st.procs.scheduler_info if st.procs is not None else {}
     return json_response(
         {
-            "model_path": path,
-            "tokenizer_path": st.tokenizer_path(),
+            **_model_fields(st),
             "is_generation": True,
-            "served_model_name": served_model_name(args),
             "model_type": info.get("model_type"),
             "architectures": info.get("architectures"),
             "max_context_length": info.get("context_len"),
@@ -343,13 +348,10 @@ async def server_info(request: Request) -> Response:
             "detokenizer_pid": st.procs.detokenizer.pid,
         }
     args = st.server_args
-    path = resolved_model_path(args)
     # What SGLang's router reads besides the arguments: the model (never null: it names the
     # model the router routes to), the parallel layout, no P/D.
     worker = {
-        "model_path": path,
-        "tokenizer_path": st.tokenizer_path(),
-        "served_model_name": served_model_name(args),
+        **_model_fields(st),
         "tp_size": args.tp_size,
         "dp_size": args.dp_size,
         "disaggregation_mode": "null",

@@ -34,6 +34,7 @@ from radixserve.entrypoints.openai_responses import (
 from radixserve.entrypoints.openai_tools import history_tool_calls, template_tools, tool_call_schema
 from radixserve.io_struct import GenerateReqInput
 from radixserve.managers.tokenizer_manager import RequestError
+from radixserve.managers.tokenizer_utils import TokenStrings
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -273,21 +274,6 @@ def make_usage(metas: list[dict[str, Any]], n: int) -> UsageInfo:
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
-
-
-class TokenStrings:
-    """Token id → its text as the tokenizer decodes it alone (cached)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        s = self._cache.get(token_id)
-        if s is None:
-            s = self.tokenizer.decode([token_id])
-            self._cache[token_id] = s
-        return s
 
 
 def completion_logprobs(

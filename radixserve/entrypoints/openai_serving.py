@@ -35,7 +35,6 @@ from radixserve.entrypoints.http_utils import (
 )
 from radixserve.entrypoints.openai_api import (
     Prompts,
-    TokenStrings,
     chat_logprobs,
     chat_to_generate,
     completion_logprobs,
@@ -68,6 +67,7 @@ from radixserve.entrypoints.openai_responses import (
 from radixserve.entrypoints.openai_tools import ChatParsing, ChoiceParser, final_finish_reason
 from radixserve.io_struct import new_rid
 from radixserve.managers.tokenizer_manager import RequestError
+from radixserve.managers.tokenizer_utils import TokenStrings
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,9 @@ def vocab_shard(vocab_size: int, tp: TpGroup) -> tuple[int, int]:
     return tp.rank * rows, rows
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabShard(nn.Module):
+    """This rank's rows of a [vocab, hidden] weight (vocab_shard)."""
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: TpGroup) -> None:
         super().__init__()
         self.tp = tp
@@ -55,6 +57,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start, rows = vocab_shard(vocab_size, tp)
         self.weight = nn.Parameter(torch.zeros(rows, hidden_size))
 
+
+class VocabParallelEmbedding(_VocabShard):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
@@ -63,14 +67,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TpGroup) -> None:
-        super().__init__()
-        self.tp = tp
-        self.vocab_size = vocab_size
-        self.start, rows = vocab_shard(vocab_size, tp)
-        self.weight = nn.Parameter(torch.zeros(rows, hidden_size))
-
+class ParallelLMHead(_VocabShard):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_logits(linear(hidden, self.weight), self.vocab_size, self.tp)
 

@@ -51,12 +51,6 @@ from radixserve.speculative.scheduler_mixin import SpecSchedulerMixin
 
 logger = logging.getLogger(__name__)
 
-# --attention-backend's names of the backend classes (the start-up summary reports them).
-ATTENTION_BACKEND_NAMES = {
-    "CpuPagedAttnBackend": "cpu_paged",
-    "TorchNativeAttnBackend": "torch_native",
-}
-
 ABORTED_BY_CLIENT = "aborted by the client"
 
 
@@ -558,7 +552,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             "dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."),
             "device": self.tp_worker.device,
             "threads": torch.get_num_threads(),
-            "attention_backend": ATTENTION_BACKEND_NAMES.get(type(backend).__name__),
+            "attention_backend": getattr(backend, "name", None),
             "quantization": args.quantization,
             "chunked_prefill_size": self.chunked_prefill_size,
             "overlap": self.enable_overlap,

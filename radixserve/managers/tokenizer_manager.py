@@ -37,6 +37,7 @@ from radixserve.managers.request_checks import (
     num_choices,
     verify_request_fields,
 )
+from radixserve.managers.tokenizer_utils import TokenStrings
 from radixserve.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -129,14 +130,8 @@ class TokenizerManager:
         self._control_waiters: dict[type, list[asyncio.Future]] = {}
         self.latency_window = LatencyWindow()  # TTFT/TPOT per second for the dashboard
         self._loop_task: asyncio.Task | None = None
-        self._token_texts: dict[int, str] = {}  # return_text_in_logprobs; at most the vocab
+        self.token_strings = TokenStrings(tokenizer)  # return_text_in_logprobs
         self.last_output_time = 0.0  # monotonic time of the last output from the scheduler
-
-    def _token_text(self, token: int) -> str:
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
 
     def close(self) -> None:
         """Stop receiving and close both sockets and their context (call on the loop's thread);
@@ -341,7 +336,7 @@ class TokenizerManager:
         state = ReqState(tokenized.rid, tokenized.stream, len(tokenized.input_ids))
         state.return_logprob = tokenized.return_logprob
         if tokenized.return_logprob and tokenized.return_text_in_logprobs:
-            state.token_text = self._token_text
+            state.token_text = self.token_strings
         self.rid_to_state[tokenized.rid] = state
         if self.metrics is not None:
             self.metrics.on_request(len(tokenized.input_ids))

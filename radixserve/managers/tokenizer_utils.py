@@ -15,6 +15,22 @@ def tokenizer_source(server_args: Any) -> str:
     return ensure_default_model()
 
 
+class TokenStrings:
+    """Token id → its text as the tokenizer decodes it alone (cached; at most the
+    vocabulary): the text of logprob entries."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id])
+            self._cache[token_id] = s
+        return s
+
+
 def load_tokenizer_for(server_args: Any) -> Any:
     from radixserve.model_loader.weights import load_tokenizer
 

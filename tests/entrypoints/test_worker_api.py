@@ -70,6 +70,7 @@ def test_startup_summary_and_warm_up_come_before_ready(server):
         "chunk ",
         "overlap o",
         "speculation off",
+        "attention cpu_paged",
     ):
         assert part in line, line
 

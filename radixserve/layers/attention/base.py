@@ -29,6 +29,8 @@ class AttentionLayer:
 
 
 class AttentionBackend(ABC):
+    name = ""  # its --attention-backend value
+
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
 

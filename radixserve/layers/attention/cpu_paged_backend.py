@@ -34,6 +34,8 @@ class PagedDecodeMetadata:
 
 
 class CpuPagedAttnBackend(TorchNativeAttnBackend):
+    name = "cpu_paged"
+
     def __init__(self, device: str) -> None:
         if device != "cpu":
             raise ValueError("--attention-backend cpu_paged runs on CPU only")

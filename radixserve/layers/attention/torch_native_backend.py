@@ -32,6 +32,8 @@ class TorchNativeMetadata:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    name = "torch_native"
+
     def __init__(self, device: str) -> None:
         self.device = device
 
