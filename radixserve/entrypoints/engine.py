@@ -125,10 +125,12 @@ class Subprocesses:
         return all(p.is_alive() for p in (*self.schedulers, self.detokenizer))
 
     def dead_child(self) -> str | None:
-        for p in (*self.schedulers, self.detokenizer):
-            if not p.is_alive():
-                return f"{p.name} exited with code {p.exitcode}"
-        return None
+        """Every child found dead, not only the first: when one tensor-parallel rank dies its
+        peers fail in their next collective, and the report must still name the first cause."""
+        dead = [p for p in (*self.schedulers, self.detokenizer) if not p.is_alive()]
+        if not dead:
+            return None
+        return "; ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
 
     def seconds_since_heartbeat(self) -> float:
         """Of the scheduler (data-parallel replica) that has been silent longest."""
