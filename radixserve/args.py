@@ -24,6 +24,8 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen", "llama3", "pythonic")
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_STORAGE_BACKENDS = ("file",)
 LOAD_BALANCE_METHODS = ("prefix_affinity", "round_robin", "shortest_queue")
 # Extra option strings of a field's flag (SGLang's short forms).
 CLI_ALIASES = {"tp_size": ("--tp",), "dp_size": ("--dp",)}
@@ -174,6 +176,33 @@ class ServerArgs:
         "Always speculate. By default a step falls back to plain decode where the measured cost "
         "of verifying exceeds what the requests' acceptance history says it saves.",
     )
+    # >>> Hierarchical KV cache (HiCache; SGLang's flags): see docs/hicache.md
+    enable_hierarchical_cache: bool = _f(
+        False,
+        "Keep KV evicted from the device pool in a host-memory tier (and, with "
+        "--hicache-storage-backend, on disk) and load it back when a prefix is reused.",
+    )
+    hicache_ratio: float = _f(2.0, "Host tier size as a multiple of the device KV pool.")
+    hicache_size: float = _f(0.0, "Host tier size in GB; overrides --hicache-ratio when > 0.")
+    hicache_write_policy: str = _f(
+        "write_through",
+        "When a device node gets its host copy: write_through (on insert), "
+        "write_through_selective (once hit twice), write_back (when evicted from the device).",
+        HICACHE_WRITE_POLICIES,
+    )
+    hicache_storage_backend: str | None = _f(
+        None,
+        "Storage tier under the host tier: file (KV blocks on local disk, keyed by the "
+        "prefix's chain hash, so they survive restarts).",
+        HICACHE_STORAGE_BACKENDS,
+    )
+    hicache_storage_dir: str = _f(
+        "~/.cache/radixserve/hicache", "Directory of the file storage tier."
+    )
+    hicache_storage_block_size: int = _f(
+        64, "Tokens per storage block (a multiple of --page-size); the key is per block."
+    )
+    # <<< Hierarchical KV cache
     # Serving
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
@@ -214,6 +243,32 @@ class ServerArgs:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.dp_size > 1 and self.tp_size > 1:
             raise ValueError("--dp-size > 1 with --tp-size > 1 is not supported yet; use one")
+        self._check_hierarchical_cache()
+
+    def _check_hierarchical_cache(self) -> None:
+        if not self.enable_hierarchical_cache:
+            if self.hicache_storage_backend is not None:
+                raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+            return
+        if self.disable_radix_cache:
+            raise ValueError(
+                "--enable-hierarchical-cache extends the radix cache: drop --disable-radix-cache"
+            )
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
+        block = self.hicache_storage_block_size
+        if block < 1 or block % self.page_size:
+            raise ValueError(
+                f"--hicache-storage-block-size {block} must be a positive multiple of "
+                f"--page-size {self.page_size}"
+            )
+        if self.tp_size > 1:
+            raise ValueError("--enable-hierarchical-cache with --tp-size > 1 is not supported yet")
+        if self.speculative_draft_model_path:
+            raise ValueError(
+                "--enable-hierarchical-cache does not move the draft model's KV: drop "
+                "--speculative-draft-model-path (NGRAM speculation works)"
+            )
 
     def _check_tensor_parallel(self) -> None:
         if self.tp_size < 1:

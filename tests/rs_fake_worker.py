@@ -9,6 +9,7 @@ overlap loop can run it on its forward thread with future input ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -56,6 +57,8 @@ class FakeModelRunner:
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total_tokens, page_size)
         self.kv = torch.full((total_tokens + page_size,), -1, dtype=torch.int64)
         self.kv_pos = torch.full((total_tokens + page_size,), -1, dtype=torch.int64)
+        # The per-slot buffers a hierarchical cache copies between tiers (its K and V).
+        self.token_to_kv_pool = SimpleNamespace(k_buffer=[self.kv], v_buffer=[self.kv_pos])
         self.sampler = Sampler()
 
     def sample(self, logits, info, return_logprob=False, top_logprobs_num=0):

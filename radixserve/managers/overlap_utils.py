@@ -68,6 +68,27 @@ class FutureMap:
         self.buf[slots] = token_ids
 
 
+class ForwardFence:
+    """Passed once a step's forward has written its KV (the hierarchical cache's copies of
+    that KV wait here). It never waits for the step's sampling, which may wait for the
+    scheduler; on CUDA it waits for the forward stream's work up to that point."""
+
+    def __init__(self) -> None:
+        self._issued = threading.Event()
+        self._cuda_event: Any = None
+
+    def set(self, stream: Any) -> None:
+        if stream is not None:
+            self._cuda_event = torch.cuda.Event()
+            self._cuda_event.record(stream)
+        self._issued.set()
+
+    def wait(self) -> None:
+        self._issued.wait()
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+
+
 class InFlightStep:
     """One launched step: its snapshot, then its logits, then its result (or its error)."""
 
@@ -80,6 +101,7 @@ class InFlightStep:
         self.error: BaseException | None = None
         self.sample_launched = mwb.sampling_info is not None
         self.done = threading.Event()
+        self.forward_done = ForwardFence()
 
     def wait(self) -> GenerationBatchResult:
         self.done.wait()
@@ -136,6 +158,7 @@ class ForwardThread:
             step.logits, step.input_logprobs = out.next_token_logits, out.input_logprobs
         except BaseException as e:  # reported by wait(); the scheduler fails loudly there
             step.error = e
+        step.forward_done.set(self.stream)
         info = step.mwb.sampling_info
         if isinstance(info, SamplingBatchInfo):
             self._sample(step, info, None)

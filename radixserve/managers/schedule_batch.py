@@ -146,15 +146,19 @@ class Req:
     def init_next_round_input(self, tree_cache: Any) -> None:
         """Recompute fill_ids and the cached prefix before (re-)admission."""
         self.fill_ids = self.origin_input_ids + self.output_ids
-        # At least one token must run through the model to produce the next logits, and every
-        # position whose prompt logprob is wanted (a cached token has no logits).
-        max_prefix = len(self.fill_ids) - 1
-        if self.input_logprob_pos < len(self.origin_input_ids):
-            max_prefix = min(max_prefix, self.input_logprob_pos - 1)
-        match = tree_cache.match_prefix(RadixKey(self.fill_ids[:max_prefix], self.extra_key))
+        match = tree_cache.match_prefix(self.prefix_match_key())
         self.prefix_indices = match.device_indices
         self.last_node = match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def prefix_match_key(self) -> RadixKey:
+        """The part of fill_ids a cached prefix may cover: at least one token must run through
+        the model to produce the next logits, and every position whose prompt logprob is
+        wanted (a cached token has no logits)."""
+        max_prefix = len(self.fill_ids) - 1
+        if self.input_logprob_pos < len(self.origin_input_ids):
+            max_prefix = min(max_prefix, self.input_logprob_pos - 1)
+        return RadixKey(self.fill_ids[:max_prefix], self.extra_key)
 
     def init_next_chunk(self) -> None:
         """After cache_unfinished_req moved the computed chunk into prefix_indices."""

@@ -45,6 +45,7 @@ from radixserve.managers.scheduler_output import BatchSnapshot, SchedulerOutputM
 from radixserve.managers.scheduler_stats import NewTokenRatioTracker, SchedulerStats
 from radixserve.managers.tp_worker import TpModelWorker
 from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.mem_cache.hiradix_cache import HiRadixCache, create_hiradix_cache
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.mem_cache.radix_stats import tree_stats
 from radixserve.speculative.scheduler_mixin import SpecSchedulerMixin
@@ -97,19 +98,29 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.tp_sync = (
             TpSync(tp_group) if tp_group is not None and tp_group.world_size > 1 else None
         )
+        # TP ranks must evict the same nodes: a logical clock orders accesses the same way on
+        # every rank, where time.monotonic() may tie on one rank and not another.
+        clock = {"clock": itertools.count().__next__} if self.tp_sync is not None else {}
+        self.hicache: HiRadixCache | None = None  # >>> hierarchical cache (HiCache)
+        if server_args.enable_hierarchical_cache:
+            self.hicache = create_hiradix_cache(
+                server_args, self.req_to_token_pool, self.allocator, runner.token_to_kv_pool
+            )
+            self.hicache.set_compute_fence(self._last_launched_step)
+        # <<<
         if server_args.disable_radix_cache:
             self.tree_cache: Any = ChunkCache(
                 self.req_to_token_pool, self.allocator, self.page_size
             )
+        elif self.hicache is not None:
+            self.tree_cache = self.hicache
         else:
             self.tree_cache = RadixCache(
                 self.req_to_token_pool,
                 self.allocator,
                 self.page_size,
                 server_args.radix_eviction_policy,
-                # TP ranks must evict the same nodes: a logical clock orders accesses the same
-                # way on every rank, where time.monotonic() may tie on one rank and not another.
-                **({"clock": itertools.count().__next__} if self.tp_sync is not None else {}),
+                **clock,
             )
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, server_args.random_seed
@@ -143,6 +154,11 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         )
         self.result_queue: deque[tuple[BatchSnapshot, InFlightStep]] = deque()
         self.forward_thread: ForwardThread | None = None
+
+    def _last_launched_step(self) -> Any:
+        """The hierarchical cache's fence: the last step the overlap loop launched (its KV is
+        written once it is done); None when nothing is in flight."""
+        return self.result_queue[-1][1].forward_done if self.result_queue else None
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache)
@@ -283,6 +299,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         batch = self._overlap_step() if overlap else self._normal_step()
         self.last_batch = batch
         self.live.on_step(batch, self.stats)
+        if batch is None and self.hicache is not None:
+            self.hicache.wait_idle(0.005)  # only cache copies run: wait for one, don't spin
         if self.server_args.enable_integrity_checks:
             self.check_integrity()
             if self.tp_sync is not None:  # invariant 10: every rank scheduled this step
@@ -389,9 +407,12 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             or in_last
             or self.grammar_manager.queue
             or self.result_queue
+            or (self.hicache is not None and self.hicache.has_pending())
         )
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.hicache is not None:
+            self.hicache.poll()  # apply finished cache copies (loads, backups, storage)
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
             # Requests that just prefilled join the running batch (minus the chunked one); their
@@ -453,6 +474,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 break
             if req.rid in order.held and adder.can_run_list:
                 continue  # in-batch prefix caching: a representative computes it first
+            if self.hicache is not None and not self.hicache.prepare(req, adder.rem_total_tokens):
+                continue  # its prefix is loading from the host / storage tier
             if not order.matched:
                 req.init_next_round_input(self.tree_cache)
             if adder.add_one_req(req) != AddReqResult.CONTINUE:
@@ -533,6 +556,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.forward_thread is not None:
             self.forward_thread.close()
             self.forward_thread = None
+        if self.hicache is not None:
+            self.hicache.close()
 
     # -- control --------------------------------------------------------------------------------
     def flush_cache(self) -> FlushCacheReqOutput:
@@ -578,6 +603,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             free_request_rows=self.req_to_token_pool.available_size(),
             dp_rank=self.dp_rank,
         )
+        if self.hicache is not None:
+            info.update(self.hicache.tier_stats())
         if self.spec_worker is not None:  # what the speculation controller has measured
             info["spec_step_cost_ms"] = self.spec_controller.measured_costs_ms()
         return info
@@ -608,3 +635,5 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         assert self.tree_cache.protected_size() == 0, "a radix node is still locked"
         rows = self.req_to_token_pool.available_size()
         assert rows == self.req_to_token_pool.size, "a request row leaked"
+        if self.hicache is not None:
+            self.hicache.check_drained()

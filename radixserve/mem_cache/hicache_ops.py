@@ -1,0 +1,258 @@
+"""The hierarchical cache's copy operations as the scheduler sees them (mixed into HiRadixCache).
+
+* `prepare(req)`: before admission. If the request's match continues past the device into
+  host nodes, lock that path, give the nodes device slots and issue a load; if it continues
+  into storage blocks, issue a read into host slots. The request waits (prepare returns False)
+  until the copy is done; then it is matched again and admitted with the loaded prefix.
+* `poll()`: every step, apply the effect of finished operations on the tree (clear the
+  loading/backup marks, insert blocks read from storage as host nodes, release the locks).
+* backups: `backup_async` (write-through, in the background) and `backup_now` (eviction).
+* `cache_finished_req`: also writes the request's whole blocks to storage.
+
+Every operation holds a lock on its tree path until `poll` finishes it, so nothing it reads
+or writes is evicted meanwhile; a request aborted while it waits leaves the operation to
+finish on its own, and its effect (a prefix in the tree) stays as evictable cache.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from radixserve.mem_cache.cache_controller import (
+    BACKUP,
+    LOAD,
+    STORAGE_READ,
+    STORAGE_WRITE,
+    CacheOperation,
+)
+from radixserve.mem_cache.hicache_storage import HiCacheStorage, block_hashes
+from radixserve.mem_cache.radix_cache import RadixKey
+
+MAX_LOADS_PER_REQUEST = 3  # then it recomputes: never thrash between load and eviction
+
+
+@dataclass
+class HiCacheStats:
+    host_hit_tokens: int = 0  # loaded back host → device for a waiting request
+    storage_hit_tokens: int = 0  # read storage → host for a waiting request
+    device_to_host_tokens: int = 0  # demoted by device eviction
+    backup_tokens: int = 0  # copied device → host (write-through or on eviction)
+    storage_write_tokens: int = 0  # blocks written device → storage
+    load_ops: int = 0
+
+
+@dataclass
+class _ReqTiers:
+    loads: int = 0
+    storage_checked: bool = False
+
+
+class HiCacheRequestOps:
+    # Provided by HiRadixCache / RadixCache.
+    root_node: Any
+    host_pool: Any
+    controller: Any
+    token_to_kv_pool_allocator: Any
+    page_size: int
+
+    def init_request_ops(self, storage: HiCacheStorage | None, block_size: int) -> None:
+        self.storage = storage
+        self.block_size = block_size
+        self.ops: list[CacheOperation] = []
+        self.stats = HiCacheStats()
+        self.fence_fn: Callable[[], Any] = lambda: None
+        self._waiting: dict[int, list[CacheOperation]] = {}  # id(req) → its copies
+        self._tiers: weakref.WeakKeyDictionary[Any, _ReqTiers] = weakref.WeakKeyDictionary()
+
+    def set_compute_fence(self, fence_fn: Callable[[], Any]) -> None:
+        """fence_fn() returns something with .wait() that returns once every forward launched
+        so far has written its KV (None when none is in flight)."""
+        self.fence_fn = fence_fn
+
+    def has_pending(self) -> bool:
+        return bool(self.ops)
+
+    def wait_idle(self, timeout: float) -> None:
+        if self.ops:
+            self.controller.wait_any(timeout)
+
+    def tier_stats(self) -> dict[str, Any]:
+        out = {f"hicache_{k}": v for k, v in asdict(self.stats).items()}
+        out["hicache_host_total_tokens"] = self.host_pool.size
+        out["hicache_host_available_tokens"] = self.host_pool.available_size()
+        out["hicache_storage_blocks"] = self.storage.num_blocks() if self.storage else 0
+        return out
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def prepare(self, req: Any, budget: float) -> bool:
+        """True when req can be admitted now: its match is on the device, or loading more
+        would not help (no room within `budget` device tokens, or it tried enough)."""
+        self.poll()
+        if id(req) in self._waiting:
+            return False
+        tiers = self._tiers.setdefault(req, _ReqTiers())
+        req.init_next_round_input(self)
+        key = req.prefix_match_key()
+        path = self._walk(key, device_only=False)
+        beyond = [n for n in path if not n.on_device]
+        ops: list[CacheOperation] = []
+        if beyond and tiers.loads < MAX_LOADS_PER_REQUEST:
+            ops = list({id(n.loading): n.loading for n in beyond if n.loading}.values())
+            if not ops:
+                op = self._load_back(beyond, budget)
+                ops = [op] if op is not None else []
+                tiers.loads += 1
+        elif not beyond and self.storage is not None and not tiers.storage_checked:
+            tiers.storage_checked = True
+            op = self._prefetch(key, path)
+            ops = [op] if op is not None else []
+        if ops:
+            self._waiting[id(req)] = ops
+            return False
+        return True
+
+    def _load_back(self, nodes: list[Any], budget: float) -> CacheOperation | None:
+        need = sum(len(n.key) for n in nodes)
+        if need > budget:
+            return None
+        last = nodes[-1]
+        self.inc_lock_ref(last)  # the whole path: nothing on it is evicted from either tier
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() < need:
+            self.evict(need - allocator.available_size())
+        dev = allocator.alloc(need)
+        if dev is None:
+            self.dec_lock_ref(last)
+            return None
+        host = torch.cat([n.host_value for n in nodes])
+        op = CacheOperation(LOAD, dev, host, node=last, fence=self.fence_fn())
+        pos = 0
+        for n in nodes:
+            n.value, n.loading = dev[pos : pos + len(n.key)], op
+            self._add_device_tokens(n, len(n.key))
+            pos += len(n.key)
+        self.stats.load_ops += 1
+        self.ops.append(op)
+        return self.controller.load(op)
+
+    def _prefetch(self, key: RadixKey, path: list[Any]) -> CacheOperation | None:
+        """Read the storage blocks that continue the tree's match into host slots."""
+        b = self.block_size
+        matched = sum(len(n.key) for n in path)
+        start = matched // b * b
+        keys = []
+        for k in block_hashes(key.token_ids, b, key.extra_key, start_block=start // b):
+            if not self.storage.exists(k):
+                break
+            keys.append(k)
+        if not keys or start + len(keys) * b <= matched:
+            return None
+        last = path[-1] if path else self.root_node
+        self.inc_lock_ref(last)
+        host = self.alloc_host(len(keys) * b)
+        if host is None:
+            self.dec_lock_ref(last)
+            return None
+        op = CacheOperation(STORAGE_READ, self._empty(), host, node=last, keys=keys)
+        op.block_size, op.start = b, start
+        op.key = key[: start + len(keys) * b]
+        self.ops.append(op)
+        return self.controller.storage_read(op)
+
+    # ---- backups -------------------------------------------------------------------------------
+
+    def backup_async(self, node: Any) -> None:
+        host = self.alloc_host(len(node.key))
+        if host is None:
+            return  # the host is full of locked KV: the node stays device-only for now
+        node.host_value = host
+        op = CacheOperation(BACKUP, node.value, host, node=node, fence=self.fence_fn())
+        node.backing_up = op
+        self.inc_lock_ref(node)
+        self.ops.append(op)
+        self.controller.backup(op)
+
+    def backup_now(self, node: Any) -> bool:
+        """Copy an unlocked device node to the host before its slots are freed."""
+        host = self.alloc_host(len(node.key))
+        if host is None:
+            return False
+        fence = self.fence_fn()
+        if fence is not None:
+            fence.wait()
+        self.controller.backup_now(host, node.value)
+        node.host_value = host
+        self.stats.backup_tokens += len(node.key)
+        return True
+
+    # ---- storage writes ------------------------------------------------------------------------
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+        super().cache_finished_req(req, is_insert)  # type: ignore[misc]
+        if is_insert and self.storage is not None:
+            self._write_storage(req)
+
+    def _write_storage(self, req: Any) -> None:
+        b = self.block_size
+        tokens = (req.origin_input_ids + req.output_ids)[: req.kv_committed_len]
+        tokens = tokens[: len(tokens) // b * b]
+        keys = block_hashes(tokens, b, req.extra_key)
+        missing = [i for i, k in enumerate(keys) if not self.storage.exists(k)]
+        if not missing:
+            return
+        match = self.match_prefix(RadixKey(tokens, req.extra_key))
+        if len(match.device_indices) < len(tokens):
+            return
+        dev = torch.cat([match.device_indices[i * b : (i + 1) * b] for i in missing])
+        self.inc_lock_ref(match.last_node)
+        op = CacheOperation(
+            STORAGE_WRITE, dev, self._empty(), node=match.last_node, fence=self.fence_fn()
+        )
+        op.keys, op.block_size = [keys[i] for i in missing], b
+        self.ops.append(op)
+        self.controller.storage_write(op)
+
+    # ---- completion (scheduler thread) ---------------------------------------------------------
+
+    def poll(self) -> None:
+        """Apply every finished operation; forget requests whose copies are all done."""
+        for op in [op for op in self.ops if op.done.is_set()]:
+            self._finish(op)
+        for rid in [r for r, ops in self._waiting.items() if all(o.done.is_set() for o in ops)]:
+            del self._waiting[rid]
+
+    def wait_for(self, op: CacheOperation) -> None:
+        op.done.wait()
+        if op in self.ops:
+            self._finish(op)
+
+    def _finish(self, op: CacheOperation) -> None:
+        self.ops.remove(op)
+        if op.error is not None:
+            raise RuntimeError(f"hierarchical cache {op.kind} failed: {op.error!r}") from op.error
+        n = len(op.device_indices)
+        if op.kind in (LOAD, BACKUP):
+            attr = "loading" if op.kind == LOAD else "backing_up"
+            node = op.node
+            while node is not self.root_node and getattr(node, attr) is op:
+                setattr(node, attr, None)
+                node = node.parent
+            if op.kind == LOAD:
+                self.stats.host_hit_tokens += n
+            else:
+                self.stats.backup_tokens += n
+        elif op.kind == STORAGE_READ:
+            got = op.blocks * op.block_size
+            added = self.insert_host(op.key[: op.start + got], op.start, op.host_indices[:got])
+            self.host_pool.free(op.host_indices[got:])
+            self.stats.storage_hit_tokens += added
+        else:
+            self.stats.storage_write_tokens += n
+        if op.node is not self.root_node:
+            self.dec_lock_ref(op.node)
