@@ -63,3 +63,140 @@ def test_host_tier_serves_prefixes_evicted_from_the_device(policy, overlap):
     assert info["hicache_device_to_host_tokens"] > 0
     hi.s.hicache.check_integrity()
     assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
+
+
+def _hold_copies(run: FakeRun):
+    """Make the cache controller's copy thread wait until the returned event is set."""
+    import threading
+
+    gate = threading.Event()
+    ctrl = run.s.hicache.controller
+    copy = ctrl._copy
+
+    def gated(op):
+        gate.wait(10)
+        copy(op)
+
+    ctrl.copier.run = gated
+    return gate
+
+
+def _fill_then_evict(run: FakeRun, prompt: list[int]) -> None:
+    """Run prompt, then enough other prompts that its prefix is demoted to the host."""
+    run.submit("first", prompt, max_new=4)
+    run.drain()
+    rng = random.Random(7)
+    for i in range(4):
+        run.submit(f"filler{i}", [rng.randrange(3, 97) for _ in range(200)], max_new=4)
+        run.drain()
+    assert run.s.hicache.match_prefix(_key(prompt)).device_indices.numel() == 0
+
+
+def _key(prompt):
+    from radixserve.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(prompt)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_while_loading_frees_everything(overlap):
+    run = FakeRun(
+        total_tokens=DEVICE_TOKENS,
+        max_running=4,
+        overlap=overlap,
+        enable_hierarchical_cache=True,
+        hicache_write_policy="write_back",
+    )
+    prompt = [random.Random(1).randrange(3, 97) for _ in range(300)]
+    _fill_then_evict(run, prompt)
+    gate = _hold_copies(run)
+    run.submit("again", prompt + [5, 6, 7], max_new=4)
+    other = [random.Random(2).randrange(3, 97) for _ in range(50)]
+    run.submit("other", other, max_new=6)
+    for _ in range(30):  # the loading request waits; the other one runs to the end
+        run.step()
+    assert "other" in run.reasons() and "again" not in run.reasons()
+    assert run.s.hicache.has_pending()
+    run.abort("again")
+    gate.set()
+    run.drain()
+    assert run.reasons()["again"]["type"] == "abort"
+    assert run.tokens()["other"] == expected_output(other, 6)
+    run.s.hicache.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_loading_request_gets_the_loaded_prefix(overlap):
+    run = FakeRun(
+        total_tokens=DEVICE_TOKENS,
+        max_running=4,
+        overlap=overlap,
+        enable_hierarchical_cache=True,
+        hicache_write_policy="write_through",
+        hicache_ratio=4.0,  # write-through keeps a backup of the fillers too
+    )
+    prompt = [random.Random(1).randrange(3, 97) for _ in range(300)]
+    _fill_then_evict(run, prompt)
+    run.submit("again", prompt + [5, 6, 7], max_new=4)
+    run.drain()
+    assert run.tokens()["again"] == expected_output(prompt + [5, 6, 7], 4)
+    cached = {r: n for m in run.outs for r, n in zip(m.rids, m.cached_tokens, strict=True)}
+    assert cached["again"] >= 300
+    assert run.s.get_server_info()["hicache_host_hit_tokens"] >= 300
+
+
+def test_retraction_with_hierarchical_cache():
+    """Decode outgrows a small pool: requests are retracted, re-admitted (their prefixes
+    loaded back from the host) and still produce exact outputs."""
+    run = FakeRun(
+        total_tokens=256,
+        max_running=8,
+        overlap=False,
+        enable_hierarchical_cache=True,
+        hicache_write_policy="write_back",
+    )
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(3, 97) for _ in range(40)] for i in range(6)}
+    for rid, p in prompts.items():
+        run.submit(rid, p, max_new=30)
+    run.drain()
+    assert run.s.stats.num_retractions > 0
+    got = run.tokens()
+    for rid, p in prompts.items():
+        assert got[rid] == expected_output(p, 30)
+
+
+def test_page_size_4_and_lpm():
+    run, cached = _run(
+        False,
+        enable_hierarchical_cache=True,
+        page_size=4,
+        hicache_storage_block_size=16,
+        schedule_policy="lpm",
+    )
+    assert sum(cached.values()) > 0
+    assert run.s.get_server_info()["hicache_host_hit_tokens"] > 0
+
+
+def test_storage_survives_a_restart(tmp_path):
+    """Scheduler 1 serves prompts and closes; scheduler 2 over the same storage directory
+    (fresh device and host tiers) reads the prefix back from disk."""
+    flags = dict(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path),
+        hicache_storage_block_size=32,
+    )
+    prompt = [random.Random(5).randrange(3, 97) for _ in range(200)]
+    first = FakeRun(total_tokens=DEVICE_TOKENS, max_running=4, overlap=True, **flags)
+    first.submit("a", prompt, max_new=8)
+    first.drain()
+    assert first.s.get_server_info()["hicache_storage_write_tokens"] >= 192
+    first.s.close()
+    second = FakeRun(total_tokens=DEVICE_TOKENS, max_running=4, overlap=True, **flags)
+    second.submit("b", prompt, max_new=8)
+    second.drain()
+    assert second.tokens()["b"] == expected_output(prompt, 8)
+    cached = {r: n for m in second.outs for r, n in zip(m.rids, m.cached_tokens, strict=True)}
+    assert cached["b"] == 192  # six whole 32-token blocks (the last token is always computed)
+    assert second.s.get_server_info()["hicache_storage_hit_tokens"] == 192
