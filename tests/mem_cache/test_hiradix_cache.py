@@ -1,0 +1,114 @@
+"""HiRadixCache's start-up checks and its accounting under a random workload (random shared
+prefixes, arrivals, aborts, both scheduler loops, a tiny device pool and host tier), with the
+scheduler's integrity checks after every step and exact outputs at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from rs_fake_worker import FakeRun, expected_output
+
+from radixserve.args import ServerArgs
+from radixserve.mem_cache.hicache_storage import block_hashes
+from radixserve.mem_cache.memory_pool_host import HostKVPool, host_pool_tokens
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"hicache_storage_backend": "file"}, "needs --enable-hierarchical-cache"),
+        (
+            {"enable_hierarchical_cache": True, "disable_radix_cache": True},
+            "drop --disable-radix-cache",
+        ),
+        (
+            {"enable_hierarchical_cache": True, "page_size": 16, "hicache_storage_block_size": 40},
+            "multiple of --page-size 16",
+        ),
+        ({"enable_hierarchical_cache": True, "hicache_ratio": 0}, "--hicache-ratio must be > 0"),
+        ({"enable_hierarchical_cache": True, "tp_size": 2}, "--tp-size > 1"),
+    ],
+)
+def test_invalid_combinations_are_rejected(flags, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**flags)
+
+
+def test_host_tier_smaller_than_the_device_pool_is_rejected():
+    with pytest.raises(ValueError, match="at least the device KV pool"):
+        host_pool_tokens(1000, 64, ratio=0.5, size_gb=0, page_size=1)
+    assert host_pool_tokens(1000, 64, ratio=2.0, size_gb=0, page_size=16) == 2000
+    assert host_pool_tokens(1000, 1024, ratio=2.0, size_gb=0.001, page_size=1) == 1048
+    with pytest.raises(ValueError, match="at least the device KV pool"):
+        FakeRun(total_tokens=512, enable_hierarchical_cache=True, hicache_ratio=0.5)
+
+
+def test_block_hashes_chain_over_the_prefix():
+    a = block_hashes(list(range(100)), 32)
+    assert len(a) == 3  # the partial last block has no key
+    assert block_hashes(list(range(96)), 32) == a
+    assert block_hashes(list(range(100)), 32, start_block=1) == a[1:]
+    changed = block_hashes([1] + list(range(1, 100)), 32)
+    assert all(x != y for x, y in zip(a, changed, strict=True))  # a block's key names its prefix
+    assert block_hashes(list(range(100)), 32, extra_key="lora") != a
+
+
+def test_host_pool_copies_and_bytes_round_trip():
+    dev = [torch.arange(40, dtype=torch.float32).view(20, 2), torch.arange(20).view(20, 1)]
+    pool = HostKVPool(dev, size=16, page_size=2)
+    host = pool.alloc(4)
+    src = torch.tensor([4, 5, 10, 11])
+    pool.backup_from_device(host, src)
+    dst = torch.tensor([16, 17, 18, 19])
+    pool.load_to_device(dst, host)
+    assert torch.equal(dev[0][dst], dev[0][src]) and torch.equal(dev[1][dst], dev[1][src])
+    data = pool.read_device_bytes(src)
+    other = pool.alloc(4)
+    assert pool.write_host_bytes(other, data)
+    assert torch.equal(pool.buffers[0][other], dev[0][src])
+    assert not pool.write_host_bytes(other, data[:-1])  # a truncated block is refused
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_workload_keeps_every_tier_accounted(seed, overlap, tmp_path):
+    rng = random.Random(seed)
+    policy = ["write_through", "write_through_selective", "write_back"][seed]
+    run = FakeRun(
+        total_tokens=256,
+        max_running=6,
+        overlap=overlap,
+        chunked_prefill_size=64,
+        enable_hierarchical_cache=True,
+        hicache_write_policy=policy,
+        hicache_ratio=1.5 + seed,
+        page_size=[1, 2, 4][seed],
+        hicache_storage_backend="file" if seed == 1 else None,
+        hicache_storage_dir=str(tmp_path),
+        hicache_storage_block_size=16,
+        schedule_policy=["fcfs", "lpm", "dfs-weight"][seed],
+    )
+    roots = [[rng.randrange(3, 97) for _ in range(rng.randrange(20, 120))] for _ in range(5)]
+    aborted = set()
+    for i in range(40):
+        prompt = rng.choice(roots)[: rng.randrange(10, 120)] + [rng.randrange(3, 97)] * 3
+        run.submit(f"r{i}", prompt, max_new=rng.randrange(1, 12))
+        for _ in range(rng.randrange(0, 6)):
+            run.step()
+        if rng.random() < 0.15:
+            victim = f"r{rng.randrange(0, i + 1)}"
+            run.abort(victim)
+            aborted.add(victim)
+    run.drain()
+    got, reasons = run.tokens(), run.reasons()
+    for rid, prompt in run.prompts.items():
+        if reasons[rid]["type"] != "abort":
+            assert got[rid] == expected_output(prompt, run.max_new[rid]), rid
+        else:
+            assert rid in aborted
+    hc = run.s.hicache
+    hc.check_integrity()
+    hc.check_drained()
+    assert hc.host_pool.available_size() + hc.host_evictable_size() == hc.host_pool.size
