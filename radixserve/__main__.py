@@ -47,7 +47,16 @@ def _serve(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    kinds = ("serving", "one-batch", "offline", "hf-baseline", "soak", "overhead", "perplexity")
+    kinds = (
+        "serving",
+        "one-batch",
+        "offline",
+        "hf-baseline",
+        "soak",
+        "overhead",
+        "perplexity",
+        "multiturn",
+    )
     if not argv or argv[0] not in kinds:
         print(f"usage: python -m radixserve bench {{{','.join(kinds)}}} ...", file=sys.stderr)
         return 2
@@ -64,6 +73,8 @@ def _bench(argv: list[str]) -> int:
         from radixserve.bench.overhead import main
     elif kind == "perplexity":
         from radixserve.bench.perplexity import main
+    elif kind == "multiturn":  # the hierarchical cache's benchmark
+        from radixserve.bench.multiturn import main
     else:
         from radixserve.bench.hf_baseline import main
     main(rest)

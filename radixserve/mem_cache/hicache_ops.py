@@ -227,6 +227,12 @@ class HiCacheRequestOps:
         for rid in [r for r, ops in self._waiting.items() if all(o.done.is_set() for o in ops)]:
             del self._waiting[rid]
 
+    def poll_backups(self) -> None:
+        """Finish the done backups only: they change no tree structure, so this is safe in
+        the middle of an operation that holds nodes of the tree (eviction)."""
+        for op in [op for op in self.ops if op.kind == BACKUP and op.done.is_set()]:
+            self._finish(op)
+
     def wait_for(self, op: CacheOperation) -> None:
         op.done.wait()
         if op in self.ops:

@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 
-from radixserve.mem_cache.cache_controller import STORAGE_READ, CacheOperation, HiCacheController
+from radixserve.mem_cache.cache_controller import CacheOperation, HiCacheController
+from radixserve.mem_cache.hicache_integrity import (
+    check_tiers,
+    check_tiers_drained,
+    host_unlocked_tokens,
+)
 from radixserve.mem_cache.hicache_ops import HiCacheRequestOps
 from radixserve.mem_cache.hicache_storage import HiCacheStorage
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -240,7 +245,7 @@ class HiRadixCache(HiCacheRequestOps, RadixCache):
         """Free device slots from unlocked device leaves, policy order; each node keeps (or
         first gets) a host copy, so it is demoted rather than dropped. Without host room it
         is dropped with its host-only subtree."""
-        self.poll()  # finished backups release their locks
+        self.poll_backups()  # finished backups release their locks (and become evictable)
         tiebreak = itertools.count()
         heap = [(self.evict_key(n), next(tiebreak), n) for n in self._leaves(self._device_leaf)]
         heapq.heapify(heap)
@@ -338,70 +343,16 @@ class HiRadixCache(HiCacheRequestOps, RadixCache):
         upper.children[self._child_key(child.key)] = child
         return upper
 
-    # ---- integrity -----------------------------------------------------------------------------
+    # ---- integrity (hicache_integrity) ---------------------------------------------------------
 
     def check_integrity(self) -> None:
-        evictable = protected = host_tokens = 0
-        dev: list[torch.Tensor] = []
-        host: list[torch.Tensor] = []
-        stack = [self.root_node]
-        while stack:
-            node = stack.pop()
-            for ck, c in node.children.items():
-                assert len(c.key) > 0 and len(c.key) % self.page_size == 0, "bad edge"
-                assert ck == self._child_key(c.key) and c.parent is node, "broken link"
-                assert c.value is not None or c.host_value is not None, "a node with no KV"
-                if node is not self.root_node:
-                    assert node.lock_ref >= c.lock_ref, "child locked more than its parent"
-                    assert c.key.extra_key == node.key.extra_key, "extra_key changes on path"
-                if c.value is not None:
-                    assert len(c.value) == len(c.key), "value/key length mismatch"
-                    assert node is self.root_node or node.value is not None, (
-                        "a device node below a host-only node"
-                    )
-                    protected += len(c.key) if c.lock_ref > 0 else 0
-                    evictable += len(c.key) if c.lock_ref == 0 else 0
-                    dev.append(c.value)
-                if c.host_value is not None:
-                    assert len(c.host_value) == len(c.key), "host value/key length mismatch"
-                    host_tokens += len(c.key)
-                    host.append(c.host_value)
-                for op in (c.loading, c.backing_up):
-                    assert op is None or (op in self.ops and c.lock_ref > 0), "stray copy"
-                assert c.loading is None or c.value is not None, "loading without slots"
-                stack.append(c)
-        assert evictable == self._evictable_size, f"evictable {self._evictable_size}!={evictable}"
-        assert protected == self._protected_size, f"protected {self._protected_size}!={protected}"
-        for slots, tier in ((dev, "device"), (host, "host")):
-            if slots:
-                cat = torch.cat(slots)
-                assert len(torch.unique(cat)) == len(cat), f"a {tier} slot appears twice"
-        reading = sum(len(op.host_indices) for op in self.ops if op.kind == STORAGE_READ)
-        free = self.host_pool.available_size()
-        assert free + host_tokens + reading == self.host_pool.size, (
-            f"host slots leaked: {free} free + {host_tokens} in tree + {reading} reading "
-            f"!= {self.host_pool.size}"
-        )
-        self.host_pool.check_integrity()
+        check_tiers(self)
 
     def check_drained(self) -> None:
-        """Nothing in flight and no lock anywhere (host-only nodes included)."""
-        assert not self.ops, f"{len(self.ops)} cache copies still in flight"
-        stack = [self.root_node]
-        while stack:
-            node = stack.pop()
-            assert node.lock_ref == 0, "a radix node is still locked after drain"
-            stack.extend(node.children.values())
+        check_tiers_drained(self)
 
     def host_evictable_size(self) -> int:
-        """Host tokens no lock or copy holds (their slots could be freed)."""
-        stack, total = list(self.root_node.children.values()), 0
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if node.host_value is not None and node.lock_ref == 0:
-                total += len(node.key)
-        return total
+        return host_unlocked_tokens(self)
 
 
 def create_hiradix_cache(

@@ -1,0 +1,165 @@
+"""Multi-turn benchmark for the hierarchical cache (after SGLang's benchmark/hicache multi-turn).
+
+`--num-clients` clients each hold a conversation of `--num-rounds` rounds. Round r's prompt is
+the whole conversation so far (every earlier user turn and answer) plus a new user turn of
+`--request-length` random tokens; the answer is `--output-length` tokens (EOS ignored). The
+clients run concurrently, each sending its next round when its answer is complete, so a
+conversation's prefix comes back after the other clients have pushed it out of the device pool.
+With a small `--max-total-tokens` the conversations' total length is several times the pool.
+
+One run serves the same workload on a fresh offline Engine per configuration — the plain radix
+cache, then the same flags plus --enable-hierarchical-cache — and prints, for each, the
+cached-token ratio (prompt tokens served from the cache / prompt tokens), TTFT (client side,
+streaming) and the wall time. Usage:
+
+    python -m radixserve bench multiturn --max-total-tokens 2048 --num-clients 8 --num-rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunResult:
+    name: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    server_info: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        t = sorted(self.ttft_s)
+        return {
+            "config": self.name,
+            "requests": len(t),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cache_hit_ratio": round(self.cached_tokens / max(1, self.prompt_tokens), 4),
+            "mean_ttft_ms": round(1000 * statistics.fmean(t), 1) if t else None,
+            "p50_ttft_ms": round(1000 * t[len(t) // 2], 1) if t else None,
+            "p90_ttft_ms": round(1000 * t[int(len(t) * 0.9)], 1) if t else None,
+            "wall_s": round(self.wall_s, 2),
+            **{k: v for k, v in self.server_info.items() if k.startswith("hicache_")},
+        }
+
+
+def make_turns(args: argparse.Namespace, vocab_size: int) -> list[list[list[int]]]:
+    """User turns: [client][round] → token ids (random, away from the special tokens)."""
+    rng = random.Random(args.seed)
+    lo, hi = 100, max(101, vocab_size - 100)
+    return [
+        [
+            [rng.randrange(lo, hi) for _ in range(args.request_length)]
+            for _ in range(args.num_rounds)
+        ]
+        for _ in range(args.num_clients)
+    ]
+
+
+def _client(engine: Any, c: int, turns: list[list[int]], args: Any, res: RunResult, lock) -> None:
+    history: list[int] = []
+    params = {"max_new_tokens": args.output_length, "temperature": 0, "ignore_eos": True}
+    for r, turn in enumerate(turns):
+        prompt = history + turn
+        start = time.perf_counter()
+        first, last = None, None
+        for chunk in engine.generate(input_ids=prompt, sampling_params=params, stream=True):
+            if first is None:
+                first = time.perf_counter() - start
+            last = chunk
+        assert last is not None and first is not None
+        output = last["output_ids"]
+        with lock:
+            res.ttft_s.append(first)
+            res.prompt_tokens += len(prompt)
+            res.cached_tokens += last["meta_info"]["cached_tokens"]
+            res.outputs[f"c{c}r{r}"] = list(output)
+        history = prompt + list(output)
+
+
+def run_config(name: str, engine_kwargs: dict[str, Any], args: argparse.Namespace) -> RunResult:
+    from radixserve import Engine
+
+    res = RunResult(name)
+    with Engine(**engine_kwargs) as engine:
+        turns = make_turns(args, engine.tokenizer_manager.vocab_size)
+        warm = {"max_new_tokens": 2, "temperature": 0}
+        engine.generate(input_ids=[101, 102, 103], sampling_params=warm)
+        engine.flush_cache()
+        lock = threading.Lock()
+        threads = [
+            threading.Thread(target=_client, args=(engine, c, turns[c], args, res, lock))
+            for c in range(args.num_clients)
+        ]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        res.wall_s = time.perf_counter() - start
+        res.server_info = engine.get_server_info()
+    return res
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m radixserve bench multiturn", description=__doc__)
+    p.add_argument("--model-path", default=None, help="Default: SmolLM2-135M-Instruct.")
+    p.add_argument("--max-total-tokens", type=int, default=2048, help="The device KV pool.")
+    p.add_argument("--num-clients", type=int, default=8)
+    p.add_argument("--num-rounds", type=int, default=5)
+    p.add_argument("--request-length", type=int, default=200, help="Tokens per user turn.")
+    p.add_argument("--output-length", type=int, default=16, help="Tokens per answer.")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="Runs of each config, alternating.")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--hicache-args",
+        default='{"enable_hierarchical_cache": true}',
+        help="JSON of the ServerArgs the hierarchical run adds (e.g. a write policy, a ratio).",
+    )
+    p.add_argument("--only", choices=("radix", "hicache"), default=None, help="Run one config.")
+    p.add_argument("--check-outputs", action="store_true", help="Greedy outputs must agree.")
+    p.add_argument("--output-file", default=None, help="Append the results as JSON lines.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    base = {"model_path": args.model_path, "max_total_tokens": args.max_total_tokens}
+    base["dtype"] = args.dtype
+    configs = {"radix": base, "hicache": {**base, **json.loads(args.hicache_args)}}
+    if args.only:
+        configs = {args.only: configs[args.only]}
+    final = args.num_rounds * (args.request_length + args.output_length)
+    print(
+        f"{args.num_clients} clients × {args.num_rounds} rounds; conversations total "
+        f"{args.num_clients * final} tokens = {args.num_clients * final / args.max_total_tokens:.1f}"
+        f"× the device pool ({args.max_total_tokens})",
+        flush=True,
+    )
+    results = []
+    for _ in range(args.repeats):  # alternate: a shared machine's load drifts during a run
+        for name, kwargs in configs.items():
+            res = run_config(name, kwargs, args)
+            results.append(res)
+            print(json.dumps(res.summary()), flush=True)
+            if args.output_file:
+                with open(args.output_file, "a") as f:
+                    f.write(json.dumps({**res.summary(), "args": vars(args)}) + "\n")
+    if args.check_outputs and len(results) >= 2:
+        same = all(r.outputs == results[0].outputs for r in results)
+        print(f"greedy outputs identical across runs: {same}")
+
+
+if __name__ == "__main__":
+    main()
