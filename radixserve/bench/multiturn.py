@@ -3,8 +3,9 @@
 `--num-clients` clients each hold a conversation of `--num-rounds` rounds. Round r's prompt is
 the whole conversation so far (every earlier user turn and answer) plus a new user turn of
 `--request-length` random tokens; the answer is `--output-length` tokens (EOS ignored). The
-clients run concurrently, each sending its next round when its answer is complete, so a
-conversation's prefix comes back after the other clients have pushed it out of the device pool.
+clients run concurrently (at most `--max-parallel` requests in flight), each sending its next
+round when its answer is complete, so a conversation's prefix comes back after the other
+clients have pushed it out of the device pool.
 With a small `--max-total-tokens` the conversations' total length is several times the pool.
 
 One run serves the same workload on a fresh offline Engine per configuration — the plain radix
@@ -12,7 +13,9 @@ cache, then the same flags plus --enable-hierarchical-cache — and prints, for 
 cached-token ratio (prompt tokens served from the cache / prompt tokens), TTFT (client side,
 streaming) and the wall time. Usage:
 
-    python -m radixserve bench multiturn --max-total-tokens 2048 --num-clients 8 --num-rounds 5
+    python -m radixserve bench multiturn --max-total-tokens 1280 --num-clients 8 --num-rounds 4 \
+        --request-length 150 --output-length 8 --max-parallel 2 \
+        --hicache-args '{"enable_hierarchical_cache": true, "hicache_ratio": 4}'
 """
 
 from __future__ import annotations
@@ -66,17 +69,20 @@ def make_turns(args: argparse.Namespace, vocab_size: int) -> list[list[list[int]
     ]
 
 
-def _client(engine: Any, c: int, turns: list[list[int]], args: Any, res: RunResult, lock) -> None:
+def _client(
+    engine: Any, c: int, turns: list[list[int]], args: Any, res: RunResult, lock, slots
+) -> None:
     history: list[int] = []
     params = {"max_new_tokens": args.output_length, "temperature": 0, "ignore_eos": True}
     for r, turn in enumerate(turns):
         prompt = history + turn
-        start = time.perf_counter()
         first, last = None, None
-        for chunk in engine.generate(input_ids=prompt, sampling_params=params, stream=True):
-            if first is None:
-                first = time.perf_counter() - start
-            last = chunk
+        with slots:  # at most --max-parallel requests in flight
+            start = time.perf_counter()
+            for chunk in engine.generate(input_ids=prompt, sampling_params=params, stream=True):
+                if first is None:
+                    first = time.perf_counter() - start
+                last = chunk
         assert last is not None and first is not None
         output = last["output_ids"]
         with lock:
@@ -97,8 +103,9 @@ def run_config(name: str, engine_kwargs: dict[str, Any], args: argparse.Namespac
         engine.generate(input_ids=[101, 102, 103], sampling_params=warm)
         engine.flush_cache()
         lock = threading.Lock()
+        slots = threading.BoundedSemaphore(args.max_parallel or args.num_clients)
         threads = [
-            threading.Thread(target=_client, args=(engine, c, turns[c], args, res, lock))
+            threading.Thread(target=_client, args=(engine, c, turns[c], args, res, lock, slots))
             for c in range(args.num_clients)
         ]
         start = time.perf_counter()
@@ -120,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-length", type=int, default=200, help="Tokens per user turn.")
     p.add_argument("--output-length", type=int, default=16, help="Tokens per answer.")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--max-parallel", type=int, default=None, help="Requests in flight (default: clients)."
+    )
     p.add_argument("--repeats", type=int, default=1, help="Runs of each config, alternating.")
     p.add_argument("--dtype", default="auto")
     p.add_argument(

@@ -66,7 +66,7 @@ class HiCacheRequestOps:
         self.ops: list[CacheOperation] = []
         self.stats = HiCacheStats()
         self.fence_fn: Callable[[], Any] = lambda: None
-        self._waiting: dict[int, list[CacheOperation]] = {}  # id(req) → its copies
+        self._waiting: dict[Any, list[CacheOperation]] = {}  # a loading request → its copies
         self._tiers: weakref.WeakKeyDictionary[Any, _ReqTiers] = weakref.WeakKeyDictionary()
 
     def set_compute_fence(self, fence_fn: Callable[[], Any]) -> None:
@@ -94,7 +94,7 @@ class HiCacheRequestOps:
         """True when req can be admitted now: its match is on the device, or loading more
         would not help (no room within `budget` device tokens, or it tried enough)."""
         self.poll()
-        if id(req) in self._waiting:
+        if req in self._waiting:
             return False
         tiers = self._tiers.setdefault(req, _ReqTiers())
         req.init_next_round_input(self)
@@ -104,16 +104,14 @@ class HiCacheRequestOps:
         ops: list[CacheOperation] = []
         if beyond and tiers.loads < MAX_LOADS_PER_REQUEST:
             ops = list({id(n.loading): n.loading for n in beyond if n.loading}.values())
-            if not ops:
-                op = self._load_back(beyond, budget)
-                ops = [op] if op is not None else []
-                tiers.loads += 1
+            if not ops and (op := self._load_back(beyond, budget)) is not None:
+                ops, tiers.loads = [op], tiers.loads + 1
         elif not beyond and self.storage is not None and not tiers.storage_checked:
             tiers.storage_checked = True
             op = self._prefetch(key, path)
             ops = [op] if op is not None else []
         if ops:
-            self._waiting[id(req)] = ops
+            self._waiting[req] = ops
             return False
         return True
 
@@ -224,8 +222,8 @@ class HiCacheRequestOps:
         """Apply every finished operation; forget requests whose copies are all done."""
         for op in [op for op in self.ops if op.done.is_set()]:
             self._finish(op)
-        for rid in [r for r, ops in self._waiting.items() if all(o.done.is_set() for o in ops)]:
-            del self._waiting[rid]
+        for req in [r for r, ops in self._waiting.items() if all(o.done.is_set() for o in ops)]:
+            del self._waiting[req]
 
     def poll_backups(self) -> None:
         """Finish the done backups only: they change no tree structure, so this is safe in
