@@ -43,6 +43,14 @@ _COUNTERS = {
     "spec_verify_ct": ("spec_verify_steps", "Request-steps that verified draft tokens."),
     "spec_draft_tokens": ("spec_draft_tokens", "Draft tokens proposed."),
     "spec_accepted_tokens": ("spec_accepted_tokens", "Draft tokens accepted."),
+    "hicache_host_hit_tokens": (
+        "hicache_host_hit_tokens",
+        "Hierarchical cache: prefix tokens loaded back from the host tier.",
+    ),
+    "hicache_storage_hit_tokens": (
+        "hicache_storage_hit_tokens",
+        "Hierarchical cache: prefix tokens read back from the storage tier.",
+    ),
 }
 
 

@@ -200,3 +200,17 @@ def test_storage_survives_a_restart(tmp_path):
     cached = {r: n for m in second.outs for r, n in zip(m.rids, m.cached_tokens, strict=True)}
     assert cached["b"] == 192  # six whole 32-token blocks (the last token is always computed)
     assert second.s.get_server_info()["hicache_storage_hit_tokens"] == 192
+
+
+def test_tier_hits_reach_the_metrics():
+    from radixserve.managers.metrics import ServerMetrics
+
+    run, _ = _run(False, enable_hierarchical_cache=True, hicache_write_policy="write_back")
+    info = run.s.get_server_info()
+    metrics = ServerMetrics("m")
+    metrics.update_from_server_info(info)
+    text = metrics.render().decode()
+    line = next(
+        x for x in text.splitlines() if x.startswith("sglang:hicache_host_hit_tokens_total")
+    )
+    assert float(line.rsplit(" ", 1)[1]) == info["hicache_host_hit_tokens"] > 0
