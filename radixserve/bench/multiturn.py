@@ -2,10 +2,10 @@
 
 `--num-clients` clients each hold a conversation of `--num-rounds` rounds. Round r's prompt is
 the whole conversation so far (every earlier user turn and answer) plus a new user turn of
-`--request-length` random tokens; the answer is `--output-length` tokens (EOS ignored). The
-clients run concurrently (at most `--max-parallel` requests in flight), each sending its next
-round when its answer is complete, so a conversation's prefix comes back after the other
-clients have pushed it out of the device pool.
+`--request-length` random tokens; the answer is `--output-length` tokens (EOS ignored). Every
+conversation's round r is served (at most `--max-parallel` requests in flight) before any round
+r + 1, so a conversation's prefix comes back after all the other clients have pushed it out of
+the device pool.
 With a small `--max-total-tokens` the conversations' total length is several times the pool.
 
 One run serves the same workload on a fresh offline Engine per configuration — the plain radix
@@ -24,8 +24,8 @@ import argparse
 import json
 import random
 import statistics
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,50 +69,42 @@ def make_turns(args: argparse.Namespace, vocab_size: int) -> list[list[list[int]
     ]
 
 
-def _client(
-    engine: Any, c: int, turns: list[list[int]], args: Any, res: RunResult, lock, slots
-) -> None:
-    history: list[int] = []
-    params = {"max_new_tokens": args.output_length, "temperature": 0, "ignore_eos": True}
-    for r, turn in enumerate(turns):
-        prompt = history + turn
-        first, last = None, None
-        with slots:  # at most --max-parallel requests in flight
-            start = time.perf_counter()
-            for chunk in engine.generate(input_ids=prompt, sampling_params=params, stream=True):
-                if first is None:
-                    first = time.perf_counter() - start
-                last = chunk
-        assert last is not None and first is not None
-        output = last["output_ids"]
-        with lock:
-            res.ttft_s.append(first)
-            res.prompt_tokens += len(prompt)
-            res.cached_tokens += last["meta_info"]["cached_tokens"]
-            res.outputs[f"c{c}r{r}"] = list(output)
-        history = prompt + list(output)
+def _one_request(engine: Any, prompt: list[int], params: dict[str, Any]) -> tuple[float, dict]:
+    """(TTFT, final output) of one streamed request."""
+    start = time.perf_counter()
+    first, last = None, None
+    for chunk in engine.generate(input_ids=prompt, sampling_params=params, stream=True):
+        if first is None:
+            first = time.perf_counter() - start
+        last = chunk
+    assert first is not None and last is not None
+    return first, last
 
 
 def run_config(name: str, engine_kwargs: dict[str, Any], args: argparse.Namespace) -> RunResult:
+    """Round r of every conversation, then round r + 1 (at most --max-parallel in flight), so
+    a conversation comes back after all the others have run."""
     from radixserve import Engine
 
     res = RunResult(name)
+    params = {"max_new_tokens": args.output_length, "temperature": 0, "ignore_eos": True}
     with Engine(**engine_kwargs) as engine:
         turns = make_turns(args, engine.tokenizer_manager.vocab_size)
         warm = {"max_new_tokens": 2, "temperature": 0}
         engine.generate(input_ids=[101, 102, 103], sampling_params=warm)
         engine.flush_cache()
-        lock = threading.Lock()
-        slots = threading.BoundedSemaphore(args.max_parallel or args.num_clients)
-        threads = [
-            threading.Thread(target=_client, args=(engine, c, turns[c], args, res, lock, slots))
-            for c in range(args.num_clients)
-        ]
+        history: list[list[int]] = [[] for _ in range(args.num_clients)]
         start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(args.max_parallel or args.num_clients) as pool:
+            for r in range(args.num_rounds):
+                prompts = [history[c] + turns[c][r] for c in range(args.num_clients)]
+                done = pool.map(lambda p: _one_request(engine, p, params), prompts)
+                for c, (prompt, (ttft, out)) in enumerate(zip(prompts, done, strict=True)):
+                    res.ttft_s.append(ttft)
+                    res.prompt_tokens += len(prompt)
+                    res.cached_tokens += out["meta_info"]["cached_tokens"]
+                    res.outputs[f"c{c}r{r}"] = list(out["output_ids"])
+                    history[c] = prompt + list(out["output_ids"])
         res.wall_s = time.perf_counter() - start
         res.server_info = engine.get_server_info()
     return res
