@@ -98,30 +98,29 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.tp_sync = (
             TpSync(tp_group) if tp_group is not None and tp_group.world_size > 1 else None
         )
-        # TP ranks must evict the same nodes: a logical clock orders accesses the same way on
-        # every rank, where time.monotonic() may tie on one rank and not another.
-        clock = {"clock": itertools.count().__next__} if self.tp_sync is not None else {}
-        self.hicache: HiRadixCache | None = None  # >>> hierarchical cache (HiCache)
-        if server_args.enable_hierarchical_cache:
-            self.hicache = create_hiradix_cache(
-                server_args, self.req_to_token_pool, self.allocator, runner.token_to_kv_pool
-            )
-            self.hicache.set_compute_fence(self._last_launched_step)
-        # <<<
         if server_args.disable_radix_cache:
             self.tree_cache: Any = ChunkCache(
                 self.req_to_token_pool, self.allocator, self.page_size
             )
-        elif self.hicache is not None:
-            self.tree_cache = self.hicache
+        elif server_args.enable_hierarchical_cache:  # HiCache (no TP: no logical clock needed)
+            self.tree_cache = create_hiradix_cache(
+                server_args, self.req_to_token_pool, self.allocator, runner.token_to_kv_pool
+            )
         else:
             self.tree_cache = RadixCache(
                 self.req_to_token_pool,
                 self.allocator,
                 self.page_size,
                 server_args.radix_eviction_policy,
-                **clock,
+                # TP ranks must evict the same nodes: a logical clock orders accesses the same
+                # way on every rank, where time.monotonic() may tie on one rank and not another.
+                **({"clock": itertools.count().__next__} if self.tp_sync is not None else {}),
             )
+        # >>> hierarchical cache: its copies wait for the forward that writes their KV
+        self.hicache = self.tree_cache if isinstance(self.tree_cache, HiRadixCache) else None
+        if self.hicache is not None:
+            self.hicache.set_compute_fence(self._last_launched_step)
+        # <<<
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, server_args.random_seed
         )
