@@ -87,7 +87,11 @@ class ServerArgs:
         "host:port of the TP ranks' rendezvous (default with --tp-size > 1: a free loopback "
         "port; required with --nnodes > 1).",
     )
-    nnodes: int = _f(1, "Machines the TP ranks span (multi-machine TP is not launched yet).")
+    nnodes: int = _f(
+        1,
+        "Machines the TP ranks span: each runs --tp-size / --nnodes ranks; node 0 serves HTTP, "
+        "the others only run their schedulers.",
+    )
     node_rank: int = _f(0, "This machine's index, 0 .. --nnodes - 1.")
     # Data parallelism (SGLang's flags)
     dp_size: int = _f(
@@ -249,18 +253,14 @@ class ServerArgs:
                 "speculative decoding is not supported with --tp-size > 1 (the draft and "
                 "verify steps are not sharded); drop --speculative-algorithm"
             )
-        if self.nnodes > 1:
-            raise ValueError(
-                "--nnodes > 1: multi-machine TP is validated but not launched yet; run all "
-                "--tp-size ranks on one machine"
-            )
         if device == "cuda":
             import torch
 
-            if torch.cuda.device_count() < self.tp_size:
+            per_node = self.tp_size // self.nnodes
+            if torch.cuda.device_count() < per_node:
                 raise ValueError(
-                    f"--tp-size {self.tp_size} needs {self.tp_size} GPUs, this machine has "
-                    f"{torch.cuda.device_count()}"
+                    f"--tp-size {self.tp_size} over {self.nnodes} machine(s) needs {per_node} "
+                    f"GPUs here, this machine has {torch.cuda.device_count()}"
                 )
 
     def _check_speculative(self) -> None:
@@ -348,6 +348,12 @@ class ServerArgs:
             mem_fraction_static=fraction,
             dist_init_addr=self.dist_init_addr or _default_dist_init_addr(self.tp_size),
         )
+
+    @property
+    def local_tp_ranks(self) -> range:
+        """The TP ranks this machine runs (all of them unless --nnodes > 1)."""
+        per_node = self.tp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
     def chunked_prefill_enabled(self) -> bool:

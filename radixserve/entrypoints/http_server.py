@@ -546,10 +546,16 @@ class _Signals:
 
 def launch_server(server_args: ServerArgs) -> int:
     """Serve until a signal (exit 0) or a failure (exit non-zero); always stop the children."""
-    from radixserve.entrypoints.engine import Subprocesses, create_tokenizer_manager
+    from radixserve.entrypoints.engine import (
+        Subprocesses,
+        create_tokenizer_manager,
+        run_worker_node,
+    )
     from radixserve.utils import configure_logging
 
     configure_logging(server_args.log_level)
+    if server_args.node_rank > 0:
+        return run_worker_node(server_args)
     signals = _Signals()
     procs = None
     try:
