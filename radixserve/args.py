@@ -24,6 +24,8 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen", "llama3", "pythonic")
 REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "fake")
 LOAD_BALANCE_METHODS = ("prefix_affinity", "round_robin", "shortest_queue")
 # Extra option strings of a field's flag (SGLang's short forms).
 CLI_ALIASES = {"tp_size": ("--tp",), "dp_size": ("--dp",)}
@@ -106,6 +108,29 @@ class ServerArgs:
         "the longest part of the prompt, else the least-filled cache; the least loaded when "
         "the loads drift apart), round_robin, shortest_queue (fewest requests in flight).",
         LOAD_BALANCE_METHODS,
+    )
+    # Prefill/decode disaggregation (SGLang's flags)
+    disaggregation_mode: str = _f(
+        "null",
+        "prefill: compute prompts and send their KV and first token to a decode server; "
+        "decode: take requests whose KV a prefill server sends; null: both in one server. "
+        "A P/D pair is driven by SGLang's router (--pd-disaggregation), which sends each "
+        "request to both with a bootstrap room.",
+        DISAGGREGATION_MODES,
+    )
+    disaggregation_bootstrap_port: int = _f(
+        8998, "Prefill: the port of its bootstrap server (decode servers connect to it)."
+    )
+    disaggregation_transfer_backend: str = _f(
+        "mooncake",
+        "How KV bytes move: mooncake (Mooncake's transfer engine; TCP without RDMA) or fake "
+        "(the bytes ride on the control channel; no extra package, for tests).",
+        TRANSFER_BACKENDS,
+    )
+    disaggregation_timeout: float = _f(
+        60.0,
+        "Seconds a request may wait for its peer (pairing, then the KV) before it fails on "
+        "both sides with an error.",
     )
     # Features
     grammar_backend: str = _f("xgrammar", "Structured output backend.", GRAMMAR_BACKENDS)
@@ -218,6 +243,33 @@ class ServerArgs:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.dp_size > 1 and self.tp_size > 1:
             raise ValueError("--dp-size > 1 with --tp-size > 1 is not supported yet; use one")
+        self._check_disaggregation()
+
+    def _check_disaggregation(self) -> None:
+        mode = self.disaggregation_mode
+        if mode == "null":
+            return
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(
+                f"--disaggregation-bootstrap-port must be a port, got "
+                f"{self.disaggregation_bootstrap_port}"
+            )
+        if self.disaggregation_timeout <= 0:
+            raise ValueError("--disaggregation-timeout must be positive")
+        for flag, value in (
+            ("--tp-size", self.tp_size),
+            ("--dp-size", self.dp_size),
+        ):
+            if value > 1:
+                raise ValueError(
+                    f"--disaggregation-mode {mode} runs one scheduler rank; {flag} > 1 is not "
+                    "supported with it"
+                )
+        if self.speculative_algorithm:
+            raise ValueError(
+                f"--disaggregation-mode {mode} does not support speculative decoding; drop "
+                "--speculative-algorithm"
+            )
 
     def _check_tensor_parallel(self) -> None:
         if self.tp_size < 1:

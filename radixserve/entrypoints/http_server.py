@@ -349,12 +349,12 @@ async def server_info(request: Request) -> Response:
         }
     args = st.server_args
     # What SGLang's router reads besides the arguments: the model (never null: it names the
-    # model the router routes to), the parallel layout, no P/D.
+    # model the router routes to), the parallel layout, the P/D role.
     worker = {
         **_model_fields(st),
         "tp_size": args.tp_size,
         "dp_size": args.dp_size,
-        "disaggregation_mode": "null",
+        "disaggregation_mode": args.disaggregation_mode,
     }
     return json_response({**dataclasses.asdict(args), **worker, **info, **pids})
 

@@ -109,12 +109,13 @@ class RequestModel(BaseModel):
 
 class RoutingFields(RequestModel):
     """What SGLang's router adds to every kind of request. The bootstrap fields pair a prefill
-    server with a decode server; a server without disaggregation ignores them, as SGLang's does."""
+    server with a decode server (--disaggregation-mode); a server without disaggregation
+    ignores them, as SGLang's does."""
 
     data_parallel_rank: int | None = Field(None, exclude=True)
-    bootstrap_host: str | None = Field(None, exclude=True)
-    bootstrap_port: int | None = Field(None, exclude=True)
-    bootstrap_room: int | list[int] | None = Field(None, exclude=True)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | list[int] | None = None
     return_hidden_states: bool = Field(False, exclude=True)
 
 

@@ -264,6 +264,9 @@ class TokenizerManager:
             extra_key=obj.extra_key,
             priority=obj.priority,
             routing_key=obj.routing_key,
+            bootstrap_host=obj.bootstrap_host,
+            bootstrap_port=obj.bootstrap_port,
+            bootstrap_room=obj.bootstrap_room,
         )
 
     def apply_chat_template(
