@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 30000
 HOST ?= 127.0.0.1
 
-.PHONY: setup venv model browser test test-fast lint format serve router clean
+.PHONY: setup venv model browser mooncake test test-fast lint format serve router clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,12 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 browser:
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+
+# Debian's libibverbs1, which Mooncake's transfer engine (a dev extra; the `pd` extra for
+# users) loads even over TCP; without it P/D disaggregation runs with the fake backend only.
+mooncake:
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -41,7 +41,10 @@ class ControlChannel:
                 port = self.inbound.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as e:
             self.inbound.close()
-            raise RuntimeError(f"cannot bind the disaggregation channel on {host}:{port}: {e}")
+            raise RuntimeError(
+                f"cannot bind the disaggregation channel on {host}:{port}: {e} (is the "
+                "bootstrap port in use? pick another with --disaggregation-bootstrap-port)"
+            ) from None
         self.port = port
         self.address = f"tcp://{advertised_host}:{port}"
         self.peers: dict[str, Any] = {}

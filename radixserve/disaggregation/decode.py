@@ -61,6 +61,10 @@ class DecodePrealloc:
             self.s._reject(req, f"bootstrap_room {room} is already in use on this server")
             return
         req.disagg_deadline = time.monotonic() + self.timeout
+        # The prompt's logprobs are the prefill server's to give (SGLang's router prepends
+        # them to this server's answer): none are computed or sent here.
+        req.input_token_logprobs, req.input_top_logprobs = [], []
+        req.input_logprob_pos = len(req.origin_input_ids)
         self.prealloc.append(req)
 
     def peer_address(self, req: Req) -> str:
@@ -93,8 +97,15 @@ class DecodePrealloc:
         how late a timeout, a ping or a reservation that now fits is noticed."""
         return 20 if self.prealloc else 50
 
-    def num_queued(self) -> int:
-        return len(self.prealloc) + len(self.waiting_kv)
+    def stats(self) -> dict[str, Any]:
+        return {
+            "mode": "decode",
+            "transfer_backend": self.transfer.name,
+            "waiting_for_slots": len(self.prealloc),
+            "waiting_for_kv": len(self.waiting_kv),
+            "transferred": self.num_transferred,
+            "failed": self.num_failed,
+        }
 
     # -- the loop ------------------------------------------------------------------------------
     def poll(self) -> list[Req]:

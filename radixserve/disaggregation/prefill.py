@@ -112,6 +112,17 @@ class PrefillBootstrap:
     def has_work(self) -> bool:
         return bool(self.waiting or self.sending)
 
+    def stats(self) -> dict[str, Any]:
+        return {
+            "mode": "prefill",
+            "bootstrap_port": self.channel.port,
+            "transfer_backend": self.transfer.name,
+            "waiting_for_decode": len(self.waiting),
+            "transferring": len(self.sending),
+            "transferred": self.num_transferred,
+            "failed": self.num_failed,
+        }
+
     def poll_interval_ms(self) -> int:
         """How soon the idle loop must look again: transfers finish on a thread, not a socket."""
         return 2 if self.sending else 50
@@ -199,8 +210,7 @@ class PrefillBootstrap:
                 self.num_failed += 1
                 self.s._finish_queued_abort(
                     req,
-                    f"no decode server reserved bootstrap_room {room} within "
-                    f"{self.timeout:g} s",
+                    f"no decode server reserved bootstrap_room {room} within {self.timeout:g} s",
                     status_code=503,
                 )
         for room, (t, msg) in list(self.reservations.items()):

@@ -16,6 +16,7 @@ coalesced into one copy each. Two backends:
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -103,6 +104,7 @@ class MooncakeTransfer:
     name = "mooncake"
 
     def __init__(self, kv_pool: Any, host: str) -> None:
+        os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:

@@ -659,6 +659,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         )
         if self.spec_worker is not None:  # what the speculation controller has measured
             info["spec_step_cost_ms"] = self.spec_controller.measured_costs_ms()
+        if self.disagg is not None:  # requests waiting for their P/D peer, transfers
+            info["disaggregation"] = self.disagg.stats()
         return info
 
     def dashboard_snapshot(self) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import string
-import subprocess
 import threading
 import time
 from typing import Any
@@ -24,10 +23,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from rs_testing import make_tiny_served_model, sglang_router_command
+from rs_testing import SglangRouter, make_tiny_served_model
 from test_http_server import ServerProcess, sse_events
-
-from radixserve.utils import free_port
 
 GROUPS, PER_GROUP = 6, 4
 PREFIX_CHARS, QUESTION_CHARS = 384, 24
@@ -317,46 +314,8 @@ def test_dp2_shortest_queue_then_a_dead_replica_takes_the_server_down(tmp_path_f
 
 
 # -- SGLang's router in front of two servers --------------------------------------------------------
-class Router:
-    """`python -m sglang_router.launch_router` on a free port in front of `workers`."""
-
-    def __init__(self, log_dir: str, workers: list[str], policy: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(log_dir, f"router-{policy}.log")
-        cmd = [*sglang_router_command(), "--worker-urls", *workers, "--policy", policy]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn"]
-        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()[-3000:]
-
-    def wait_ready(self, timeout: float = 60.0) -> str:
-        """The model id, once the router lists it (every worker registered)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, self.log()
-            try:
-                models = httpx.get(self.url + "/v1/models", timeout=5).json()
-                if models.get("data"):
-                    return models["data"][0]["id"]
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline, self.log()
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+def _workers(workers: list[ServerProcess], policy: str) -> list[str]:
+    return ["--worker-urls", *(w.url for w in workers), "--policy", policy]
 
 
 def _metric(server: ServerProcess, name: str) -> float:
@@ -366,7 +325,7 @@ def _metric(server: ServerProcess, name: str) -> float:
     raise AssertionError(f"no {name} in /metrics")
 
 
-def _router_ratio(router: Router, workers: list[ServerProcess]) -> float:
+def _router_ratio(router: SglangRouter, workers: list[ServerProcess]) -> float:
     """Cached prompt tokens / prompt tokens over the workload sent through `router`, from the
     workers' Prometheus counters (caches flushed first)."""
     names = ("sglang:cached_tokens_total", "sglang:prompt_tokens_total")
@@ -386,8 +345,8 @@ def test_real_router_cache_aware_in_front_of_two_servers(dp1, dp2, tmp_path_fact
     """The two servers of the tests above: one plain, one with two replicas."""
     workers = [dp1, dp2]
     log_dir = str(tmp_path_factory.mktemp("routers"))
-    aware = Router(log_dir, [w.url for w in workers], "cache_aware")
-    rr = Router(log_dir, [w.url for w in workers], "round_robin")
+    aware = SglangRouter(log_dir, "cache_aware", *_workers(workers, "cache_aware"))
+    rr = SglangRouter(log_dir, "round_robin", *_workers(workers, "round_robin"))
     try:
         model = aware.wait_ready()
         rr.wait_ready()
