@@ -57,14 +57,17 @@ def engines(model):
         "disaggregation_transfer_backend": "fake",
         "disaggregation_timeout": 20.0,
     }
+    # One torch thread on this 2-CPU machine turns the overlap loop on (the HTTP tests run the
+    # normal loop): prefill requests must not decode, arrivals join a batch in flight.
     prefill = Engine(
         disaggregation_mode="prefill",
         disaggregation_bootstrap_port=port,
         chunked_prefill_size=64,
+        num_threads=1,
         **common,
     )
     try:
-        decode = Engine(disaggregation_mode="decode", **common)
+        decode = Engine(disaggregation_mode="decode", num_threads=1, **common)
     except BaseException:
         prefill.shutdown()
         raise
@@ -90,6 +93,11 @@ def _pd_generate(engines, prompts, params, rooms) -> list[dict[str, Any]]:
     assert set(out) == {"p", "d"}
     assert all(len(o["output_ids"]) == 1 for o in out["p"])  # the prefill side stops at one
     return out["d"]
+
+
+def test_both_engines_run_the_overlap_loop(engines):
+    for engine in engines[:2]:
+        assert engine.procs.scheduler_info["overlap"] is True
 
 
 def _assert_drained(engine: Any) -> None:
@@ -187,3 +195,45 @@ def test_bad_pairing_fields_are_refused_before_anything_runs(engines, prompts, f
     with pytest.raises(RequestError, match=match) as e:
         engines[1].generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": 2}, **fields)
     assert e.value.status_code == 400
+
+
+def test_more_requests_than_the_decode_pool_holds(model):
+    """150 requests at once into a decode engine whose pool holds a fraction of them: they wait
+    for slots (prealloc), decode with retraction when the pool runs out, and all finish with
+    greedy tokens; nothing leaks on either side."""
+    from radixserve import Engine
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(20, 120))] for _ in range(150)]
+    new = 24
+    reference = hf_greedy(load_hf_reference(model), prompts, new)
+    port = free_port()
+    common: dict[str, Any] = {
+        "model_path": model,
+        "dtype": "float32",
+        "enable_integrity_checks": True,
+        "disaggregation_transfer_backend": "fake",
+    }
+    prefill = Engine(
+        disaggregation_mode="prefill",
+        disaggregation_bootstrap_port=port,
+        max_total_tokens=8192,
+        **common,
+    )
+    decode = None
+    try:
+        decode = Engine(disaggregation_mode="decode", max_total_tokens=1536, **common)
+        engines = (prefill, decode, port)
+        # min_new_tokens: transformers' reference never stops at EOS (it masks it)
+        params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
+        outs = _pd_generate(engines, prompts, params, list(range(1000, 1150)))
+        assert [o["output_ids"] for o in outs] == reference
+        info = decode.get_server_info()
+        assert info["disaggregation"]["transferred"] == 150
+        assert info["num_retractions"] > 0  # the pool ran out while decoding
+        for engine in (prefill, decode):
+            _assert_drained(engine)
+    finally:
+        if decode is not None:
+            decode.shutdown()
+        prefill.shutdown()
