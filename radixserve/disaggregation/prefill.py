@@ -48,6 +48,10 @@ class PrefillBootstrap:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
         self.num_transferred = 0
         self.num_failed = 0
+        self.transfer_bytes = 0
+        self.transfer_seconds = 0.0
+        pool = runner.token_to_kv_pool
+        self.token_bytes = sum(b[0].numel() * b.element_size() for b in pool.k_buffer) * 2
         logger.info(
             "prefill server: bootstrap server on port %d, KV transfer over %s",
             self.channel.port,
@@ -92,9 +96,17 @@ class PrefillBootstrap:
             return False
         slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, : len(target["slots"])]
         src = slots.tolist()
-        fut = self.pool.submit(self.transfer.send, target["desc"], src, target["slots"])
+        fut = self.pool.submit(self._send, target["desc"], src, target["slots"])
         self.sending.append((req, fut))
         return True
+
+    def _send(self, desc: dict[str, Any], src: list[int], dst: list[int]) -> Any:
+        """On the transfer thread: move the KV, count its bytes and time."""
+        start = time.perf_counter()
+        payload = self.transfer.send(desc, src, dst)
+        self.transfer_seconds += time.perf_counter() - start
+        self.transfer_bytes += len(src) * self.token_bytes
+        return payload
 
     def abort(self, hit: Any) -> None:
         for room, req in list(self.waiting.items()):
@@ -121,6 +133,8 @@ class PrefillBootstrap:
             "transferring": len(self.sending),
             "transferred": self.num_transferred,
             "failed": self.num_failed,
+            "transfer_bytes": self.transfer_bytes,
+            "transfer_seconds": round(self.transfer_seconds, 6),
         }
 
     def poll_interval_ms(self) -> int:
