@@ -51,6 +51,10 @@ class DecodePrealloc:
         self.prealloc: deque[Req] = deque()
         self.waiting_kv: dict[int, Req] = {}  # room → request whose KV is on its way
         self.peers: dict[str, dict[str, float]] = {}  # prefill address → last ping / pong
+        # Slots of requests dropped while the prefill server may still be writing into them
+        # (room → slots, its address, since when): free only once it answers for the room
+        # or is gone, never handed to another request while a late write can land.
+        self.quarantine: dict[int, tuple[torch.Tensor, str, float]] = {}
         self.num_transferred = 0
         self.num_failed = 0
 
@@ -77,11 +81,7 @@ class DecodePrealloc:
             self.s._finish_queued_abort(req, "aborted by the client")
         for room, req in list(self.waiting_kv.items()):
             if hit(req):
-                self._drop(room, "aborted by the client", status_code=None)
-                self.channel.send(
-                    self.peer_address(req),
-                    {"type": "abort", "room": room, "reply_to": self.channel.address},
-                )
+                self._drop(room, "aborted by the client", status_code=None, tell_peer=True)
 
     def on_finished(self, req: Req) -> bool:
         return False  # a decoded request is released as in a plain server
@@ -90,7 +90,7 @@ class DecodePrealloc:
         pass
 
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.waiting_kv)
+        return bool(self.prealloc or self.waiting_kv or self.quarantine)
 
     def poll_interval_ms(self) -> int:
         """Messages wake the loop (the channel is polled with the input socket); this bounds
@@ -103,6 +103,7 @@ class DecodePrealloc:
             "transfer_backend": self.transfer.name,
             "waiting_for_slots": len(self.prealloc),
             "waiting_for_kv": len(self.waiting_kv),
+            "quarantined_slots": sum(len(q[0]) for q in self.quarantine.values()),
             "transferred": self.num_transferred,
             "failed": self.num_failed,
         }
@@ -114,6 +115,9 @@ class DecodePrealloc:
         ready: list[Req] = []
         for msg in self.channel.recv_all():
             kind = msg.get("type")
+            if kind in ("done", "failed") and msg.get("room") in self.quarantine:
+                self._release_quarantine(msg["room"])  # no more writes will come for it
+                continue
             if kind == "done":
                 req = self._on_done(msg)
                 if req is not None:
@@ -212,6 +216,7 @@ class DecodePrealloc:
     def _watch_peers(self) -> None:
         now = time.monotonic()
         busy = {self.peer_address(r) for r in self.waiting_kv.values()}
+        busy |= {q[1] for q in self.quarantine.values()}
         for address, peer in list(self.peers.items()):
             if address not in busy:
                 del self.peers[address]
@@ -224,6 +229,8 @@ class DecodePrealloc:
                             f"the prefill server at {address} stopped answering while its "
                             "KV was on the way",
                         )
+                for room in [r for r, q in self.quarantine.items() if q[1] == address]:
+                    self._release_quarantine(room)  # it writes no more
                 del self.peers[address]
                 continue
             if now - peer["ping"] >= PING_INTERVAL_S:
@@ -236,11 +243,12 @@ class DecodePrealloc:
                 self._drop(
                     room,
                     f"no KV arrived from the prefill server within {self.timeout:g} s",
+                    tell_peer=True,
                 )
-                self.channel.send(
-                    self.peer_address(req),
-                    {"type": "abort", "room": room, "reply_to": self.channel.address},
-                )
+        for room, (_, address, since) in list(self.quarantine.items()):
+            if now - since > 2 * self.timeout:  # it answers pings but not for this room
+                logger.warning("releasing the slots of room %d: %s never answered", room, address)
+                self._release_quarantine(room)
         for req in [r for r in self.prealloc if now > r.disagg_deadline]:
             self.prealloc.remove(req)
             self.num_failed += 1
@@ -250,13 +258,34 @@ class DecodePrealloc:
                 status_code=503,
             )
 
-    def _drop(self, room: int, message: str, status_code: int | None = 503) -> None:
-        """Fail a request that holds reserved slots: free them, answer with the error."""
+    def _drop(
+        self, room: int, message: str, status_code: int | None = 503, tell_peer: bool = False
+    ) -> None:
+        """Fail a request that holds reserved slots and answer with the error. With tell_peer
+        the prefill server is still there and told to stop; where it writes into this pool
+        itself (Mooncake) a write may already be under way, so the slots wait in quarantine
+        until it answers for the room; otherwise they are free at once."""
         req = self.waiting_kv.pop(room)
         if status_code is not None:
             self.num_failed += 1
-        self.s.tree_cache.cache_finished_req(req, is_insert=False)
+        address = self.peer_address(req)
+        if tell_peer:
+            self.channel.send(
+                address, {"type": "abort", "room": room, "reply_to": self.channel.address}
+            )
+        if tell_peer and self.transfer.remote_writes:
+            pool = self.s.req_to_token_pool
+            slots = pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64)
+            self.quarantine[room] = (slots.clone(), address, time.monotonic())
+            pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        else:
+            self.s.tree_cache.cache_finished_req(req, is_insert=False)
         self.s._finish_queued_abort(req, message, status_code=status_code)
+
+    def _release_quarantine(self, room: int) -> None:
+        slots, _, _ = self.quarantine.pop(room)
+        self.s.allocator.free(slots)
 
     def close(self) -> None:
         self.channel.close()

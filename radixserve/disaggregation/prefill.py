@@ -45,6 +45,7 @@ class PrefillBootstrap:
         self.waiting: dict[int, Req] = {}  # room → request waiting for its reservation
         self.reservations: dict[int, tuple[float, dict[str, Any]]] = {}  # arrived first
         self.sending: list[tuple[Req, concurrent.futures.Future]] = []
+        self.cancelled: dict[int, float] = {}  # rooms the decode side gave up, since when
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
         self.num_transferred = 0
         self.num_failed = 0
@@ -89,6 +90,9 @@ class PrefillBootstrap:
         sent and it is released later (`poll`); False: release it now."""
         target = req.disagg_target
         if target is None:
+            return False
+        if self.cancelled.pop(req.bootstrap_room, None) is not None:
+            req.disagg_target = None
             return False
         if req.finished_reason and req.finished_reason["type"] == "abort":
             self._fail_reservation(target, req.finished_reason["message"])
@@ -148,7 +152,7 @@ class PrefillBootstrap:
             if kind == "reserve":
                 self._on_reserve(msg)
             elif kind == "abort":
-                self._on_decode_abort(msg["room"])
+                self._on_decode_abort(msg)
             elif kind == "ping":
                 self.channel.send(msg["reply_to"], {"type": "pong", "from": msg.get("to")})
         self._finish_transfers()
@@ -168,7 +172,13 @@ class PrefillBootstrap:
         else:
             self._pair(req, msg)
 
-    def _on_decode_abort(self, room: int) -> None:
+    def _on_decode_abort(self, msg: dict[str, Any]) -> None:
+        """Stop the room's request here. Unless its KV is being written, answer `failed` at
+        once: the decode side keeps the room's slots until it knows no write will come."""
+        room = msg["room"]
+        if not any(r.bootstrap_room == room for r, _ in self.sending):
+            self.channel.send(msg["reply_to"], {"type": "failed", "room": room, "error": "aborted"})
+            self.cancelled[room] = time.monotonic()  # whatever runs for it sends nothing
         self.reservations.pop(room, None)
         req = self.waiting.pop(room, None)
         if req is not None:
@@ -227,6 +237,9 @@ class PrefillBootstrap:
                     f"no decode server reserved bootstrap_room {room} within {self.timeout:g} s",
                     status_code=503,
                 )
+        for room, t in list(self.cancelled.items()):
+            if now > t + 2 * self.timeout:
+                del self.cancelled[room]
         for room, (t, msg) in list(self.reservations.items()):
             if now > t + self.timeout:
                 del self.reservations[room]

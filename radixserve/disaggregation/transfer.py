@@ -75,6 +75,7 @@ class FakeTransfer:
     """The KV rides on the control channel (see the module docstring)."""
 
     name = "fake"
+    remote_writes = False  # the decode side writes what it receives itself
 
     def __init__(self, kv_pool: Any, host: str) -> None:
         self.kv_pool = kv_pool
@@ -102,6 +103,7 @@ class MooncakeTransfer:
     """Mooncake's transfer engine over TCP (P2P handshake: peers are named host:rpc_port)."""
 
     name = "mooncake"
+    remote_writes = True  # the prefill side writes into the decode side's memory
 
     def __init__(self, kv_pool: Any, host: str) -> None:
         os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only
