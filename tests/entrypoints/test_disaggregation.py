@@ -65,64 +65,70 @@ def tiny_model(tmp_path_factory) -> str:
     return path
 
 
-def _server(log_dir: str, model: str, *flags: str) -> ServerProcess:
-    proc = ServerProcess(log_dir, "--model-path", model, *flags)
+def _ready(*servers: ServerProcess) -> None:
+    """Wait for servers started together (they load at the same time); stop all on failure."""
     try:
-        proc.wait_ready()
+        for server in servers:
+            server.wait_ready()
     except BaseException:
-        proc.stop()
+        for server in servers:
+            server.stop()
         raise
-    return proc
 
 
-def _prefill(log_dir: str, model: str, backend: str) -> tuple[ServerProcess, int]:
+def _prefill_flags(backend: str) -> tuple[list[str], int]:
     port = free_port()
     flags = ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)]
     flags += ["--disaggregation-transfer-backend", backend]
-    flags += ["--disaggregation-timeout", str(TIMEOUT_S)]
-    return _server(log_dir, model, *flags), port
+    return flags + ["--disaggregation-timeout", str(TIMEOUT_S)], port
 
 
-def _decode(log_dir: str, model: str, backend: str) -> ServerProcess:
+def _decode_flags(backend: str) -> list[str]:
     flags = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend]
-    flags += ["--disaggregation-timeout", str(TIMEOUT_S)]
-    return _server(log_dir, model, *flags)
+    return flags + ["--disaggregation-timeout", str(TIMEOUT_S)]
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, tiny_model):
-    server = _server(str(tmp_path_factory.mktemp("single")), tiny_model)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory, tiny_model) -> Any:
-    """(router, prefill, bootstrap port, decode, transfer backend)."""
+def servers(tmp_path_factory, tiny_model) -> Any:
+    """(single server, prefill server, its bootstrap port, decode server, transfer backend),
+    started together."""
     backend = _backend()
-    log_dir = str(tmp_path_factory.mktemp(f"pd_{backend}"))
-    started: list[Any] = []
+    log_dir = str(tmp_path_factory.mktemp("pd"))
+    prefill_flags, port = _prefill_flags(backend)
+    single = ServerProcess(log_dir, "--model-path", tiny_model)
+    prefill = ServerProcess(log_dir, "--model-path", tiny_model, *prefill_flags)
+    decode = ServerProcess(log_dir, "--model-path", tiny_model, *_decode_flags(backend))
+    _ready(single, prefill, decode)
+    yield single, prefill, port, decode, backend
+    for server in (decode, prefill, single):
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def single(servers) -> ServerProcess:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def pd(servers, tmp_path_factory) -> Any:
+    """(router, prefill, bootstrap port, decode, transfer backend)."""
+    _, prefill, port, decode, backend = servers
+    log_dir = str(tmp_path_factory.mktemp("pd_router"))
+    router = SglangRouter(
+        log_dir,
+        "pd",
+        "--pd-disaggregation",
+        "--prefill",
+        prefill.url,
+        str(port),
+        "--decode",
+        decode.url,
+    )
     try:
-        prefill, port = _prefill(log_dir, tiny_model, backend)
-        started.append(prefill)
-        decode = _decode(log_dir, tiny_model, backend)
-        started.append(decode)
-        router = SglangRouter(
-            log_dir,
-            f"pd-{backend}",
-            "--pd-disaggregation",
-            "--prefill",
-            prefill.url,
-            str(port),
-            "--decode",
-            decode.url,
-        )
-        started.append(router)
         router.model = router.wait_ready()
         yield router, prefill, port, decode, backend
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        router.stop()
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -258,7 +264,9 @@ def test_killing_the_prefill_server_mid_transfer(pd, tmp_path, tiny_model):
     requests fail with an error naming the prefill server, the others are unaffected, and the
     decode server ends with every slot free and keeps serving."""
     router, _, _, decode, backend = pd
-    victim, port = _prefill(str(tmp_path), tiny_model, backend)
+    flags, port = _prefill_flags(backend)
+    victim = ServerProcess(str(tmp_path), "--model-path", tiny_model, *flags)
+    _ready(victim)
     rng = random.Random(3)
     n = 8
     prompts = [_text(rng, 1500) for _ in range(n)]
