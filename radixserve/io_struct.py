@@ -38,6 +38,7 @@ class GenerateReqInput:
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    data_parallel_rank: int | None = None  # which --dp-size replica serves it (None: any)
 
     @property
     def is_single(self) -> bool:
@@ -73,6 +74,7 @@ class GenerateReqInput:
             bootstrap_host=_item(self.bootstrap_host, i),
             bootstrap_port=_item(self.bootstrap_port, i),
             bootstrap_room=_item(self.bootstrap_room, i),
+            data_parallel_rank=self.data_parallel_rank,
         )
 
 
@@ -102,6 +104,7 @@ class TokenizedGenerateReqInput:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    data_parallel_rank: int | None = None  # --dp-size: the replica asked for (None: any)
 
 
 @dataclass

@@ -74,6 +74,8 @@ def _verify_bootstrap(obj: GenerateReqInput) -> None:
         ("bootstrap_port", lambda v: _is_int(v) and 0 < v < 65536, "a port"),
         ("bootstrap_room", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     )
+    rank = obj.data_parallel_rank
+    _expect("data_parallel_rank", rank, rank is None or (_is_int(rank) and rank >= 0), "a rank")
     for name, valid, what in checks:
         value = getattr(obj, name)
         if value is None:

@@ -257,6 +257,38 @@ def test_dp2_aborts_reach_both_replicas(dp2):
     assert all(r["evictable_tokens"] == 0 for r in replicas(dp2))  # both replicas flushed
 
 
+def _admitted(server: ServerProcess) -> list[int]:
+    return [r["num_requests"] for r in replicas(server)]
+
+
+def test_dp2_honours_data_parallel_rank_and_the_routers_dp_aware(tmp_path_factory, dp2):
+    """A request naming its replica goes there (SGLang's router with --dp-aware registers
+    url@0 and url@1 and names the rank in each body); a rank the server lacks is a 400."""
+    body = {"text": "which replica?", "sampling_params": GREEDY}
+    r = httpx.post(dp2.url + "/generate", json={**body, "data_parallel_rank": 2}, timeout=30)
+    assert r.status_code == 400 and "data_parallel_rank 2 is out of range" in r.text, r.text
+    before = _admitted(dp2)
+    for rank in (1, 1, 0):  # the same prompt: prefix affinity alone would keep one replica
+        r = httpx.post(dp2.url + "/generate", json={**body, "data_parallel_rank": rank}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert [a - b for a, b in zip(_admitted(dp2), before, strict=True)] == [1, 2]
+
+    log_dir = str(tmp_path_factory.mktemp("dp_aware"))
+    args = ["--worker-urls", dp2.url, "--policy", "round_robin", "--dp-aware"]
+    router = SglangRouter(log_dir, "dp-aware", *args)
+    try:
+        router.wait_ready()
+        before = _admitted(dp2)
+        for i in range(6):
+            body = {"text": f"{i} through the router", "sampling_params": GREEDY}
+            r = httpx.post(router.url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        assert [a - b for a, b in zip(_admitted(dp2), before, strict=True)] == [3, 3]
+    finally:
+        router.stop()
+    wait_drained_all(dp2)
+
+
 def test_dp2_round_robin_alternates_and_caches_less(tmp_path_factory, tiny_model, dp2):
     flags = ("--dp-size", "2", "--load-balance-method", "round_robin")
     rr = _start(tmp_path_factory, tiny_model, "dp2rr", *flags)
