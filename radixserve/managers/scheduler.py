@@ -246,11 +246,12 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             or min(req.origin_input_ids) < 0
         ):
             return "the prompt has a token id outside the vocabulary"
-        if self.disagg is not None and req.bootstrap_room is not None:
-            if not isinstance(req.bootstrap_room, int) or req.bootstrap_room < 0:
-                return f"bootstrap_room must be a non-negative integer, got {req.bootstrap_room!r}"
-            if self.server_args.disaggregation_mode == "decode" and not req.bootstrap_host:
-                return "a request with a bootstrap_room needs the prefill server's bootstrap_host"
+        if (  # (the TokenizerManager checked the fields' types and ranges)
+            self.server_args.disaggregation_mode == "decode"
+            and req.bootstrap_room is not None
+            and not req.bootstrap_host
+        ):
+            return "a request with a bootstrap_room needs the prefill server's bootstrap_host"
         return None
 
     def abort_request(self, recv: AbortReq) -> None:
