@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 30000
 HOST ?= 127.0.0.1
 
-.PHONY: setup venv model browser test test-fast lint format serve router clean
+.PHONY: setup venv model browser mooncake test test-fast lint format serve router pd clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,12 @@ browser:
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 
+# Debian's libibverbs1, which Mooncake's transfer engine (a dev extra; the `pd` extra for
+# users) loads even over TCP; without it P/D disaggregation runs with the fake backend only.
+mooncake:
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
@@ -68,6 +74,13 @@ ROUTER_WORKER_PORTS ?= 30001 30002
 router: setup
 	ROUTER_HOST=$(HOST) ROUTER_PORT=$(PORT) WORKER_PORTS="$(ROUTER_WORKER_PORTS)" \
 		POLICY=$(ROUTER_POLICY) PY=$(BIN)/python scripts/router.sh
+
+# A prefill server and a decode server behind SGLang's router in PD mode (same ports as
+# `make router`: the first prefills, the second decodes); TRANSFER_BACKEND mooncake or fake.
+TRANSFER_BACKEND ?= mooncake
+pd: setup
+	ROUTER_HOST=$(HOST) ROUTER_PORT=$(PORT) WORKER_PORTS="$(ROUTER_WORKER_PORTS)" PD=1 \
+		TRANSFER_BACKEND=$(TRANSFER_BACKEND) PY=$(BIN)/python scripts/router.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

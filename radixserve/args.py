@@ -26,6 +26,8 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3", "qwen3-thinking")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_STORAGE_BACKENDS = ("file",)
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "fake")
 LOAD_BALANCE_METHODS = ("prefix_affinity", "round_robin", "shortest_queue")
 # Extra option strings of a field's flag (SGLang's short forms).
 CLI_ALIASES = {"tp_size": ("--tp",), "dp_size": ("--dp",)}
@@ -89,7 +91,11 @@ class ServerArgs:
         "host:port of the TP ranks' rendezvous (default with --tp-size > 1: a free loopback "
         "port; required with --nnodes > 1).",
     )
-    nnodes: int = _f(1, "Machines the TP ranks span (multi-machine TP is not launched yet).")
+    nnodes: int = _f(
+        1,
+        "Machines the TP ranks span: each runs --tp-size / --nnodes ranks; node 0 serves HTTP, "
+        "the others only run their schedulers.",
+    )
     node_rank: int = _f(0, "This machine's index, 0 .. --nnodes - 1.")
     # Data parallelism (SGLang's flags)
     dp_size: int = _f(
@@ -104,6 +110,29 @@ class ServerArgs:
         "the longest part of the prompt, else the least-filled cache; the least loaded when "
         "the loads drift apart), round_robin, shortest_queue (fewest requests in flight).",
         LOAD_BALANCE_METHODS,
+    )
+    # Prefill/decode disaggregation (SGLang's flags)
+    disaggregation_mode: str = _f(
+        "null",
+        "prefill: compute prompts and send their KV and first token to a decode server; "
+        "decode: take requests whose KV a prefill server sends; null: both in one server. "
+        "A P/D pair is driven by SGLang's router (--pd-disaggregation), which sends each "
+        "request to both with a bootstrap room.",
+        DISAGGREGATION_MODES,
+    )
+    disaggregation_bootstrap_port: int = _f(
+        8998, "Prefill: the port of its bootstrap server (decode servers connect to it)."
+    )
+    disaggregation_transfer_backend: str = _f(
+        "mooncake",
+        "How KV bytes move: mooncake (Mooncake's transfer engine; TCP without RDMA) or fake "
+        "(the bytes ride on the control channel; no extra package, for tests).",
+        TRANSFER_BACKENDS,
+    )
+    disaggregation_timeout: float = _f(
+        60.0,
+        "Seconds a request may wait for its peer (pairing, then the KV) before it fails on "
+        "both sides with an error.",
     )
     # Features
     grammar_backend: str = _f("xgrammar", "Structured output backend.", GRAMMAR_BACKENDS)
@@ -176,7 +205,7 @@ class ServerArgs:
         "Always speculate. By default a step falls back to plain decode where the measured cost "
         "of verifying exceeds what the requests' acceptance history says it saves.",
     )
-    # >>> Hierarchical KV cache (HiCache; SGLang's flags): see docs/hicache.md
+    # Hierarchical KV cache (HiCache; SGLang's flags): see docs/hicache.md
     enable_hierarchical_cache: bool = _f(
         False,
         "Keep KV evicted from the device pool in a host-memory tier (and, with "
@@ -202,7 +231,6 @@ class ServerArgs:
     hicache_storage_block_size: int = _f(
         64, "Tokens per storage block (a multiple of --page-size); the key is per block."
     )
-    # <<< Hierarchical KV cache
     # Serving
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
@@ -244,6 +272,7 @@ class ServerArgs:
         if self.dp_size > 1 and self.tp_size > 1:
             raise ValueError("--dp-size > 1 with --tp-size > 1 is not supported yet; use one")
         self._check_hierarchical_cache()
+        self._check_disaggregation()
 
     def _check_hierarchical_cache(self) -> None:
         if not self.enable_hierarchical_cache:
@@ -268,6 +297,37 @@ class ServerArgs:
             raise ValueError(
                 "--enable-hierarchical-cache does not move the draft model's KV: drop "
                 "--speculative-draft-model-path (NGRAM speculation works)"
+            )
+
+    def _check_disaggregation(self) -> None:
+        mode = self.disaggregation_mode
+        if mode == "null":
+            return
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(
+                f"--disaggregation-bootstrap-port must be a port, got "
+                f"{self.disaggregation_bootstrap_port}"
+            )
+        if self.disaggregation_timeout <= 0:
+            raise ValueError("--disaggregation-timeout must be positive")
+        for flag, value in (
+            ("--tp-size", self.tp_size),
+            ("--dp-size", self.dp_size),
+        ):
+            if value > 1:
+                raise ValueError(
+                    f"--disaggregation-mode {mode} runs one scheduler rank; {flag} > 1 is not "
+                    "supported with it"
+                )
+        if self.speculative_algorithm:
+            raise ValueError(
+                f"--disaggregation-mode {mode} does not support speculative decoding; drop "
+                "--speculative-algorithm"
+            )
+        if self.enable_hierarchical_cache:
+            raise ValueError(
+                f"--disaggregation-mode {mode} with --enable-hierarchical-cache is not "
+                "supported yet; drop one"
             )
 
     def _check_tensor_parallel(self) -> None:
@@ -304,18 +364,14 @@ class ServerArgs:
                 "speculative decoding is not supported with --tp-size > 1 (the draft and "
                 "verify steps are not sharded); drop --speculative-algorithm"
             )
-        if self.nnodes > 1:
-            raise ValueError(
-                "--nnodes > 1: multi-machine TP is validated but not launched yet; run all "
-                "--tp-size ranks on one machine"
-            )
         if device == "cuda":
             import torch
 
-            if torch.cuda.device_count() < self.tp_size:
+            per_node = self.tp_size // self.nnodes
+            if torch.cuda.device_count() < per_node:
                 raise ValueError(
-                    f"--tp-size {self.tp_size} needs {self.tp_size} GPUs, this machine has "
-                    f"{torch.cuda.device_count()}"
+                    f"--tp-size {self.tp_size} over {self.nnodes} machine(s) needs {per_node} "
+                    f"GPUs here, this machine has {torch.cuda.device_count()}"
                 )
 
     def _check_speculative(self) -> None:
@@ -403,6 +459,12 @@ class ServerArgs:
             mem_fraction_static=fraction,
             dist_init_addr=self.dist_init_addr or _default_dist_init_addr(self.tp_size),
         )
+
+    @property
+    def local_tp_ranks(self) -> range:
+        """The TP ranks this machine runs (all of them unless --nnodes > 1)."""
+        per_node = self.tp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
     def chunked_prefill_enabled(self) -> bool:

@@ -35,6 +35,10 @@ class GenerateReqInput:
     extra_key: str | None = None
     priority: int | None = None
     routing_key: str | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+    data_parallel_rank: int | None = None  # which --dp-size replica serves it (None: any)
 
     @property
     def is_single(self) -> bool:
@@ -67,7 +71,16 @@ class GenerateReqInput:
             extra_key=self.extra_key,
             priority=self.priority,
             routing_key=self.routing_key,
+            bootstrap_host=_item(self.bootstrap_host, i),
+            bootstrap_port=_item(self.bootstrap_port, i),
+            bootstrap_room=_item(self.bootstrap_room, i),
+            data_parallel_rank=self.data_parallel_rank,
         )
+
+
+def _item(value: Any, i: int) -> Any:
+    """A per-prompt list's i-th value, or the one value every prompt shares."""
+    return value[i] if isinstance(value, list) else value
 
 
 @dataclass
@@ -86,6 +99,12 @@ class TokenizedGenerateReqInput:
     priority: int | None = None
     routing_key: str | None = None
     return_text_in_logprobs: bool = False  # read by the TokenizerManager only
+    # P/D disaggregation (SGLang's router sets them): the prefill server's bootstrap address
+    # and the room that pairs the request across the prefill and decode servers.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    data_parallel_rank: int | None = None  # --dp-size: the replica asked for (None: any)
 
 
 @dataclass

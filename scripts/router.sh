@@ -5,7 +5,10 @@
 #   ROUTER_PORT=8000 WORKER_PORTS="31001 31002" POLICY=round_robin scripts/router.sh
 #   SERVER_ARGS="--model-path /models/x.gguf --dp-size 2" scripts/router.sh
 #   SMOKE=1 scripts/router.sh          # one request through the router, then stop
+#   PD=1 scripts/router.sh             # P/D: the first server prefills, the second decodes
 # POLICY: cache_aware (default), round_robin, random, power_of_two. Logs: LOG_DIR.
+# PD=1: BOOTSTRAP_PORT (8998) is the prefill server's bootstrap port, TRANSFER_BACKEND
+# (mooncake; fake needs no package) moves the KV (docs/disaggregation.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -30,13 +33,31 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 urls=()
-for port in "${WORKER_PORTS[@]}"; do
-  start_server "$LOG_DIR/server-$port.log" "$port" ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"}
+BOOTSTRAP_PORT=${BOOTSTRAP_PORT:-8998}
+TRANSFER_BACKEND=${TRANSFER_BACKEND:-mooncake}
+for i in "${!WORKER_PORTS[@]}"; do
+  port=${WORKER_PORTS[$i]}
+  role=()
+  if [[ -n "${PD:-}" ]]; then
+    (( ${#WORKER_PORTS[@]} == 2 )) || { echo "PD=1 needs two WORKER_PORTS" >&2; exit 2; }
+    role=(--disaggregation-transfer-backend "$TRANSFER_BACKEND" --disaggregation-mode)
+    if (( i == 0 )); then
+      role+=(prefill --disaggregation-bootstrap-port "$BOOTSTRAP_PORT")
+    else
+      role+=(decode)
+    fi
+  fi
+  start_server "$LOG_DIR/server-$port.log" "$port" ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} \
+    ${role[@]+"${role[@]}"}
   urls+=("http://127.0.0.1:$port")
 done
 wait_healthy "${WORKER_PORTS[@]}"
 
-$PY -m sglang_router.launch_router --worker-urls "${urls[@]}" --policy "$POLICY" \
+workers=(--worker-urls "${urls[@]}" --policy "$POLICY")
+if [[ -n "${PD:-}" ]]; then
+  workers=(--pd-disaggregation --prefill "${urls[0]}" "$BOOTSTRAP_PORT" --decode "${urls[1]}")
+fi
+$PY -m sglang_router.launch_router "${workers[@]}" \
   --host "$ROUTER_HOST" --port "$ROUTER_PORT" \
   --prometheus-host 127.0.0.1 --prometheus-port "$PROMETHEUS_PORT" \
   > "$LOG_DIR/router.log" 2>&1 &
@@ -50,7 +71,7 @@ for _ in $(seq 1 120); do  # every worker registered: the router lists the model
 done
 curl -sf "$router/v1/models" | grep -q '"id"' \
   || { echo "the router did not register the workers: $LOG_DIR/router.log" >&2; exit 1; }
-echo "router ($POLICY) on http://$ROUTER_HOST:$ROUTER_PORT in front of ${urls[*]}; logs in $LOG_DIR; Ctrl-C stops all"
+echo "router (${PD:+PD, }$POLICY) on http://$ROUTER_HOST:$ROUTER_PORT in front of ${urls[*]}; logs in $LOG_DIR; Ctrl-C stops all"
 
 if [[ -n "${SMOKE:-}" ]]; then
   curl -sf "$router/generate" -H 'Content-Type: application/json' \

@@ -202,3 +202,57 @@ def sglang_router_command() -> list[str]:
             pytest.fail("sglang-router is not installed (pip install -e '.[dev]')")
         pytest.skip("sglang-router is not installed (pip install sglang-router)")
     return [sys.executable, "-m", "sglang_router.launch_router"]
+
+
+class SglangRouter:
+    """SGLang's router (`python -m sglang_router.launch_router`) on a free port; `args` are its
+    worker flags, e.g. `--worker-urls A B --policy cache_aware` or `--pd-disaggregation
+    --prefill A 8998 --decode B`. `name` names its log file."""
+
+    def __init__(self, log_dir: str, name: str, *args: str) -> None:
+        import subprocess
+
+        from radixserve.utils import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"router-{name}.log")
+        cmd = [*sglang_router_command(), *args]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn"]
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-3000:]
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        """The model id, once the router lists it (every worker registered)."""
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, self.log()
+            try:
+                models = httpx.get(self.url + "/v1/models", timeout=5).json()
+                if models.get("data"):
+                    return models["data"][0]["id"]
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.monotonic() < deadline, self.log()
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        import subprocess
+
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)

@@ -47,10 +47,11 @@ class Subprocesses:
         detok_r, detok_w = ctx.Pipe(duplex=False)
         # The scheduler loop's last time.monotonic(), written each iteration (see liveness).
         self.heartbeat = ctx.Value("d", time.monotonic(), lock=False)
-        # One scheduler per TP rank; rank 0 (`self.scheduler`) talks to the other processes.
+        # One scheduler per TP rank on this machine; rank 0 (`self.scheduler`, on node 0)
+        # talks to the other processes.
         self.schedulers, rank_pipes = [], [sched_r]
-        for rank in range(server_args.tp_size):
-            if rank > 0:
+        for i, rank in enumerate(server_args.local_tp_ranks):
+            if i > 0:
                 sched_r, sched_w = ctx.Pipe(duplex=False)
                 rank_pipes.append(sched_r)
             self.schedulers.append(
@@ -74,17 +75,24 @@ class Subprocesses:
                 ctx, server_args, self.port_args
             )
             self.scheduler, self.heartbeat = self.schedulers[0], self.heartbeats[0]
-        self.detokenizer = ctx.Process(
-            target=run_detokenizer_process,
-            args=(server_args, self.port_args, detok_w),
-            name="radixserve-detokenizer",
-            daemon=True,
-        )
-        for proc in self.schedulers:
+        # A machine other than node 0 runs its TP ranks' schedulers only (run_worker_node).
+        self.detokenizer = None
+        if server_args.node_rank == 0:
+            self.detokenizer = ctx.Process(
+                target=run_detokenizer_process,
+                args=(server_args, self.port_args, detok_w),
+                name="radixserve-detokenizer",
+                daemon=True,
+            )
+        for proc in self.children:
             proc.start()
-        self.detokenizer.start()
         self.scheduler_info = self._wait_ranks_ready(rank_pipes)
-        self._wait_ready(detok_r, self.detokenizer, "detokenizer")
+        if self.detokenizer is not None:
+            self._wait_ready(detok_r, self.detokenizer, "detokenizer")
+
+    @property
+    def children(self) -> list[mp.Process]:
+        return [*self.schedulers, *([self.detokenizer] if self.detokenizer is not None else [])]
 
     def _wait_ranks_ready(self, pipes: list[Any]) -> dict[str, Any]:
         """Every TP rank's (or data-parallel replica's) "ready" (rank 0's carries the scheduler
@@ -122,12 +130,12 @@ class Subprocesses:
         return msg
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in (*self.schedulers, self.detokenizer))
+        return all(p.is_alive() for p in self.children)
 
     def dead_child(self) -> str | None:
         """Every child found dead, not only the first: when one tensor-parallel rank dies its
         peers fail in their next collective, and the report must still name the first cause."""
-        dead = [p for p in (*self.schedulers, self.detokenizer) if not p.is_alive()]
+        dead = [p for p in self.children if not p.is_alive()]
         if not dead:
             return None
         return "; ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
@@ -137,14 +145,52 @@ class Subprocesses:
         return time.monotonic() - min(h.value for h in self.heartbeats)
 
     def shutdown(self) -> None:
-        for p in (*self.schedulers, self.detokenizer):
+        for p in self.children:
             if p.is_alive():
                 p.terminate()
-        for p in (*self.schedulers, self.detokenizer):
+        for p in self.children:
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join(1)
+
+
+def run_worker_node(server_args: ServerArgs) -> int:
+    """A machine other than node 0 (--node-rank > 0): run this node's TP ranks until one of
+    them exits (node 0 stopped, or a rank failed) or a signal arrives; no HTTP server, no
+    tokenizer and no detokenizer here: rank 0 broadcasts every request to these ranks."""
+    import signal
+
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    procs = None
+    try:
+        procs = Subprocesses(server_args)
+        ranks = list(server_args.local_tp_ranks)
+        logger.info(
+            "node %d of %d ready: TP ranks %d-%d joined node 0 at %s",
+            server_args.node_rank,
+            server_args.nnodes,
+            ranks[0],
+            ranks[-1],
+            server_args.dist_init_addr,
+        )
+        while not stop.wait(CHILD_POLL_S):
+            if (reason := procs.dead_child()) is not None:
+                logger.error("%s; node %d stops", reason, server_args.node_rank)
+                return 1
+        logger.info("node %d: signal received; shutting down", server_args.node_rank)
+        return 0
+    except Exception as e:
+        logger.error("node %d failed: %s: %s", server_args.node_rank, type(e).__name__, e)
+        return 1
+    finally:
+        if procs is not None:
+            procs.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def create_tokenizer_manager(
@@ -191,6 +237,11 @@ class Engine:
         if server_args is None:
             server_args = ServerArgs(**kwargs)
         self.server_args = server_args.resolve()
+        if self.server_args.node_rank > 0:
+            raise ValueError(
+                "--node-rank > 0 runs only scheduler ranks and serves no requests; start it "
+                "with `python -m radixserve serve ... --node-rank N` and use the Engine on node 0"
+            )
         self.procs = Subprocesses(self.server_args)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)

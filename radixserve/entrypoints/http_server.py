@@ -349,12 +349,12 @@ async def server_info(request: Request) -> Response:
         }
     args = st.server_args
     # What SGLang's router reads besides the arguments: the model (never null: it names the
-    # model the router routes to), the parallel layout, no P/D.
+    # model the router routes to), the parallel layout, the P/D role.
     worker = {
         **_model_fields(st),
         "tp_size": args.tp_size,
         "dp_size": args.dp_size,
-        "disaggregation_mode": "null",
+        "disaggregation_mode": args.disaggregation_mode,
     }
     return json_response({**dataclasses.asdict(args), **worker, **info, **pids})
 
@@ -546,10 +546,16 @@ class _Signals:
 
 def launch_server(server_args: ServerArgs) -> int:
     """Serve until a signal (exit 0) or a failure (exit non-zero); always stop the children."""
-    from radixserve.entrypoints.engine import Subprocesses, create_tokenizer_manager
+    from radixserve.entrypoints.engine import (
+        Subprocesses,
+        create_tokenizer_manager,
+        run_worker_node,
+    )
     from radixserve.utils import configure_logging
 
     configure_logging(server_args.log_level)
+    if server_args.node_rank > 0:
+        return run_worker_node(server_args)
     signals = _Signals()
     procs = None
     try:

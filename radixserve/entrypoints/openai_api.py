@@ -170,7 +170,18 @@ def completion_to_generate(req: CompletionRequest) -> GenerateReqInput:
         return_logprob=req.logprobs is not None,
         top_logprobs_num=req.logprobs or 0,
         logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
+        **routing_fields(req),
     )
+
+
+def routing_fields(req: Any) -> dict[str, Any]:
+    """What SGLang's router adds (see RoutingFields): the P/D pairing, the --dp-aware rank."""
+    return {
+        "bootstrap_host": req.bootstrap_host,
+        "bootstrap_port": req.bootstrap_port,
+        "bootstrap_room": req.bootstrap_room,
+        "data_parallel_rank": req.data_parallel_rank,
+    }
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -246,6 +257,7 @@ def chat_to_generate(
         stream=req.stream,
         return_logprob=req.logprobs,
         top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
+        **routing_fields(req),
     )
 
 

@@ -56,7 +56,6 @@ NOOP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "continuous_usage_stats": ((False,), "usage comes in the last chunk only"),
     "audio": ((None,), "text only"),
     "return_hidden_states": ((False,), ""),
-    "data_parallel_rank": ((None, 0), "this server has a single data-parallel rank, 0"),
     "background": ((False,), ""),
     "return_bytes": ((False,), ""),
     "return_entropy": ((False,), ""),
@@ -109,12 +108,15 @@ class RequestModel(BaseModel):
 
 class RoutingFields(RequestModel):
     """What SGLang's router adds to every kind of request. The bootstrap fields pair a prefill
-    server with a decode server; a server without disaggregation ignores them, as SGLang's does."""
+    server with a decode server (--disaggregation-mode); a server without disaggregation
+    ignores them, as SGLang's does."""
 
-    data_parallel_rank: int | None = Field(None, exclude=True)
-    bootstrap_host: str | None = Field(None, exclude=True)
-    bootstrap_port: int | None = Field(None, exclude=True)
-    bootstrap_room: int | list[int] | None = Field(None, exclude=True)
+    # The router's --dp-aware: which --dp-size replica serves the request (checked against
+    # this server's dp_size by the TokenizerManager).
+    data_parallel_rank: int | None = Field(None, ge=0)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    bootstrap_room: int | list[int] | None = None
     return_hidden_states: bool = Field(False, exclude=True)
 
 

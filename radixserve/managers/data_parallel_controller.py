@@ -163,6 +163,11 @@ class DataParallelController:
         return rank
 
     def select(self, req: TokenizedGenerateReqInput) -> int:
+        if req.data_parallel_rank is not None:  # the router chose (its --dp-aware)
+            rank = req.data_parallel_rank
+            if self.method == "prefix_affinity":  # its cache will hold the prefix
+                self.indexes[rank].insert(block_hashes(req.input_ids, req.extra_key))
+            return rank
         if self.method == "round_robin":
             rank, self._next = self._next, (self._next + 1) % self.dp_size
             return rank

@@ -64,6 +64,27 @@ def verify_request_fields(obj: GenerateReqInput) -> None:
         value = getattr(obj, name)
         _expect(name, value, value is None or isinstance(value, str), "a string")
     _verify_prompt_and_rid(obj)
+    _verify_bootstrap(obj)
+
+
+def _verify_bootstrap(obj: GenerateReqInput) -> None:
+    """The P/D pairing fields: one value, or (in a batch) one per prompt."""
+    checks = (
+        ("bootstrap_host", lambda v: isinstance(v, str) and bool(v), "a host name"),
+        ("bootstrap_port", lambda v: _is_int(v) and 0 < v < 65536, "a port"),
+        ("bootstrap_room", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    )
+    rank = obj.data_parallel_rank
+    _expect("data_parallel_rank", rank, rank is None or (_is_int(rank) and rank >= 0), "a rank")
+    for name, valid, what in checks:
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            ok = not obj.is_single and len(value) == obj.batch_size and all(map(valid, value))
+            _expect(name, value, ok, f"{what}, or one per prompt of a batch")
+        else:
+            _expect(name, value, valid(value), what)
 
 
 def _verify_prompt_and_rid(obj: GenerateReqInput) -> None:

@@ -114,6 +114,14 @@ class Req:
         self.spec: Any = None
         self.ngram: Any = None
         self.draft_kv_len = 0
+        # P/D disaggregation: the prefill server's bootstrap address and the room that pairs
+        # this request across the two servers; on the prefill side the decode server's
+        # reservation (where its KV goes), on both the time it may wait for its peer until.
+        self.bootstrap_host: str | None = None
+        self.bootstrap_port: int | None = None
+        self.bootstrap_room: int | None = None
+        self.disagg_target: dict[str, Any] | None = None
+        self.disagg_deadline = 0.0
 
     # -- lengths --------------------------------------------------------------------------------
     @property

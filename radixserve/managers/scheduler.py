@@ -116,11 +116,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 # way on every rank, where time.monotonic() may tie on one rank and not another.
                 **({"clock": itertools.count().__next__} if self.tp_sync is not None else {}),
             )
-        # >>> hierarchical cache: its copies wait for the forward that writes their KV
+        # The hierarchical cache's copies wait for the forward that writes their KV.
         self.hicache = self.tree_cache if isinstance(self.tree_cache, HiRadixCache) else None
         if self.hicache is not None:
             self.hicache.set_compute_fence(self._last_launched_step)
-        # <<<
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.tree_cache, server_args.random_seed
         )
@@ -153,6 +152,17 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         )
         self.result_queue: deque[tuple[BatchSnapshot, InFlightStep]] = deque()
         self.forward_thread: ForwardThread | None = None
+        # P/D disaggregation: the prefill side's bootstrap server and transfers, or the decode
+        # side's reservations and arriving KV (radixserve.disaggregation).
+        self.disagg: Any = None
+        if server_args.disaggregation_mode == "prefill":
+            from radixserve.disaggregation.prefill import PrefillBootstrap
+
+            self.disagg = PrefillBootstrap(self)
+        elif server_args.disaggregation_mode == "decode":
+            from radixserve.disaggregation.decode import DecodePrealloc
+
+            self.disagg = DecodePrealloc(self)
 
     def _last_launched_step(self) -> Any:
         """The hierarchical cache's fence: the last step the overlap loop launched (its KV is
@@ -193,6 +203,9 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             priority=recv.priority,
             routing_key=recv.routing_key,
         )
+        req.bootstrap_host = recv.bootstrap_host
+        req.bootstrap_port = recv.bootstrap_port
+        req.bootstrap_room = recv.bootstrap_room
         error = self._validate(req)
         if error is not None:
             self._reject(req, error)
@@ -206,7 +219,15 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             if error is not None:
                 self._reject(req, error)
             return
-        self.waiting_queue.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
+        """To the waiting queue; a P/D request first pairs with its peer (its bootstrap room).
+        Without a room a P/D server serves the request alone, as a plain server would."""
+        if self.disagg is not None and req.bootstrap_room is not None:
+            self.disagg.add(req)
+        else:
+            self.waiting_queue.append(req)
 
     def _reject(self, req: Req, message: str) -> None:
         self._finish_queued_abort(req, message, status_code=400)
@@ -215,7 +236,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.tp_sync is not None:  # every rank must admit them in the same round
             concurrent.futures.wait([r.grammar for r in self.grammar_manager.queue])
         ready, failed = self.grammar_manager.pop_ready()
-        self.waiting_queue.extend(ready)
+        for req in ready:
+            self._enqueue(req)
         for req, message in failed:
             self._reject(req, message)
 
@@ -238,6 +260,12 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             or min(req.origin_input_ids) < 0
         ):
             return "the prompt has a token id outside the vocabulary"
+        if (  # (the TokenizerManager checked the fields' types and ranges)
+            self.server_args.disaggregation_mode == "decode"
+            and req.bootstrap_room is not None
+            and not req.bootstrap_host
+        ):
+            return "a request with a bootstrap_room needs the prefill server's bootstrap_host"
         return None
 
     def abort_request(self, recv: AbortReq) -> None:
@@ -253,6 +281,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             for req in [r for r in queue if hit(r)]:
                 queue.remove(req)
                 self._finish_queued_abort(req, ABORTED_BY_CLIENT)
+        if self.disagg is not None:
+            self.disagg.abort(hit)
         for req in self._in_flight_reqs():
             if hit(req) and not req.finished():
                 req.to_abort = ABORTED_BY_CLIENT
@@ -268,6 +298,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
     def _finish_queued_abort(self, req: Req, message: str, status_code: int | None = None) -> None:
         """A request that holds no KV (new, queued, or retracted) ends here."""
         req.finished_reason = finish_abort(message, status_code)
+        if self.disagg is not None:
+            self.disagg.on_aborted(req)
         self.stats.num_aborted += 1
         self.stream_output([req])
 
@@ -281,6 +313,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         aborted = [r for r in self.running_batch.reqs if r.to_abort is not None]
         for req in aborted:
             req.finished_reason = finish_abort(req.to_abort)
+            if self.disagg is not None:
+                self.disagg.on_aborted(req)
             self.tree_cache.cache_finished_req(req)
             self.stats.num_aborted += 1
         if aborted:
@@ -407,7 +441,28 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             or self.grammar_manager.queue
             or self.result_queue
             or (self.hicache is not None and self.hicache.has_pending())
+            or (self.disagg is not None and self.disagg.has_work())
         )
+
+    def poll_timeout_ms(self, idle_ms: int) -> int:
+        """How long the served loop may wait for input before the next step: 0 with compute
+        to do; with only a P/D peer to wait for, until its message (the channel's socket is
+        polled too) or the peer's own interval; else idle_ms."""
+        disagg = self.disagg
+        if disagg is None or not disagg.has_work():
+            return 0 if self.has_work() else idle_ms
+        busy = (
+            self.waiting_queue
+            or self.running_batch.reqs
+            or self.chunked_req
+            or self.result_queue
+            or self.grammar_manager.queue
+        )
+        return 0 if busy else min(idle_ms, disagg.poll_interval_ms())
+
+    def poll_sockets(self) -> list[Any]:
+        """Sockets whose messages should wake the served loop besides its input."""
+        return [self.disagg.channel.inbound] if self.disagg is not None else []
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if self.hicache is not None:
@@ -417,8 +472,13 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             # Requests that just prefilled join the running batch (minus the chunked one); their
             # prompts go into the tree now, so later requests share them.
             decoding = {id(r) for r in last.decoding_reqs}
+            # A P/D prefill request ends with its first token: it never decodes here.
             last.filter_batch(
-                [r for r in last.reqs if not r.finished() and r is not self.chunked_req]
+                [
+                    r
+                    for r in last.reqs
+                    if not r.finished() and r is not self.chunked_req and r.disagg_target is None
+                ]
             )
             for r in last.reqs:
                 if id(r) not in decoding:
@@ -426,6 +486,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             if last.reqs:
                 self.running_batch.merge_batch(last)
         self.running_batch.filter_batch()
+        if self.disagg is not None:
+            self.poll_disaggregation()
         self.release_aborted()
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
@@ -433,6 +495,20 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.running_batch.is_empty():
             return None
         return self.update_running_batch(self.running_batch)
+
+    def poll_disaggregation(self) -> None:
+        """The peer's messages; on the decode side, requests whose KV arrived join the running
+        batch as if they had just prefilled here (their first token is streamed now)."""
+        arrived = self.disagg.poll()
+        if not arrived:
+            return
+        joining = [r for r in arrived if not r.finished()]
+        for req in arrived:
+            if req.finished():  # its first token already ends it (EOS, max_new_tokens 1, stop)
+                self._on_finished(req)
+        if joining:
+            self.running_batch.merge_batch(self._new_batch(joining))
+        self.stream_output(arrived)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if self.grammar_manager.queue:
@@ -557,6 +633,9 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self.forward_thread = None
         if self.hicache is not None:
             self.hicache.close()
+        if self.disagg is not None:
+            self.disagg.close()
+            self.disagg = None
 
     # -- control --------------------------------------------------------------------------------
     def flush_cache(self) -> FlushCacheReqOutput:
@@ -606,6 +685,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             info.update(self.hicache.tier_stats())
         if self.spec_worker is not None:  # what the speculation controller has measured
             info["spec_step_cost_ms"] = self.spec_controller.measured_costs_ms()
+        if self.disagg is not None:  # requests waiting for their P/D peer, transfers
+            info["disaggregation"] = self.disagg.stats()
         return info
 
     def dashboard_snapshot(self) -> dict[str, Any]:

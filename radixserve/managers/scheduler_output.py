@@ -49,6 +49,7 @@ class SchedulerOutputMixin:
     server_args: Any
     grammar_manager: Any
     spec_worker: Any
+    disagg: Any
 
     def process_batch_result(self, snap: BatchSnapshot, result: Any) -> None:
         """Append each row's token. In the overlap loop a request may have finished, been
@@ -100,13 +101,17 @@ class SchedulerOutputMixin:
         req.check_finished(self.tokenizer)
 
     def _on_finished(self, req: Req) -> None:
-        self.tree_cache.cache_finished_req(req)
+        # A P/D prefill request keeps its KV until the transfer to the decode server is done.
+        if self.disagg is None or not self.disagg.on_finished(req):
+            self.tree_cache.cache_finished_req(req)
         self.stats.num_finished += 1
         if req.finished_reason and req.finished_reason["type"] == "abort":
             self.stats.num_aborted += 1
 
     def _abort_chunked(self, req: Req) -> None:
         req.finished_reason = finish_abort(req.to_abort or "aborted")
+        if self.disagg is not None:
+            self.disagg.on_aborted(req)
         self.tree_cache.cache_finished_req(req, is_insert=False)
         self.stats.num_aborted += 1
         if self.chunked_req is req:

@@ -81,13 +81,15 @@ def run_scheduler_process(
     poller = zmq.Poller()
     if recv is not None:
         poller.register(recv, zmq.POLLIN)
+    for sock in scheduler.poll_sockets():  # e.g. a P/D peer's messages wake the loop too
+        poller.register(sock, zmq.POLLIN)
 
     def recv_requests() -> list[Any]:
-        msgs = []
-        timeout = 0 if scheduler.has_work() else IDLE_POLL_MS
-        while poller.poll(timeout):
+        msgs: list[Any] = []
+        events = dict(poller.poll(scheduler.poll_timeout_ms(IDLE_POLL_MS)))
+        while recv in events:
             msgs.append(recv.recv_pyobj())
-            timeout = 0
+            events = dict(poller.poll(0))
         return msgs
 
     try:

@@ -246,6 +246,12 @@ class TokenizerManager:
         except SamplingParamsError as e:
             raise RequestError(str(e)) from None
         check_length(len(input_ids), sp, self.context_len)
+        dp_rank, dp_size = obj.data_parallel_rank, self.server_args.dp_size
+        if dp_rank is not None and not 0 <= dp_rank < dp_size:
+            raise RequestError(
+                f"data_parallel_rank {dp_rank} is out of range: this server has --dp-size "
+                f"{dp_size} (ranks 0 to {dp_size - 1})"
+            )
         if obj.return_logprob and obj.logprob_start_len > len(input_ids):
             raise RequestError(
                 f"logprob_start_len {obj.logprob_start_len} is past the prompt's "
@@ -264,6 +270,10 @@ class TokenizerManager:
             extra_key=obj.extra_key,
             priority=obj.priority,
             routing_key=obj.routing_key,
+            bootstrap_host=obj.bootstrap_host,
+            bootstrap_port=obj.bootstrap_port,
+            bootstrap_room=obj.bootstrap_room,
+            data_parallel_rank=obj.data_parallel_rank,
         )
 
     def apply_chat_template(

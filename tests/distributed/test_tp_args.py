@@ -57,9 +57,17 @@ def test_invalid_parallel_flags_are_refused(kwargs, match):
     [
         ({"quantization": "int8"}, "--quantization"),
         ({"speculative_algorithm": "NGRAM"}, "speculative"),
-        ({"nnodes": 2, "dist_init_addr": "h:1"}, "--nnodes"),
     ],
 )
 def test_unsupported_combinations_are_refused_at_start_up(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs(device="cpu", tp_size=2, **kwargs).resolve()
+
+
+def test_each_node_runs_its_share_of_the_ranks():
+    args = [
+        ServerArgs(device="cpu", tp_size=4, nnodes=2, node_rank=r, dist_init_addr="h:1")
+        for r in (0, 1)
+    ]
+    assert [list(a.local_tp_ranks) for a in args] == [[0, 1], [2, 3]]
+    assert list(ServerArgs(device="cpu", tp_size=2).local_tp_ranks) == [0, 1]

@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import string
-import subprocess
 import threading
 import time
 from typing import Any
@@ -24,10 +23,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from rs_testing import make_tiny_served_model, sglang_router_command
+from rs_testing import SglangRouter, make_tiny_served_model
 from test_http_server import ServerProcess, sse_events
-
-from radixserve.utils import free_port
 
 GROUPS, PER_GROUP = 6, 4
 PREFIX_CHARS, QUESTION_CHARS = 384, 24
@@ -260,6 +257,38 @@ def test_dp2_aborts_reach_both_replicas(dp2):
     assert all(r["evictable_tokens"] == 0 for r in replicas(dp2))  # both replicas flushed
 
 
+def _admitted(server: ServerProcess) -> list[int]:
+    return [r["num_requests"] for r in replicas(server)]
+
+
+def test_dp2_honours_data_parallel_rank_and_the_routers_dp_aware(tmp_path_factory, dp2):
+    """A request naming its replica goes there (SGLang's router with --dp-aware registers
+    url@0 and url@1 and names the rank in each body); a rank the server lacks is a 400."""
+    body = {"text": "which replica?", "sampling_params": GREEDY}
+    r = httpx.post(dp2.url + "/generate", json={**body, "data_parallel_rank": 2}, timeout=30)
+    assert r.status_code == 400 and "data_parallel_rank 2 is out of range" in r.text, r.text
+    before = _admitted(dp2)
+    for rank in (1, 1, 0):  # the same prompt: prefix affinity alone would keep one replica
+        r = httpx.post(dp2.url + "/generate", json={**body, "data_parallel_rank": rank}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert [a - b for a, b in zip(_admitted(dp2), before, strict=True)] == [1, 2]
+
+    log_dir = str(tmp_path_factory.mktemp("dp_aware"))
+    args = ["--worker-urls", dp2.url, "--policy", "round_robin", "--dp-aware"]
+    router = SglangRouter(log_dir, "dp-aware", *args)
+    try:
+        router.wait_ready()
+        before = _admitted(dp2)
+        for i in range(6):
+            body = {"text": f"{i} through the router", "sampling_params": GREEDY}
+            r = httpx.post(router.url + "/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        assert [a - b for a, b in zip(_admitted(dp2), before, strict=True)] == [3, 3]
+    finally:
+        router.stop()
+    wait_drained_all(dp2)
+
+
 def test_dp2_round_robin_alternates_and_caches_less(tmp_path_factory, tiny_model, dp2):
     flags = ("--dp-size", "2", "--load-balance-method", "round_robin")
     rr = _start(tmp_path_factory, tiny_model, "dp2rr", *flags)
@@ -317,46 +346,8 @@ def test_dp2_shortest_queue_then_a_dead_replica_takes_the_server_down(tmp_path_f
 
 
 # -- SGLang's router in front of two servers --------------------------------------------------------
-class Router:
-    """`python -m sglang_router.launch_router` on a free port in front of `workers`."""
-
-    def __init__(self, log_dir: str, workers: list[str], policy: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(log_dir, f"router-{policy}.log")
-        cmd = [*sglang_router_command(), "--worker-urls", *workers, "--policy", policy]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn"]
-        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()[-3000:]
-
-    def wait_ready(self, timeout: float = 60.0) -> str:
-        """The model id, once the router lists it (every worker registered)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, self.log()
-            try:
-                models = httpx.get(self.url + "/v1/models", timeout=5).json()
-                if models.get("data"):
-                    return models["data"][0]["id"]
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline, self.log()
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+def _workers(workers: list[ServerProcess], policy: str) -> list[str]:
+    return ["--worker-urls", *(w.url for w in workers), "--policy", policy]
 
 
 def _metric(server: ServerProcess, name: str) -> float:
@@ -366,7 +357,7 @@ def _metric(server: ServerProcess, name: str) -> float:
     raise AssertionError(f"no {name} in /metrics")
 
 
-def _router_ratio(router: Router, workers: list[ServerProcess]) -> float:
+def _router_ratio(router: SglangRouter, workers: list[ServerProcess]) -> float:
     """Cached prompt tokens / prompt tokens over the workload sent through `router`, from the
     workers' Prometheus counters (caches flushed first)."""
     names = ("sglang:cached_tokens_total", "sglang:prompt_tokens_total")
@@ -386,8 +377,8 @@ def test_real_router_cache_aware_in_front_of_two_servers(dp1, dp2, tmp_path_fact
     """The two servers of the tests above: one plain, one with two replicas."""
     workers = [dp1, dp2]
     log_dir = str(tmp_path_factory.mktemp("routers"))
-    aware = Router(log_dir, [w.url for w in workers], "cache_aware")
-    rr = Router(log_dir, [w.url for w in workers], "round_robin")
+    aware = SglangRouter(log_dir, "cache_aware", *_workers(workers, "cache_aware"))
+    rr = SglangRouter(log_dir, "round_robin", *_workers(workers, "round_robin"))
     try:
         model = aware.wait_ready()
         rr.wait_ready()

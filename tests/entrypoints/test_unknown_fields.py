@@ -174,7 +174,8 @@ ROUTER_COMPLETIONS = {
     "skip_special_tokens": True,
     "return_hidden_states": False,
 }
-# PD mode adds these to all three kinds; --dp-aware adds the rank (this server has one: 0).
+# PD mode adds these to all three kinds; --dp-aware adds the rank (this server has one: 0;
+# tests/entrypoints/test_scaling.py sends other ranks to a --dp-size 2 server).
 PD_FIELDS = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 2**62 + 5}
 ROUTER_BODIES = [
     (GENERATE, ROUTER_GENERATE),
@@ -208,8 +209,6 @@ def test_router_generate_stream_and_only_set_sampling_params(client, fake_tm):
         (GENERATE, {"return_hidden_states": True}, "return_hidden_states is not supported"),
         (CHAT, {"return_hidden_states": True}, "return_hidden_states is not supported"),
         (COMPLETIONS, {"return_hidden_states": True}, "return_hidden_states is not supported"),
-        (GENERATE, {"data_parallel_rank": 1}, "data_parallel_rank is not supported"),
-        (CHAT, {"data_parallel_rank": 1}, "data_parallel_rank is not supported"),
         (GENERATE, {"background": True}, "background is not supported"),
         (GENERATE, {"return_bytes": True}, "return_bytes is not supported"),
         (GENERATE, {"return_entropy": True}, "return_entropy is not supported"),

@@ -251,3 +251,16 @@ def test_the_watchdog_sees_the_most_silent_replica():
         heartbeats=[SimpleNamespace(value=now), SimpleNamespace(value=now - 60)]
     )
     assert Subprocesses.seconds_since_heartbeat(procs) >= 60  # replica 1 is stuck
+
+
+@pytest.mark.parametrize("method", ["prefix_affinity", "round_robin", "shortest_queue"])
+def test_a_request_naming_its_replica_goes_there(method):
+    dp, socks = _controller(method)
+    ids = list(range(3 * BLOCK_TOKENS))
+    for i, rank in enumerate([1, 1, 0, 1]):
+        req = _req(f"r{i}", ids if rank == 1 else ids[::-1])
+        req.data_parallel_rank = rank
+        assert dp.dispatch(req) == rank
+    assert [len(s.sent) for s in socks] == [1, 3]
+    if method == "prefix_affinity":  # replica 1 holds the prefix now: an unnamed one follows
+        assert dp.dispatch(_req("free", ids)) == 1

@@ -1,0 +1,292 @@
+"""The decode side of P/D disaggregation (`--disaggregation-mode decode`).
+
+A request arrives with the prefill server's bootstrap host, port and room. Its life here:
+
+  prealloc     waits until a request row and KV slots for its whole prompt fit (beside what
+               the running requests are expected to need); then the slots are reserved and
+               the prefill server is told where (`reserve`: slots, pool layout, the transfer
+               backend's descriptor)
+  waiting-kv   the prefill server computes the prompt and writes its KV into those slots;
+               `done` brings the first token (and its logprob)
+  decoding     the request joins the running batch as if it had just prefilled here: its
+               first token is streamed, the next step decodes from it
+
+A `failed` message, no `done` within --disaggregation-timeout, or a prefill server that stops
+answering pings fails the request with an error (HTTP 503 before any token) and frees its row
+and slots at once; a client abort here frees them too and tells the prefill server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from radixserve.disaggregation.channel import ControlChannel
+from radixserve.disaggregation.transfer import KVLayout, create_transfer, transfer_host
+from radixserve.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+PING_INTERVAL_S = 1.0
+PEER_SILENT_S = 5.0  # a prefill server this long without a pong is taken for dead
+MAX_RESERVE = 4096  # of a running request's remaining tokens counted against new reservations
+
+
+class DecodePrealloc:
+    def __init__(self, scheduler: Any) -> None:
+        self.s = scheduler
+        args = scheduler.server_args
+        runner = scheduler.tp_worker.model_runner
+        self.timeout = args.disaggregation_timeout
+        self.default_port = args.disaggregation_bootstrap_port
+        self.layout = KVLayout.of(runner.token_to_kv_pool, scheduler.page_size)
+        self.transfer = create_transfer(
+            args.disaggregation_transfer_backend, runner.token_to_kv_pool, args.host
+        )
+        self.channel = ControlChannel(args.host, 0, transfer_host(args.host))
+        self.prealloc: deque[Req] = deque()
+        self.waiting_kv: dict[int, Req] = {}  # room → request whose KV is on its way
+        self.peers: dict[str, dict[str, float]] = {}  # prefill address → last ping / pong
+        # Slots of requests dropped while the prefill server may still be writing into them
+        # (room → slots, its address, since when): free only once it answers for the room
+        # or is gone, never handed to another request while a late write can land.
+        self.quarantine: dict[int, tuple[torch.Tensor, str, float]] = {}
+        self.num_transferred = 0
+        self.num_failed = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        room = req.bootstrap_room
+        if room in self.waiting_kv or any(r.bootstrap_room == room for r in self.prealloc):
+            self.s._reject(req, f"bootstrap_room {room} is already in use on this server")
+            return
+        req.disagg_deadline = time.monotonic() + self.timeout
+        # The prompt's logprobs are the prefill server's to give (SGLang's router prepends
+        # them to this server's answer): none are computed or sent here.
+        req.input_token_logprobs, req.input_top_logprobs = [], []
+        req.input_logprob_pos = len(req.origin_input_ids)
+        self.prealloc.append(req)
+
+    def peer_address(self, req: Req) -> str:
+        port = req.bootstrap_port or self.default_port
+        return f"tcp://{req.bootstrap_host}:{port}"
+
+    def abort(self, hit: Any) -> None:
+        for req in [r for r in self.prealloc if hit(r)]:
+            self.prealloc.remove(req)
+            self.s._finish_queued_abort(req, "aborted by the client")
+        for room, req in list(self.waiting_kv.items()):
+            if hit(req):
+                self._drop(room, "aborted by the client", status_code=None, tell_peer=True)
+
+    def on_finished(self, req: Req) -> bool:
+        return False  # a decoded request is released as in a plain server
+
+    def on_aborted(self, req: Req) -> None:
+        pass
+
+    def has_work(self) -> bool:
+        return bool(self.prealloc or self.waiting_kv or self.quarantine)
+
+    def poll_interval_ms(self) -> int:
+        """Messages wake the loop (the channel is polled with the input socket); this bounds
+        how late a timeout, a ping or a reservation that now fits is noticed."""
+        return 20 if self.prealloc else 50
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "mode": "decode",
+            "transfer_backend": self.transfer.name,
+            "waiting_for_slots": len(self.prealloc),
+            "waiting_for_kv": len(self.waiting_kv),
+            "quarantined_slots": sum(len(q[0]) for q in self.quarantine.values()),
+            "transferred": self.num_transferred,
+            "failed": self.num_failed,
+        }
+
+    # -- the loop ------------------------------------------------------------------------------
+    def poll(self) -> list[Req]:
+        """Handle the peers' messages, reserve what fits, expire what waited too long; returns
+        the requests whose KV arrived, ready to join the running batch."""
+        ready: list[Req] = []
+        for msg in self.channel.recv_all():
+            kind = msg.get("type")
+            if kind in ("done", "failed") and msg.get("room") in self.quarantine:
+                self._release_quarantine(msg["room"])  # no more writes will come for it
+                continue
+            if kind == "done":
+                req = self._on_done(msg)
+                if req is not None:
+                    ready.append(req)
+            elif kind == "failed":
+                if msg["room"] in self.waiting_kv:
+                    self._drop(msg["room"], f"the prefill server failed: {msg['error']}")
+                else:  # refused before this side reserved anything (e.g. a layout mismatch)
+                    for req in [r for r in self.prealloc if r.bootstrap_room == msg["room"]]:
+                        self.prealloc.remove(req)
+                        self.num_failed += 1
+                        self.s._finish_queued_abort(
+                            req, f"the prefill server failed: {msg['error']}", status_code=503
+                        )
+            elif kind == "pong":
+                peer = self.peers.get(msg.get("from"))
+                if peer is not None:
+                    peer["pong"] = time.monotonic()
+        self._reserve()
+        self._watch_peers()
+        return ready
+
+    def _reserve(self) -> None:
+        s = self.s
+        while self.prealloc:
+            req = self.prealloc[0]
+            if req.to_abort is not None:
+                self.prealloc.popleft()
+                s._finish_queued_abort(req, req.to_abort)
+                continue
+            n = len(req.origin_input_ids)
+            running = len(s.running_batch.reqs) + len(self.waiting_kv)
+            if running >= s.max_running_requests or s.req_to_token_pool.available_size() < 1:
+                return
+            batch = s._new_batch([req])
+            need = batch.new_slots_needed([req], [0], [n])
+            if need > s.allocator.available_size() + s.tree_cache.evictable_size() - (
+                self._reserved_tokens()
+            ):
+                return
+            self.prealloc.popleft()
+            req.req_pool_idx = s.req_to_token_pool.alloc(1)[0]
+            req.kv_allocated_len = 0
+            slots = batch._alloc_slots([req], [0], [n])
+            req.last_node = s.tree_cache.root_node
+            address = self.peer_address(req)
+            self.peers.setdefault(address, {"ping": 0.0, "pong": time.monotonic()})
+            self.waiting_kv[req.bootstrap_room] = req
+            self.channel.send(
+                address,
+                {
+                    "type": "reserve",
+                    "room": req.bootstrap_room,
+                    "rid": req.rid,
+                    "reply_to": self.channel.address,
+                    "slots": slots.tolist(),
+                    "layout": self.layout.__dict__,
+                    "desc": self.transfer.descriptor(),
+                },
+            )
+
+    def _reserved_tokens(self) -> int:
+        """What the running and arriving requests are expected to still write (PrefillAdder's
+        reservation), so new reservations do not push them into retraction."""
+        ratio = self.s.ratio.value
+        reqs = [*self.s.running_batch.reqs, *self.waiting_kv.values()]
+        return int(
+            sum(min(r.max_new_tokens - len(r.output_ids), MAX_RESERVE) for r in reqs) * ratio
+        )
+
+    def _on_done(self, msg: dict[str, Any]) -> Req | None:
+        req = self.waiting_kv.pop(msg["room"], None)
+        if req is None:  # aborted or expired here meanwhile: nothing to do
+            return None
+        n = len(req.origin_input_ids)
+        slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, :n].tolist()
+        try:
+            self.transfer.receive(msg.get("payload"), slots)
+        except Exception as e:
+            self.waiting_kv[msg["room"]] = req
+            self._drop(msg["room"], f"the KV transfer failed: {e}")
+            return None
+        self.num_transferred += 1
+        req.kv_committed_len = n
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.fill_ids = list(req.origin_input_ids)
+        req.admitted = True
+        req.cached_tokens = int(msg.get("cached_tokens") or 0)
+        self.s.stats.on_first_admission(n, req.cached_tokens)
+        logprob = None
+        if req.return_logprob and msg.get("logprob") is not None:
+            logprob = (msg["logprob"], msg.get("top_logprobs"))
+        self.s._append_token(req, int(msg["token"]), logprob)
+        return req
+
+    def _watch_peers(self) -> None:
+        now = time.monotonic()
+        busy = {self.peer_address(r) for r in self.waiting_kv.values()}
+        busy |= {q[1] for q in self.quarantine.values()}
+        for address, peer in list(self.peers.items()):
+            if address not in busy:
+                del self.peers[address]
+                continue
+            if now - peer["pong"] > PEER_SILENT_S:
+                for room, req in list(self.waiting_kv.items()):
+                    if self.peer_address(req) == address:
+                        self._drop(
+                            room,
+                            f"the prefill server at {address} stopped answering while its "
+                            "KV was on the way",
+                        )
+                for room in [r for r, q in self.quarantine.items() if q[1] == address]:
+                    self._release_quarantine(room)  # it writes no more
+                del self.peers[address]
+                continue
+            if now - peer["ping"] >= PING_INTERVAL_S:
+                peer["ping"] = now
+                self.channel.send(
+                    address, {"type": "ping", "reply_to": self.channel.address, "to": address}
+                )
+        for room, req in list(self.waiting_kv.items()):
+            if now > req.disagg_deadline:
+                self._drop(
+                    room,
+                    f"no KV arrived from the prefill server within {self.timeout:g} s",
+                    tell_peer=True,
+                )
+        for room, (_, address, since) in list(self.quarantine.items()):
+            if now - since > 2 * self.timeout:  # it answers pings but not for this room
+                logger.warning("releasing the slots of room %d: %s never answered", room, address)
+                self._release_quarantine(room)
+        for req in [r for r in self.prealloc if now > r.disagg_deadline]:
+            self.prealloc.remove(req)
+            self.num_failed += 1
+            self.s._finish_queued_abort(
+                req,
+                f"no room in the KV cache for the prompt within {self.timeout:g} s",
+                status_code=503,
+            )
+
+    def _drop(
+        self, room: int, message: str, status_code: int | None = 503, tell_peer: bool = False
+    ) -> None:
+        """Fail a request that holds reserved slots and answer with the error. With tell_peer
+        the prefill server is still there and told to stop; where it writes into this pool
+        itself (Mooncake) a write may already be under way, so the slots wait in quarantine
+        until it answers for the room; otherwise they are free at once."""
+        req = self.waiting_kv.pop(room)
+        if status_code is not None:
+            self.num_failed += 1
+        address = self.peer_address(req)
+        if tell_peer:
+            self.channel.send(
+                address, {"type": "abort", "room": room, "reply_to": self.channel.address}
+            )
+        if tell_peer and self.transfer.remote_writes:
+            pool = self.s.req_to_token_pool
+            slots = pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len].to(torch.int64)
+            self.quarantine[room] = (slots.clone(), address, time.monotonic())
+            pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        else:
+            self.s.tree_cache.cache_finished_req(req, is_insert=False)
+        self.s._finish_queued_abort(req, message, status_code=status_code)
+
+    def _release_quarantine(self, room: int) -> None:
+        slots, _, _ = self.quarantine.pop(room)
+        self.s.allocator.free(slots)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.transfer.close()

@@ -1,0 +1,260 @@
+"""The prefill side of P/D disaggregation (`--disaggregation-mode prefill`).
+
+A request arrives with a bootstrap room (SGLang's router sends the same body to the decode
+server at the same moment). Its life here:
+
+  bootstrap    waits until the decode server's `reserve` for its room arrives (either may come
+               first); then it joins the waiting queue, max_new_tokens forced to 1
+  prefill      scheduled as usual: chunked, radix-cached, batched with others
+  transferring its first token is sampled and streamed to this server's client (the router
+               drops that response); its prompt KV stays held, off the tree, while a worker
+               thread writes it into the decode server's reserved slots; then `done` carries
+               the first token, and the KV goes to this server's radix tree
+
+Failures (the decode side aborts, pairing or transfer times out, the transfer fails, a client
+aborts here) end the request here with an error and tell the decode side `failed`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Any
+
+from radixserve.disaggregation.channel import ControlChannel
+from radixserve.disaggregation.transfer import KVLayout, create_transfer, transfer_host
+from radixserve.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillBootstrap:
+    def __init__(self, scheduler: Any) -> None:
+        self.s = scheduler
+        args = scheduler.server_args
+        runner = scheduler.tp_worker.model_runner
+        self.timeout = args.disaggregation_timeout
+        self.layout = KVLayout.of(runner.token_to_kv_pool, scheduler.page_size)
+        self.transfer = create_transfer(
+            args.disaggregation_transfer_backend, runner.token_to_kv_pool, args.host
+        )
+        self.channel = ControlChannel(
+            args.host, args.disaggregation_bootstrap_port, transfer_host(args.host)
+        )
+        self.waiting: dict[int, Req] = {}  # room → request waiting for its reservation
+        self.reservations: dict[int, tuple[float, dict[str, Any]]] = {}  # arrived first
+        self.sending: list[tuple[Req, concurrent.futures.Future]] = []
+        self.cancelled: dict[int, float] = {}  # rooms the decode side gave up, since when
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
+        self.num_transferred = 0
+        self.num_failed = 0
+        self.transfer_bytes = 0
+        self.transfer_seconds = 0.0
+        pool = runner.token_to_kv_pool
+        self.token_bytes = sum(b[0].numel() * b.element_size() for b in pool.k_buffer) * 2
+        logger.info(
+            "prefill server: bootstrap server on port %d, KV transfer over %s",
+            self.channel.port,
+            self.transfer.name,
+        )
+
+    # -- requests -------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        room = req.bootstrap_room
+        if room in self.waiting or any(r.bootstrap_room == room for r, _ in self.sending):
+            self.s._reject(req, f"bootstrap_room {room} is already in use on this server")
+            return
+        req.sampling_params.max_new_tokens = 1  # the decode server generates the rest
+        req.disagg_deadline = time.monotonic() + self.timeout
+        arrived = self.reservations.pop(room, None)
+        if arrived is not None:
+            self._pair(req, arrived[1])
+        else:
+            self.waiting[room] = req
+
+    def _pair(self, req: Req, reservation: dict[str, Any]) -> None:
+        if len(reservation["slots"]) != len(req.origin_input_ids):
+            self._fail_reservation(
+                reservation,
+                f"the decode server reserved {len(reservation['slots'])} slots for a prompt of "
+                f"{len(req.origin_input_ids)} tokens (do both servers use the same tokenizer?)",
+            )
+            self.s._finish_queued_abort(req, "the decode server's reservation does not match")
+            return
+        req.disagg_target = reservation
+        self.s.waiting_queue.append(req)
+
+    def on_finished(self, req: Req) -> bool:
+        """A request finished its forward (or was aborted in flight). True: its KV is being
+        sent and it is released later (`poll`); False: release it now."""
+        target = req.disagg_target
+        if target is None:
+            return False
+        if self.cancelled.pop(req.bootstrap_room, None) is not None:
+            req.disagg_target = None
+            return False
+        if req.finished_reason and req.finished_reason["type"] == "abort":
+            self._fail_reservation(target, req.finished_reason["message"])
+            req.disagg_target = None
+            return False
+        slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, : len(target["slots"])]
+        src = slots.tolist()
+        fut = self.pool.submit(self._send, target["desc"], src, target["slots"])
+        self.sending.append((req, fut))
+        return True
+
+    def _send(self, desc: dict[str, Any], src: list[int], dst: list[int]) -> Any:
+        """On the transfer thread: move the KV, count its bytes and time."""
+        start = time.perf_counter()
+        payload = self.transfer.send(desc, src, dst)
+        self.transfer_seconds += time.perf_counter() - start
+        self.transfer_bytes += len(src) * self.token_bytes
+        return payload
+
+    def abort(self, hit: Any) -> None:
+        for room, req in list(self.waiting.items()):
+            if hit(req):
+                del self.waiting[room]
+                self.s._finish_queued_abort(req, "aborted by the client")
+
+    def on_aborted(self, req: Req) -> None:
+        """A paired request aborted here before its forward finished: the decode side stops
+        waiting for it."""
+        if req.disagg_target is not None:
+            self._fail_reservation(req.disagg_target, req.to_abort or "aborted")
+            req.disagg_target = None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.sending)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "mode": "prefill",
+            "bootstrap_port": self.channel.port,
+            "transfer_backend": self.transfer.name,
+            "waiting_for_decode": len(self.waiting),
+            "transferring": len(self.sending),
+            "transferred": self.num_transferred,
+            "failed": self.num_failed,
+            "transfer_bytes": self.transfer_bytes,
+            "transfer_seconds": round(self.transfer_seconds, 6),
+        }
+
+    def poll_interval_ms(self) -> int:
+        """How soon the idle loop must look again: transfers finish on a thread, not a socket."""
+        return 2 if self.sending else 50
+
+    # -- the loop ------------------------------------------------------------------------------
+    def poll(self) -> None:
+        for msg in self.channel.recv_all():
+            kind = msg.get("type")
+            if kind == "reserve":
+                self._on_reserve(msg)
+            elif kind == "abort":
+                self._on_decode_abort(msg)
+            elif kind == "ping":
+                self.channel.send(msg["reply_to"], {"type": "pong", "from": msg.get("to")})
+        self._finish_transfers()
+        self._expire()
+
+    def _on_reserve(self, msg: dict[str, Any]) -> None:
+        error = self.layout.mismatch(msg.get("layout", {}))
+        if error is not None:
+            self._fail_reservation(msg, error)
+            req = self.waiting.pop(msg["room"], None)
+            if req is not None:
+                self.s._finish_queued_abort(req, error, status_code=400)
+            return
+        req = self.waiting.pop(msg["room"], None)
+        if req is None:
+            self.reservations[msg["room"]] = (time.monotonic(), msg)
+        else:
+            self._pair(req, msg)
+
+    def _on_decode_abort(self, msg: dict[str, Any]) -> None:
+        """Stop the room's request here. Unless its KV is being written, answer `failed` at
+        once: the decode side keeps the room's slots until it knows no write will come."""
+        room = msg["room"]
+        if not any(r.bootstrap_room == room for r, _ in self.sending):
+            self.channel.send(msg["reply_to"], {"type": "failed", "room": room, "error": "aborted"})
+            self.cancelled[room] = time.monotonic()  # whatever runs for it sends nothing
+        self.reservations.pop(room, None)
+        req = self.waiting.pop(room, None)
+        if req is not None:
+            self.s._finish_queued_abort(req, "the decode server aborted the request")
+            return
+        for r in self.s.waiting_queue:
+            if r.bootstrap_room == room:
+                r.disagg_target = None  # nothing to send any more
+                r.to_abort = "the decode server aborted the request"
+        for r in self.s._in_flight_reqs():
+            if r.bootstrap_room == room and not r.finished():
+                r.disagg_target = None
+                r.to_abort = "the decode server aborted the request"
+
+    def _finish_transfers(self) -> None:
+        still = []
+        for req, fut in self.sending:
+            if not fut.done():
+                still.append((req, fut))
+                continue
+            target = req.disagg_target
+            try:
+                payload = fut.result()
+            except Exception as e:
+                logger.warning("KV transfer of room %s failed: %s", req.bootstrap_room, e)
+                self.num_failed += 1
+                self._fail_reservation(target, f"the KV transfer failed: {e}")
+            else:
+                self.num_transferred += 1
+                logprob = req.output_token_logprobs[0][0] if req.output_token_logprobs else None
+                top = req.output_top_logprobs[0] if req.output_top_logprobs else None
+                self.channel.send(
+                    target["reply_to"],
+                    {
+                        "type": "done",
+                        "room": req.bootstrap_room,
+                        "token": req.output_ids[0],
+                        "logprob": logprob,
+                        "top_logprobs": top,
+                        "cached_tokens": req.cached_tokens,
+                        "payload": payload,
+                    },
+                )
+            req.disagg_target = None
+            self.s.tree_cache.cache_finished_req(req)
+        self.sending = still
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for room, req in list(self.waiting.items()):
+            if now > req.disagg_deadline:
+                del self.waiting[room]
+                self.num_failed += 1
+                self.s._finish_queued_abort(
+                    req,
+                    f"no decode server reserved bootstrap_room {room} within {self.timeout:g} s",
+                    status_code=503,
+                )
+        for room, t in list(self.cancelled.items()):
+            if now > t + 2 * self.timeout:
+                del self.cancelled[room]
+        for room, (t, msg) in list(self.reservations.items()):
+            if now > t + self.timeout:
+                del self.reservations[room]
+                self._fail_reservation(
+                    msg, f"the prefill server never received the request of room {room}"
+                )
+
+    def _fail_reservation(self, reservation: dict[str, Any] | None, error: str) -> None:
+        if reservation is not None:
+            self.channel.send(
+                reservation["reply_to"],
+                {"type": "failed", "room": reservation["room"], "error": error},
+            )
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.channel.close()
+        self.transfer.close()

@@ -1,0 +1,239 @@
+"""P/D disaggregation through two offline Engines (a prefill one and a decode one, each with its
+real scheduler process) and the `fake` transfer backend, which needs no extra package: every
+request is sent to both with the same bootstrap room, as SGLang's router does, and the decode
+engine's answers are transformers' greedy tokens — with chunked prefill and the radix cache on
+the prefill side (a second wave is served from it), a first token that already ends the
+request, and both engines' pools drained afterwards. Plus the transfer backends' own pieces."""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+import torch
+from rs_testing import hf_greedy, load_hf_reference, make_tiny_served_model
+
+from radixserve.disaggregation.transfer import (
+    FakeTransfer,
+    KVLayout,
+    MooncakeTransfer,
+    contiguous_runs,
+)
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool
+from radixserve.utils import free_port
+
+NEW_TOKENS = 10
+LENGTHS = [5, 150, 17, 40, 9, 300]  # 150 and 300 take several 64-token chunks
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_tiny_served_model(str(tmp_path_factory.mktemp("pd_engine")))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 250) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts) -> list[list[int]]:
+    return hf_greedy(load_hf_reference(model), prompts, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    from radixserve import Engine
+
+    port = free_port()
+    common: dict[str, Any] = {
+        "model_path": model,
+        "dtype": "float32",
+        "max_total_tokens": 4096,
+        "enable_integrity_checks": True,
+        "disaggregation_transfer_backend": "fake",
+        "disaggregation_timeout": 20.0,
+    }
+    # One torch thread on this 2-CPU machine turns the overlap loop on (the HTTP tests run the
+    # normal loop): prefill requests must not decode, arrivals join a batch in flight.
+    prefill = Engine(
+        disaggregation_mode="prefill",
+        disaggregation_bootstrap_port=port,
+        chunked_prefill_size=64,
+        num_threads=1,
+        **common,
+    )
+    try:
+        decode = Engine(disaggregation_mode="decode", num_threads=1, **common)
+    except BaseException:
+        prefill.shutdown()
+        raise
+    yield prefill, decode, port
+    decode.shutdown()
+    prefill.shutdown()
+
+
+def _pd_generate(engines, prompts, params, rooms) -> list[dict[str, Any]]:
+    """Send the batch to both engines at once; the decode engine's answers."""
+    prefill, decode, port = engines
+    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": rooms}
+    out: dict[str, Any] = {}
+
+    def run(name: str, engine: Any) -> None:
+        out[name] = engine.generate(input_ids=prompts, sampling_params=params, **pd)
+
+    threads = [threading.Thread(target=run, args=x) for x in (("p", prefill), ("d", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(out) == {"p", "d"}
+    assert all(len(o["output_ids"]) == 1 for o in out["p"])  # the prefill side stops at one
+    return out["d"]
+
+
+def test_both_engines_run_the_overlap_loop(engines):
+    for engine in engines[:2]:
+        assert engine.procs.scheduler_info["overlap"] is True
+
+
+def _assert_drained(engine: Any) -> None:
+    info = engine.get_server_info()
+    assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
+    assert info["protected_tokens"] == 0 and info["running"] == 0
+
+
+def test_decode_engine_gives_greedy_tokens_and_reuses_the_prefill_cache(
+    engines, prompts, reference
+):
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+    first = _pd_generate(engines, prompts, params, list(range(100, 100 + len(prompts))))
+    assert [o["output_ids"] for o in first] == reference
+    second = _pd_generate(engines, prompts, params, list(range(200, 200 + len(prompts))))
+    assert [o["output_ids"] for o in second] == reference
+    # the second wave's prompts were cached on the prefill server (all but the last token)
+    assert [o["meta_info"]["cached_tokens"] for o in second] == [n - 1 for n in LENGTHS]
+    prefill, decode, _ = engines
+    assert decode.get_server_info()["disaggregation"]["transferred"] == 2 * len(prompts)
+    for engine in (prefill, decode):
+        _assert_drained(engine)
+
+
+def test_a_first_token_that_ends_the_request(engines, prompts, reference):
+    one = _pd_generate(engines, prompts[:2], {"max_new_tokens": 1, "temperature": 0}, [300, 301])
+    assert [o["output_ids"] for o in one] == [r[:1] for r in reference[:2]]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in one)
+    stops = [{"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [r[0]]} for r in reference]
+    stopped = _pd_generate(engines, prompts[:2], stops[:2], [302, 303])
+    assert [o["output_ids"] for o in stopped] == [r[:1] for r in reference[:2]]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in stopped)
+    for engine in engines[:2]:
+        _assert_drained(engine)
+
+
+# -- the transfer backends ----------------------------------------------------------------------
+def test_contiguous_runs_coalesce_only_where_both_sides_advance_together():
+    assert contiguous_runs([4, 5, 6, 9, 10], [1, 2, 3, 7, 9]) == [(4, 1, 3), (9, 7, 1), (10, 9, 1)]
+    assert contiguous_runs([], []) == []
+
+
+def test_a_layout_mismatch_is_named():
+    layout = KVLayout(30, 3, 64, "torch.float32", 1)
+    assert layout.mismatch(layout.__dict__) is None
+    error = layout.mismatch({**layout.__dict__, "dtype": "torch.bfloat16"})
+    assert error is not None and "dtype" in error and "same model" in error
+
+
+def _pools() -> tuple[MHATokenToKVPool, MHATokenToKVPool]:
+    src = MHATokenToKVPool(64, 2, 2, 8, torch.float32)
+    dst = MHATokenToKVPool(64, 2, 2, 8, torch.float32)
+    for buf in (*src.k_buffer, *src.v_buffer):
+        buf.copy_(torch.randn_like(buf))
+    return src, dst
+
+
+def _check_moved(src, dst, from_slots, to_slots) -> None:
+    for a, b in zip((*src.k_buffer, *src.v_buffer), (*dst.k_buffer, *dst.v_buffer), strict=True):
+        assert torch.equal(b[to_slots], a[from_slots])
+        untouched = [i for i in range(b.shape[0]) if i not in to_slots]
+        assert not b[untouched].any()
+
+
+@pytest.mark.parametrize("backend", ["fake", "mooncake"])
+def test_a_backend_moves_exactly_the_slots_asked(backend):
+    if backend == "mooncake":
+        try:
+            from mooncake.engine import TransferEngine  # noqa: F401
+        except Exception as e:
+            pytest.skip(f"Mooncake's transfer engine does not load: {e!r}")
+    cls = {"fake": FakeTransfer, "mooncake": MooncakeTransfer}[backend]
+    src_pool, dst_pool = _pools()
+    sender, receiver = cls(src_pool, "127.0.0.1"), cls(dst_pool, "127.0.0.1")
+    from_slots, to_slots = [3, 4, 5, 20, 7], [10, 11, 12, 13, 40]
+    payload = sender.send(receiver.descriptor(), from_slots, to_slots)
+    receiver.receive(payload, to_slots)
+    _check_moved(src_pool, dst_pool, from_slots, to_slots)
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"bootstrap_room": [1]}, "one per prompt"),  # two prompts, one room
+        ({"bootstrap_room": -1}, "non-negative"),
+        ({"bootstrap_room": 1, "bootstrap_port": 0}, "a port"),
+        ({"bootstrap_room": 1, "bootstrap_host": ""}, "a host name"),
+    ],
+)
+def test_bad_pairing_fields_are_refused_before_anything_runs(engines, prompts, fields, match):
+    from radixserve.managers.tokenizer_manager import RequestError
+
+    with pytest.raises(RequestError, match=match) as e:
+        engines[1].generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": 2}, **fields)
+    assert e.value.status_code == 400
+
+
+def test_more_requests_than_the_decode_pool_holds(model):
+    """150 requests at once into a decode engine whose pool holds a fraction of them: they wait
+    for slots (prealloc), decode with retraction when the pool runs out, and all finish with
+    greedy tokens; nothing leaks on either side."""
+    from radixserve import Engine
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(20, 120))] for _ in range(150)]
+    new = 24
+    reference = hf_greedy(load_hf_reference(model), prompts, new)
+    port = free_port()
+    common: dict[str, Any] = {
+        "model_path": model,
+        "dtype": "float32",
+        "enable_integrity_checks": True,
+        "disaggregation_transfer_backend": "fake",
+    }
+    prefill = Engine(
+        disaggregation_mode="prefill",
+        disaggregation_bootstrap_port=port,
+        max_total_tokens=8192,
+        **common,
+    )
+    decode = None
+    try:
+        decode = Engine(disaggregation_mode="decode", max_total_tokens=1536, **common)
+        engines = (prefill, decode, port)
+        # min_new_tokens: transformers' reference never stops at EOS (it masks it)
+        params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
+        outs = _pd_generate(engines, prompts, params, list(range(1000, 1150)))
+        assert [o["output_ids"] for o in outs] == reference
+        info = decode.get_server_info()
+        assert info["disaggregation"]["transferred"] == 150
+        assert info["num_retractions"] > 0  # the pool ran out while decoding
+        for engine in (prefill, decode):
+            _assert_drained(engine)
+    finally:
+        if decode is not None:
+            decode.shutdown()
+        prefill.shutdown()

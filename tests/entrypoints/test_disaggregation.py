@@ -1,0 +1,328 @@
+"""Prefill/decode disaggregation: a prefill server and a decode server (real `python -m
+radixserve serve` processes) behind SGLang's real router in PD mode give one server's greedy
+outputs on every endpoint, streamed and not; the KV moves through Mooncake's transfer engine
+over TCP where it is installed (else through the `fake` backend: the bytes on the control
+channel). Killing the prefill server while KV is on its way fails exactly the
+requests that waited for it and leaves the decode server healthy, every slot free; pairing
+that never completes times out on both sides with an error.
+
+Every server serves a tiny random Llama with a byte-level tokenizer (one token per ASCII
+character), fp32, integrity checks on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import signal
+import string
+import time
+from typing import Any
+
+import httpx
+import pytest
+from rs_testing import SglangRouter, make_tiny_served_model
+from test_http_server import ServerProcess, sse_events, wait_drained
+
+from radixserve.utils import free_port
+
+NEW_TOKENS = 12
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+TIMEOUT_S = 8  # --disaggregation-timeout of the servers here
+CONTEXT = 8192
+
+
+def _mooncake_available() -> str | None:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as e:  # ImportError, or the library's own libibverbs missing
+        return f"Mooncake's transfer engine does not load ({e!r}); `make mooncake` installs it"
+    return None
+
+
+def _backend() -> str:
+    """Mooncake where it loads (CI installs it: RADIXSERVE_REQUIRE_MOONCAKE=1 makes its absence
+    a failure), else the fake backend; tests/disaggregation runs the fake one everywhere."""
+    why = _mooncake_available()
+    if why is None:
+        return "mooncake"
+    if os.environ.get("RADIXSERVE_REQUIRE_MOONCAKE") == "1":
+        pytest.fail(why)
+    return "fake"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    path = make_tiny_served_model(str(tmp_path_factory.mktemp("pd_tiny")))
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = CONTEXT
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def _ready(*servers: ServerProcess) -> None:
+    """Wait for servers started together (they load at the same time); stop all on failure."""
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+
+
+def _prefill_flags(backend: str) -> tuple[list[str], int]:
+    port = free_port()
+    flags = ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)]
+    flags += ["--disaggregation-transfer-backend", backend]
+    return flags + ["--disaggregation-timeout", str(TIMEOUT_S)], port
+
+
+def _decode_flags(backend: str) -> list[str]:
+    flags = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend]
+    return flags + ["--disaggregation-timeout", str(TIMEOUT_S)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_model) -> Any:
+    """(single server, prefill server, its bootstrap port, decode server, transfer backend),
+    started together."""
+    backend = _backend()
+    log_dir = str(tmp_path_factory.mktemp("pd"))
+    prefill_flags, port = _prefill_flags(backend)
+    single = ServerProcess(log_dir, "--model-path", tiny_model)
+    prefill = ServerProcess(log_dir, "--model-path", tiny_model, *prefill_flags)
+    decode = ServerProcess(log_dir, "--model-path", tiny_model, *_decode_flags(backend))
+    _ready(single, prefill, decode)
+    yield single, prefill, port, decode, backend
+    for server in (decode, prefill, single):
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def single(servers) -> ServerProcess:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def pd(servers, tmp_path_factory) -> Any:
+    """(router, prefill, bootstrap port, decode, transfer backend)."""
+    _, prefill, port, decode, backend = servers
+    log_dir = str(tmp_path_factory.mktemp("pd_router"))
+    router = SglangRouter(
+        log_dir,
+        "pd",
+        "--pd-disaggregation",
+        "--prefill",
+        prefill.url,
+        str(port),
+        "--decode",
+        decode.url,
+    )
+    try:
+        router.model = router.wait_ready()
+        yield router, prefill, port, decode, backend
+    finally:
+        router.stop()
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(string.ascii_letters + " ") for _ in range(n))
+
+
+def _requests(seed: int, model: str) -> list[tuple[str, dict[str, Any]]]:
+    """(endpoint, body) of every kind, streamed and not."""
+    rng = random.Random(seed)
+    out: list[tuple[str, dict[str, Any]]] = []
+    for stream in (False, True):
+        for n in (7, 90, 300):
+            out.append(("/generate", {"text": _text(rng, n), "sampling_params": GREEDY}))
+            out[-1][1]["stream"] = stream
+        completion = {"prompt": _text(rng, 60), "max_tokens": NEW_TOKENS, "temperature": 0}
+        out.append(("/v1/completions", {**completion, "stream": stream, "model": model}))
+        chat = {"messages": [{"role": "user", "content": _text(rng, 40)}], "temperature": 0}
+        chat["max_tokens"] = NEW_TOKENS
+        out.append(("/v1/chat/completions", {**chat, "stream": stream, "model": model}))
+    return out
+
+
+def _answer(url: str, path: str, body: dict[str, Any]) -> str:
+    """The generated text (streamed answers joined)."""
+    if not body.get("stream"):
+        r = httpx.post(url + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        if path == "/generate":
+            return data["text"]
+        choice = data["choices"][0]
+        return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+    with httpx.stream("POST", url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    if path == "/generate":
+        return events[-2]["text"]
+    parts = []
+    for e in events[:-1]:
+        for c in e.get("choices", []):
+            parts.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+def _pool_free(server: ServerProcess) -> None:
+    info = wait_drained(server, timeout=30)
+    assert info["protected_tokens"] == 0
+
+
+def test_pd_pair_behind_the_router_answers_like_one_server(pd, single):
+    router, prefill, _, decode, backend = pd
+    requests = _requests(seed=1, model=router.model)
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        got = list(pool.map(lambda req: _answer(router.url, *req), requests))
+    want = [_answer(single.url, *req) for req in requests]
+    assert got == want
+    stats = decode.server_info()["disaggregation"]
+    assert stats["mode"] == "decode" and stats["transfer_backend"] == backend
+    assert stats["transferred"] >= len(requests) and stats["failed"] == 0
+    assert prefill.server_info()["disaggregation"]["transferred"] >= len(requests)
+    for server in (prefill, decode):
+        _pool_free(server)
+
+
+def test_pd_logprobs_come_from_both_servers(pd, single):
+    """The first token's logprob is sampled on the prefill server, the rest on the decode
+    server; the router copies the prompt's logprobs from the prefill server's answer."""
+    router = pd[0]
+    body = {
+        "text": "The quick brown fox jumps",
+        "sampling_params": GREEDY,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    got = httpx.post(router.url + "/generate", json=body, timeout=60).json()["meta_info"]
+    want = httpx.post(single.url + "/generate", json=body, timeout=60).json()["meta_info"]
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        assert [t[1] for t in got[key]] == [t[1] for t in want[key]], key
+        for a, b in zip(got[key], want[key], strict=True):
+            assert (a[0] is None) == (b[0] is None) and abs((a[0] or 0) - (b[0] or 0)) < 1e-4
+
+
+def test_a_request_without_a_bootstrap_room_is_served_alone(pd, single):
+    _, prefill, _, decode, _ = pd
+    body = {"text": "hello there", "sampling_params": GREEDY}
+    want = httpx.post(single.url + "/generate", json=body, timeout=60).json()["text"]
+    for server in (prefill, decode):
+        assert httpx.post(server.url + "/generate", json=body, timeout=60).json()["text"] == want
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"bootstrap_room": -3, "bootstrap_host": "127.0.0.1"}, "bootstrap_room"),
+        ({"bootstrap_room": 5}, "bootstrap_host"),
+        ({"bootstrap_room": 5, "bootstrap_host": "127.0.0.1", "bootstrap_port": 70000}, "port"),
+    ],
+)
+def test_bad_bootstrap_fields_are_a_400(pd, extra, match):
+    decode = pd[3]
+    body = {"text": "hi", "sampling_params": GREEDY, **extra}
+    r = httpx.post(decode.url + "/generate", json=body, timeout=30)
+    assert r.status_code == 400 and match in r.text, r.text
+
+
+def test_a_pairing_that_never_completes_fails_on_both_sides(pd):
+    """The prefill server gets a room no decode server reserves, the decode server one the
+    prefill server never gets: both answer with an error after --disaggregation-timeout."""
+    _, prefill, port, decode, _ = pd
+    pd_fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+    body = {"text": "lonely", "sampling_params": GREEDY, **pd_fields}
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        only_p = pool.submit(
+            httpx.post, prefill.url + "/generate", json={**body, "bootstrap_room": 11}, timeout=60
+        )
+        only_d = pool.submit(
+            httpx.post, decode.url + "/generate", json={**body, "bootstrap_room": 12}, timeout=60
+        )
+        rp, rd = only_p.result(), only_d.result()
+    assert rp.status_code == 503 and "no decode server reserved" in rp.text, rp.text
+    # whichever notices first: the prefill server's expired reservation or the decode
+    # server's own deadline
+    assert rd.status_code == 503 and "prefill server" in rd.text, rd.text
+    assert time.monotonic() - start < 3 * TIMEOUT_S
+    for server in (prefill, decode):
+        _pool_free(server)
+
+
+def test_killing_the_prefill_server_mid_transfer(pd, tmp_path, tiny_model):
+    """A second prefill server is killed while the decode server waits for KV from it: those
+    requests fail with an error naming the prefill server, the others are unaffected, and the
+    decode server ends with every slot free and keeps serving."""
+    router, _, _, decode, backend = pd
+    flags, port = _prefill_flags(backend)
+    victim = ServerProcess(str(tmp_path), "--model-path", tiny_model, *flags)
+    _ready(victim)
+    rng = random.Random(3)
+    n = 8
+    prompts = [_text(rng, 1500) for _ in range(n)]
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+
+    def send(i: int) -> tuple[httpx.Response, httpx.Response | None]:
+        body = {"text": prompts[i], "sampling_params": GREEDY, **fields, "bootstrap_room": i}
+        with concurrent.futures.ThreadPoolExecutor(1) as one:
+            to_prefill = one.submit(httpx.post, victim.url + "/generate", json=body, timeout=60)
+            rd = httpx.post(decode.url + "/generate", json=body, timeout=60)
+            try:
+                rp = to_prefill.result()
+            except httpx.HTTPError:
+                rp = None  # the prefill server died
+        return rd, rp
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(send, i) for i in range(n)]
+            deadline = time.monotonic() + 60
+            while decode.server_info()["disaggregation"]["waiting_for_kv"] == 0:
+                assert time.monotonic() < deadline, "no request ever waited for KV"
+                time.sleep(0.02)
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            answers = [f.result()[0] for f in futures]
+    finally:
+        victim.stop()
+    failed = [r for r in answers if r.status_code != 200]
+    assert failed, "every request finished before the kill; the test proves nothing"
+    for r in failed:
+        assert r.status_code == 503 and "prefill server" in r.text, r.text
+    assert time.monotonic() - killed_at < 2 * TIMEOUT_S
+    _pool_free(decode)
+    assert httpx.get(decode.url + "/health", timeout=10).status_code == 200
+    body = {"text": "still alive", "sampling_params": GREEDY}
+    assert httpx.post(router.url + "/generate", json=body, timeout=60).status_code == 200
+
+
+def test_a_client_abort_while_waiting_for_kv_frees_the_reservation(pd):
+    """The decode server reserved slots for a room whose prefill never comes; the client goes
+    away: the slots are free again at once, not after --disaggregation-timeout."""
+    _, prefill, port, decode, _ = pd
+    body = {
+        "text": "x" * 500,
+        "sampling_params": GREEDY,
+        "stream": True,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": port,
+        "bootstrap_room": 77,
+    }
+    start = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", decode.url + "/generate", json=body, timeout=1.5) as r:
+            r.read()
+    info = wait_drained(decode, timeout=TIMEOUT_S)
+    assert time.monotonic() - start < TIMEOUT_S
+    assert info["disaggregation"]["waiting_for_kv"] == 0
+    _pool_free(prefill)  # its reservation for room 77 expires there on its own

@@ -1,0 +1,63 @@
+"""Tensor parallelism across machines, on one machine: `--nnodes 2` with one TP rank per
+"node", node 0 a full server and node 1 (`--node-rank 1`) running only its scheduler rank.
+They meet at --dist-init-addr (gloo on loopback) and serve transformers' greedy tokens; when
+node 0 stops, node 1's rank fails in its next collective and node 1 exits."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import subprocess
+
+import httpx
+import pytest
+from rs_testing import hf_greedy, load_hf_reference, make_tiny_served_model
+from test_http_server import ServerProcess
+
+from radixserve.utils import free_port
+
+NEW_TOKENS = 16
+LENGTHS = [5, 70, 17, 40, 9, 33]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return make_tiny_served_model(str(tmp_path_factory.mktemp("multinode_tiny")))
+
+
+def test_two_nodes_serve_greedy_tokens_and_node_1_stops_with_node_0(tmp_path, tiny_model):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in LENGTHS]
+    reference = hf_greedy(load_hf_reference(tiny_model), prompts, NEW_TOKENS)
+    flags = ["--model-path", tiny_model, "--tp-size", "2", "--nnodes", "2"]
+    flags += ["--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    node1 = ServerProcess(str(tmp_path), *flags, "--node-rank", "1")
+    node0 = ServerProcess(str(tmp_path), *flags, "--node-rank", "0")
+    try:
+        node0.wait_ready()
+        info = node0.server_info()
+        assert info["tp_size"] == 2
+
+        def generate(ids: list[int]) -> list[int]:
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0},
+            }
+            r = httpx.post(node0.url + "/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(generate, prompts)) == reference
+        assert "node 1 of 2 ready: TP ranks 1-1" in node1.log()
+        assert node1.proc.poll() is None
+
+        node0.stop()
+        try:
+            code = node1.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node 1 kept running after node 0 stopped:\n{node1.log()[-3000:]}")
+        assert code != 0 and "node 1 stops" in node1.log()
+    finally:
+        node0.stop()
+        node1.stop()
