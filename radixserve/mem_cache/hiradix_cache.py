@@ -210,28 +210,10 @@ class HiRadixCache(HiCacheRequestOps, RadixCache):
 
     # ---- locks (count device tokens only) ------------------------------------------------------
 
-    def inc_lock_ref(self, node: TreeNode) -> int:
-        moved = 0
-        while node is not self.root_node:
-            if node.lock_ref == 0 and node.value is not None:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
-                moved += len(node.key)
-            node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
-        return moved
-
-    def dec_lock_ref(self, node: TreeNode) -> int:
-        moved = 0
-        while node is not self.root_node:
-            assert node.lock_ref > 0, "dec_lock_ref on an unlocked node"
-            if node.lock_ref == 1 and node.value is not None:
-                self._protected_size -= len(node.key)
-                self._evictable_size += len(node.key)
-                moved += len(node.key)
-            node.lock_ref -= 1
-            node = node.parent  # type: ignore[assignment]
-        return moved
+    @staticmethod
+    def _device_len(node: TreeNode) -> int:
+        """A host-only node's tokens are not in the device pool: locking it moves nothing."""
+        return len(node.key) if node.value is not None else 0
 
     def _add_device_tokens(self, node: HiTreeNode, n: int) -> None:
         if node.lock_ref > 0:

@@ -190,9 +190,10 @@ class RadixCache:
         moved = 0
         while node is not self.root_node:
             if node.lock_ref == 0:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
-                moved += len(node.key)
+                n = self._device_len(node)
+                self._evictable_size -= n
+                self._protected_size += n
+                moved += n
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
         return moved
@@ -203,12 +204,18 @@ class RadixCache:
         while node is not self.root_node:
             assert node.lock_ref > 0, "dec_lock_ref on an unlocked node"
             if node.lock_ref == 1:
-                self._protected_size -= len(node.key)
-                self._evictable_size += len(node.key)
-                moved += len(node.key)
+                n = self._device_len(node)
+                self._protected_size -= n
+                self._evictable_size += n
+                moved += n
             node.lock_ref -= 1
             node = node.parent  # type: ignore[assignment]
         return moved
+
+    @staticmethod
+    def _device_len(node: TreeNode) -> int:
+        """Tokens of node that count as evictable or protected (all of them here)."""
+        return len(node.key)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least num_tokens tree slots (if that many are evictable) from unlocked leaves,
