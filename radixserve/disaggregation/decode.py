@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from radixserve.disaggregation.channel import ControlChannel
-from radixserve.disaggregation.transfer import KVLayout, create_transfer, transfer_host
+from radixserve.disaggregation.side import DisaggSide
 from radixserve.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
@@ -36,18 +35,10 @@ PEER_SILENT_S = 5.0  # a prefill server this long without a pong is taken for de
 MAX_RESERVE = 4096  # of a running request's remaining tokens counted against new reservations
 
 
-class DecodePrealloc:
+class DecodePrealloc(DisaggSide):
     def __init__(self, scheduler: Any) -> None:
-        self.s = scheduler
-        args = scheduler.server_args
-        runner = scheduler.tp_worker.model_runner
-        self.timeout = args.disaggregation_timeout
-        self.default_port = args.disaggregation_bootstrap_port
-        self.layout = KVLayout.of(runner.token_to_kv_pool, scheduler.page_size)
-        self.transfer = create_transfer(
-            args.disaggregation_transfer_backend, runner.token_to_kv_pool, args.host
-        )
-        self.channel = ControlChannel(args.host, 0, transfer_host(args.host))
+        super().__init__(scheduler, 0)
+        self.default_port = scheduler.server_args.disaggregation_bootstrap_port
         self.prealloc: deque[Req] = deque()
         self.waiting_kv: dict[int, Req] = {}  # room → request whose KV is on its way
         self.peers: dict[str, dict[str, float]] = {}  # prefill address → last ping / pong
@@ -55,8 +46,6 @@ class DecodePrealloc:
         # (room → slots, its address, since when): free only once it answers for the room
         # or is gone, never handed to another request while a late write can land.
         self.quarantine: dict[int, tuple[torch.Tensor, str, float]] = {}
-        self.num_transferred = 0
-        self.num_failed = 0
 
     # -- requests -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -286,7 +275,3 @@ class DecodePrealloc:
     def _release_quarantine(self, room: int) -> None:
         slots, _, _ = self.quarantine.pop(room)
         self.s.allocator.free(slots)
-
-    def close(self) -> None:
-        self.channel.close()
-        self.transfer.close()

@@ -22,36 +22,23 @@ import logging
 import time
 from typing import Any
 
-from radixserve.disaggregation.channel import ControlChannel
-from radixserve.disaggregation.transfer import KVLayout, create_transfer, transfer_host
+from radixserve.disaggregation.side import DisaggSide
 from radixserve.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillBootstrap:
+class PrefillBootstrap(DisaggSide):
     def __init__(self, scheduler: Any) -> None:
-        self.s = scheduler
-        args = scheduler.server_args
-        runner = scheduler.tp_worker.model_runner
-        self.timeout = args.disaggregation_timeout
-        self.layout = KVLayout.of(runner.token_to_kv_pool, scheduler.page_size)
-        self.transfer = create_transfer(
-            args.disaggregation_transfer_backend, runner.token_to_kv_pool, args.host
-        )
-        self.channel = ControlChannel(
-            args.host, args.disaggregation_bootstrap_port, transfer_host(args.host)
-        )
+        super().__init__(scheduler, scheduler.server_args.disaggregation_bootstrap_port)
         self.waiting: dict[int, Req] = {}  # room → request waiting for its reservation
         self.reservations: dict[int, tuple[float, dict[str, Any]]] = {}  # arrived first
         self.sending: list[tuple[Req, concurrent.futures.Future]] = []
         self.cancelled: dict[int, float] = {}  # rooms the decode side gave up, since when
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
-        self.num_transferred = 0
-        self.num_failed = 0
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
-        pool = runner.token_to_kv_pool
+        pool = scheduler.tp_worker.model_runner.token_to_kv_pool
         self.token_bytes = sum(b[0].numel() * b.element_size() for b in pool.k_buffer) * 2
         logger.info(
             "prefill server: bootstrap server on port %d, KV transfer over %s",
@@ -256,5 +243,4 @@ class PrefillBootstrap:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-        self.channel.close()
-        self.transfer.close()
+        super().close()

@@ -1,0 +1,26 @@
+"""What both sides of a P/D pair hold: the scheduler, the pool layout the peer must match, the
+KV transfer backend, the control channel (bound on `port`; 0: a free one) and the counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.disaggregation.channel import ControlChannel
+from radixserve.disaggregation.transfer import KVLayout, create_transfer, transfer_host
+
+
+class DisaggSide:
+    def __init__(self, scheduler: Any, port: int) -> None:
+        self.s = scheduler
+        args = scheduler.server_args
+        kv_pool = scheduler.tp_worker.model_runner.token_to_kv_pool
+        self.timeout = args.disaggregation_timeout
+        self.layout = KVLayout.of(kv_pool, scheduler.page_size)
+        self.transfer = create_transfer(args.disaggregation_transfer_backend, kv_pool, args.host)
+        self.channel = ControlChannel(args.host, port, transfer_host(args.host))
+        self.num_transferred = 0
+        self.num_failed = 0
+
+    def close(self) -> None:
+        self.channel.close()
+        self.transfer.close()
