@@ -181,12 +181,19 @@ def save_byte_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def make_tiny_served_model(path: str) -> str:
+def make_tiny_served_model(path: str, context: int | None = None) -> str:
     """A tiny random Llama with a byte-level tokenizer and a chat template: a model directory
-    that `python -m radixserve serve --model-path` and the Engine load in seconds."""
+    that `python -m radixserve serve --model-path` and the Engine load in seconds. `context`
+    sets max_position_embeddings (rotary room for requests that run long)."""
     make_tiny_model_dir(path, "llama")
-    with open(os.path.join(path, "config.json")) as f:
-        save_byte_tokenizer(path, json.load(f)["vocab_size"])
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    save_byte_tokenizer(path, config["vocab_size"])
+    if context is not None:
+        config["max_position_embeddings"] = context
+        with open(config_path, "w") as f:
+            json.dump(config, f)
     return path
 
 

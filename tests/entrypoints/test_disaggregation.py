@@ -13,7 +13,6 @@ character), fp32, integrity checks on.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import random
 import signal
@@ -55,14 +54,7 @@ def _backend() -> str:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    path = make_tiny_served_model(str(tmp_path_factory.mktemp("pd_tiny")))
-    config_path = os.path.join(path, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = CONTEXT
-    with open(config_path, "w") as f:
-        json.dump(config, f)
-    return path
+    return make_tiny_served_model(str(tmp_path_factory.mktemp("pd_tiny")), CONTEXT)
 
 
 def _ready(*servers: ServerProcess) -> None:

@@ -11,7 +11,6 @@ sent as a server sees them after a warm system prompt: the first prompt of every
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import random
 import signal
@@ -37,14 +36,7 @@ CONTEXT = 8192
 # -- servers ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    path = make_tiny_served_model(str(tmp_path_factory.mktemp("tiny_served")))
-    config_path = os.path.join(path, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = CONTEXT  # rotary: room for requests that run long
-    with open(config_path, "w") as f:
-        json.dump(config, f)
-    return path
+    return make_tiny_served_model(str(tmp_path_factory.mktemp("tiny_served")), CONTEXT)
 
 
 def _start(tmp_path_factory, tiny_model: str, name: str, *flags: str) -> ServerProcess:
