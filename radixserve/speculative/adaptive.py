@@ -17,9 +17,11 @@ all when plain decode is better (`select`):
 Both inputs are measured, never assumed:
 * t(T) is the wall time of the target forwards the engine runs (plain decode and verify steps
   are the same forward for the model), an exponential moving average per power-of-two bucket
-  of token counts, interpolated in between; beyond the largest count measured it is
-  extrapolated from the last two buckets, or taken as flat while only one is known (so larger
-  steps get tried once, and then priced). Draft forwards are timed the same way.
+  of token counts, interpolated in between. Up to twice the largest count measured it is
+  extrapolated from the last two buckets (flat while only one is known); further out it grows
+  in proportion to the tokens, which no forward exceeds. So larger steps are explored by
+  doublings, each priced before the next: a slope measured at 1-8 tokens once priced a
+  68-token verify of 32 requests as almost free. Draft forwards are timed the same way.
 * α_i counts, with decay, accepted drafts against first rejections. NGRAM proposals are also
   checked against the tokens a request actually produces while it decodes without speculating
   (a shadow verification, free), so a text that turns repetitive is noticed at once; a draft
@@ -29,6 +31,7 @@ Both inputs are measured, never assumed:
 from __future__ import annotations
 
 import bisect
+import heapq
 from typing import Any
 
 from radixserve.speculative.spec_info import DraftTree
@@ -43,6 +46,8 @@ class StepCostModel:
 
     def __init__(self) -> None:
         self.points: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, seconds)
+        self._sorted: list[tuple[float, float]] = []  # points by tokens
+        self._xs: list[float] = []
 
     def record(self, tokens: int, seconds: float) -> None:
         b = max(tokens, 1).bit_length()
@@ -54,21 +59,24 @@ class StepCostModel:
                 old[0] + COST_EMA * (tokens - old[0]),
                 old[1] + COST_EMA * (seconds - old[1]),
             )
+        self._sorted = sorted(self.points.values())
+        self._xs = [p[0] for p in self._sorted]
 
     def cost(self, tokens: int) -> float | None:
-        if not self.points:
+        pts = self._sorted
+        if not pts:
             return None
-        pts = sorted(self.points.values())
-        xs = [p[0] for p in pts]
-        i = bisect.bisect_left(xs, tokens)
+        i = bisect.bisect_left(self._xs, tokens)
         if i == 0:
             return pts[0][1]
         if i == len(pts):
-            if len(pts) == 1:
-                return pts[0][1]
-            (x0, y0), (x1, y1) = pts[-2], pts[-1]
-            slope = max(0.0, (y1 - y0) / max(x1 - x0, 1e-9))
-            return y1 + slope * (tokens - x1)
+            x1, y1 = pts[-1]
+            slope = 0.0
+            if len(pts) > 1:
+                x0, y0 = pts[-2]
+                slope = max(0.0, (y1 - y0) / max(x1 - x0, 1e-9))
+            reach = 2.0 * x1  # explored by doublings; beyond, cost in proportion to tokens
+            return (y1 + slope * (min(tokens, reach) - x1)) * max(1.0, tokens / reach)
         (x0, y0), (x1, y1) = pts[i - 1], pts[i]
         return y0 + (y1 - y0) * (tokens - x0) / max(x1 - x0, 1e-9)
 
@@ -216,17 +224,21 @@ class SpecController:
         widths = [_level_widths(t) for t in trees]
         keep = [0] * len(trees)
         expect = [1.0] * len(trees)  # tokens per step: 1 + E_i
-        tokens = batch
+        # The requests by steps left (remaining / expect), the last to finish on top.
+        heap = [(-float(n), i) for i, n in enumerate(remaining)]
+        heapq.heapify(heap)
+        tokens, deepest = batch, 0
         best_time, best_keep = max(remaining) * plain, None
         while True:
-            i = max(range(len(trees)), key=lambda j: remaining[j] / expect[j])
+            i = heap[0][1]
             if keep[i] == depths[i]:
                 return best_keep  # the request that finishes last cannot go faster
             keep[i] += 1
+            deepest = max(deepest, keep[i])
             expect[i] += alphas[i] ** keep[i]
             tokens += widths[i][keep[i]]
-            steps = max(r / e for r, e in zip(remaining, expect, strict=True))
-            t = steps * self._step_cost(tokens, max(keep), batch, plain)
+            heapq.heapreplace(heap, (-remaining[i] / expect[i], i))
+            t = -heap[0][0] * self._step_cost(tokens, deepest, batch, plain)
             if t < best_time:
                 best_time, best_keep = t, list(keep)
 

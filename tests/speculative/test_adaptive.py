@@ -1,0 +1,67 @@
+"""The speculation controller's cost model and selection (speculative/adaptive.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.speculative.adaptive import RequestSpecState, SpecController, StepCostModel
+from radixserve.speculative.spec_info import DraftTree
+
+
+class _Req:
+    def __init__(self, remaining: int = 100, alpha_hits: int = 0) -> None:
+        self.spec = RequestSpecState()
+        for _ in range(alpha_hits):  # a history of fully accepted 4-deep proposals
+            self.spec.observe(4, 4)
+        self.max_new_tokens = remaining
+        self.output_ids = [7]
+
+
+def test_cost_interpolates_between_measured_buckets():
+    m = StepCostModel()
+    assert m.cost(4) is None
+    m.record(1, 0.10)
+    m.record(8, 0.20)
+    assert m.cost(1) == pytest.approx(0.10)
+    assert m.cost(8) == pytest.approx(0.20)
+    assert m.cost(4) == pytest.approx(0.10 + 0.10 * 3 / 7)
+
+
+def test_extrapolation_reaches_twice_the_largest_count_then_grows_in_proportion():
+    m = StepCostModel()
+    m.record(1, 0.10)
+    assert m.cost(2) == pytest.approx(0.10)  # one point: flat up to twice its tokens
+    assert m.cost(8) == pytest.approx(0.10 * 8 / 2)
+    m.record(8, 0.20)
+    slope = 0.10 / 7
+    assert m.cost(16) == pytest.approx(0.20 + 8 * slope)
+    at_reach = 0.20 + 8 * slope
+    assert m.cost(68) == pytest.approx(at_reach * 68 / 16)
+    assert m.cost(68) > 68 / 32 * m.cost(32) * 0.99  # never cheaper than in proportion
+
+
+def test_untried_large_batches_decode_plainly_until_their_cost_is_measured():
+    """Measured at 1-8 tokens only (a single client), a 32-request batch must not verify a
+    tree priced by a slope from 1-8 tokens; once its plain step is measured, trees up to
+    twice its tokens are priced and chosen where they pay."""
+    ctrl = SpecController(max_drafts=4)
+    for tokens, seconds in [(1, 0.080), (2, 0.082), (5, 0.085), (8, 0.090)]:
+        ctrl.record_forward(tokens, seconds)
+    reqs = [_Req(alpha_hits=6) for _ in range(32)]  # they accept almost everything
+    trees = [DraftTree.chain([7, 8, 9, 10, 11]) for _ in reqs]
+    assert ctrl.select(reqs, trees) is None
+    ctrl.record_forward(32, 0.25)
+    chosen = ctrl.select(reqs, trees)
+    assert chosen is not None
+    verified = sum(len(t) for t in chosen)
+    assert 32 < verified <= 64
+
+
+def test_a_draft_with_no_acceptance_is_never_verified_once_priced():
+    ctrl = SpecController(max_drafts=4)
+    ctrl.record_forward(1, 0.080)
+    ctrl.record_forward(5, 0.120)
+    req = _Req()
+    for _ in range(12):
+        req.spec.observe(0, 4)
+    assert ctrl.select([req], [DraftTree.chain([7, 8, 9, 10, 11])]) is None
