@@ -8,6 +8,8 @@ import os
 import signal
 import socket
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the body with `n` torch intra-op threads on this thread (OpenMP's count is per
+    calling thread), then restore the previous count; None changes nothing."""
+    import torch
+
+    prev = torch.get_num_threads()
+    if n is None or n == prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def configure_logging(level: str = "info", prefix: str = "") -> None:

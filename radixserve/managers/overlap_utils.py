@@ -116,6 +116,8 @@ class ForwardThread:
         self.worker = worker
         self.future_map = future_map
         self.device = worker.device
+        runner = getattr(worker, "model_runner", None)
+        self.num_threads = getattr(runner, "num_threads", None) or torch.get_num_threads()
         self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stream = torch.cuda.Stream() if self.device == "cuda" else None
         self.thread = threading.Thread(target=self._run, name="radixserve-forward", daemon=True)
@@ -145,7 +147,7 @@ class ForwardThread:
     def _run(self) -> None:
         # OpenMP's thread count is per calling thread: a new thread starts from OMP_NUM_THREADS
         # (1 in our child processes), not from the model's torch.set_num_threads.
-        torch.set_num_threads(torch.get_num_threads())
+        torch.set_num_threads(self.num_threads)
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with torch.inference_mode(), ctx:
             while (job := self.jobs.get()) is not None:

@@ -441,7 +441,9 @@ class ScheduleBatch:
         """Snapshot this step for the worker (copies the req_to_token rows it reads)."""
         rows = [r.req_pool_idx for r in self.reqs]
         table = self.req_to_token_pool.req_to_token
-        kv_rows = table[torch.tensor(rows, dtype=torch.int64), : max(self.seq_lens)]
+        # Narrow first: indexing the whole table's rows starts an OpenMP region, which costs
+        # milliseconds when the other serving processes hold the cores.
+        kv_rows = table[:, : max(self.seq_lens)].index_select(0, torch.tensor(rows))
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=list(self.input_ids),

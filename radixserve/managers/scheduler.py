@@ -49,6 +49,7 @@ from radixserve.mem_cache.hiradix_cache import HiRadixCache, create_hiradix_cach
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.mem_cache.radix_stats import tree_stats
 from radixserve.speculative.scheduler_mixin import SpecSchedulerMixin
+from radixserve.utils import torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.tokenizer = tokenizer  # only for stop strings; may be None
         self.tp_worker = tp_worker or TpModelWorker(server_args)
         runner = self.tp_worker.model_runner
+        # The forward runs with the model's intra-op threads; the served scheduler runs the rest
+        # of its work on one (run_scheduler_process), so that no second OpenMP team spins next
+        # to the forward's.
+        self.model_threads: int | None = getattr(runner, "num_threads", None)
         self.model_config = runner.model_config
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.token_to_kv_pool_allocator
@@ -616,15 +621,17 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         """One whole step in the normal loop."""
         mwb = batch.get_model_worker_batch()
         mask = self.grammar_manager.vocab_mask(batch.reqs, skip=snapshot.chunk_rows)
-        if batch.spec_info is not None:
-            assert self.spec_worker is not None
-            return self.spec_worker.forward_verify(mwb, batch.spec_info, batch.reqs, mask)
-        mwb.sampling_info = SamplingBatchInfo.from_reqs(
-            batch.reqs, self.model_config.vocab_size, self.tp_worker.device
-        )
-        if self.spec_worker is not None and batch.forward_mode.is_extend():
-            return self.spec_worker.forward_extend(mwb, mask)
-        return self.tp_worker.forward_batch_generation(mwb, mask)
+        if batch.spec_info is None:
+            mwb.sampling_info = SamplingBatchInfo.from_reqs(
+                batch.reqs, self.model_config.vocab_size, self.tp_worker.device
+            )
+        with torch_threads(self.model_threads):
+            if batch.spec_info is not None:
+                assert self.spec_worker is not None
+                return self.spec_worker.forward_verify(mwb, batch.spec_info, batch.reqs, mask)
+            if self.spec_worker is not None and batch.forward_mode.is_extend():
+                return self.spec_worker.forward_extend(mwb, mask)
+            return self.tp_worker.forward_batch_generation(mwb, mask)
 
     def close(self) -> None:
         """Stop the forward thread (tests build many schedulers in one process)."""
@@ -654,7 +661,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         return {
             "dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."),
             "device": self.tp_worker.device,
-            "threads": torch.get_num_threads(),
+            "threads": self.model_threads or torch.get_num_threads(),
             "attention_backend": getattr(backend, "name", None),
             "quantization": args.quantization,
             "chunked_prefill_size": self.chunked_prefill_size,

@@ -41,6 +41,7 @@ def run_scheduler_process(
 
     name = "scheduler" if server_args.tp_size == 1 else f"scheduler-tp{tp_rank}"
     configure_child_process(name, server_args.log_level)
+    import torch
     import zmq
 
     from radixserve.distributed.parallel_state import init_tp_group
@@ -78,6 +79,11 @@ def run_scheduler_process(
         info = {**scheduler.tp_worker.get_memory_info(), **scheduler.startup_summary()}
         ready.send({"status": "ready", **info})
         ready.close()
+    # From here on this thread's own work (scheduling, results, small tensor ops) runs on one
+    # intra-op thread; the forward and sampling take the model's threads (torch_threads in
+    # Scheduler.run_batch, or the overlap loop's forward thread). A second OpenMP team here
+    # would spin on the cores the forward's team needs.
+    torch.set_num_threads(1)
     poller = zmq.Poller()
     if recv is not None:
         poller.register(recv, zmq.POLLIN)

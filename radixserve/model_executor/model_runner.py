@@ -76,6 +76,9 @@ class ModelRunner:
             local_ranks = max(1, server_args.tp_size // server_args.nnodes)
             threads = server_args.num_threads or max(1, physical_core_count() // local_ranks)
             torch.set_num_threads(threads)
+        # The intra-op threads the forward and sampling run with (torch_threads): the served
+        # scheduler runs its own work on one thread.
+        self.num_threads = torch.get_num_threads()
         torch.manual_seed(server_args.random_seed)
         path = server_args.speculative_draft_model_path if draft_of else server_args.model_path
         self.model_path = resolve_model_path(path)

@@ -268,3 +268,36 @@ def test_cpus_decide_whether_the_overlap_loop_runs_on_cpu(monkeypatch):
     monkeypatch.setattr(scheduler.os, "sched_getaffinity", lambda pid: set(range(8)))
     assert scheduler.cpus_for_overlap("cpu")
     assert scheduler.cpus_for_overlap("cuda")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_forward_runs_with_the_model_threads_while_the_scheduler_runs_on_one(overlap):
+    """The served scheduler runs its own work on one intra-op thread (no second OpenMP team
+    spinning next to the forward's), and every forward and sampling call gets the model's
+    thread count back, on the forward thread or inline."""
+    run = Run(overlap=overlap)
+    run.worker.model_runner.num_threads = 3
+    run.s.model_threads = 3
+    seen: list[int] = []
+    forward, sample = run.worker.forward, run.worker.sample
+
+    def counting_forward(*a, **kw):
+        seen.append(torch.get_num_threads())
+        return forward(*a, **kw)
+
+    def counting_sample(*a, **kw):
+        seen.append(torch.get_num_threads())
+        return sample(*a, **kw)
+
+    run.worker.forward, run.worker.sample = counting_forward, counting_sample
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run.submit("a", [5, 6, 7], max_new_tokens=6)
+        run.drain()
+        assert torch.get_num_threads() == 1  # the scheduler's own thread stays at one
+    finally:
+        run.s.close()
+        torch.set_num_threads(before)
+    assert run.tokens()["a"] == expected_output([5, 6, 7], 6)
+    assert seen and set(seen) == {3}
