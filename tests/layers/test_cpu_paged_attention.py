@@ -196,3 +196,67 @@ def test_auto_backend_falls_back_to_torch_native_where_the_kernel_cannot_build(m
     assert type(create_attention_backend("auto", "cpu")) is TorchNativeAttnBackend
     with pytest.raises(KernelBuildError, match="no g\\+\\+"):
         create_attention_backend("cpu_paged", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    ("heads", "mode", "prefixes", "ext"),
+    [
+        ((9, 3, 64), ForwardMode.EXTEND, [0, 0, 0], [7, 300, 1]),  # ragged prompts, no cache
+        ((9, 3, 64), ForwardMode.EXTEND, [40, 0, 513, 16], [90, 5, 2, 1]),  # cached prefixes
+        ((8, 2, 32), ForwardMode.MIXED, [128, 31, 77, 200, 5], [64, 1, 1, 1, 1]),  # chunk + decode
+        ((4, 4, 128), ForwardMode.MIXED, [0, 999, 3], [33, 1, 1]),  # no GQA, a long decode row
+    ],
+)
+def test_backend_ragged_extend_equals_torch_native(
+    kernel, dtype, page_size, heads, mode, prefixes, ext
+):
+    """Extend and mixed steps run ragged (one-token rows through the decode kernel, longer rows
+    one SDPA each, causal from their cached prefix) and match the torch-native backend's padded
+    batch on the same pool: same attention output, same KV written."""
+    from radixserve.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
+
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(page_size + len(ext))
+    layer = AttentionLayer(0, hq, hkv, d, d**-0.5)
+    lens = [p + n for p, n in zip(prefixes, ext, strict=True)]
+    pages = 8 + sum(-(-n // page_size) for n in lens)
+    size = pages * page_size
+    rows = _paged_rows(lens, page_size, pages, gen)
+    # the new tokens' slots, packed request by request
+    out_loc = torch.cat([rows[i, p:n] for i, (p, n) in enumerate(zip(prefixes, lens, strict=True))])
+    t = len(out_loc)
+    q = torch.randn(t, hq * d, generator=gen).to(dtype)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    outs, pools = [], []
+    for backend in (TorchNativeAttnBackend("cpu"), CpuPagedAttnBackend("cpu")):
+        g2 = torch.Generator().manual_seed(7)
+        pool = MHATokenToKVPool(size, 1, hkv, d, dtype, "cpu", page_size)
+        pool.k_buffer[0].copy_(torch.randn(size + page_size, hkv, d, generator=g2).to(dtype))
+        pool.v_buffer[0].copy_(torch.randn(size + page_size, hkv, d, generator=g2).to(dtype))
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(lens),
+            input_ids=torch.zeros(t, dtype=torch.long),
+            positions=torch.cat([torch.arange(p, n) for p, n in zip(prefixes, lens, strict=True)]),
+            req_pool_indices=torch.arange(len(lens)),
+            seq_lens=torch.tensor(lens),
+            out_cache_loc=out_loc,
+            seq_lens_cpu=list(lens),
+            extend_prefix_lens_cpu=list(prefixes),
+            extend_seq_lens_cpu=list(ext),
+            kv_rows=rows,
+            token_to_kv_pool=pool,
+        )
+        backend.init_forward_metadata(fb)
+        outs.append(backend.forward(q, k, v, layer, fb))
+        pools.append(pool)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert outs[1].dtype == dtype and outs[1].shape == (t, hq * d)
+    assert torch.allclose(outs[1].float(), outs[0].float(), atol=tol), (
+        (outs[1] - outs[0]).abs().max()
+    )
+    assert torch.equal(pools[0].k_buffer[0], pools[1].k_buffer[0])
+    assert torch.equal(pools[0].v_buffer[0], pools[1].v_buffer[0])

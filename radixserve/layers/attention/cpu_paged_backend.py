@@ -9,7 +9,13 @@ into segments across threads and merged by log-sum-exp. No padded copy of the co
 Requests that share a cached prefix (cascade): the shared slots are attended once per group,
 with the group's queries stacked as extra query heads of one request, and merged with each
 request's private suffix by their log-sum-exp, so the prefix is read once per group instead of
-once per request. Prefill and mixed steps use the torch-native path (the portable reference).
+once per request.
+
+Extend and mixed steps are ragged, never padded to the longest request: rows that extend by
+one token (a mixed step's decode rows, a one-token chunk) go through the same decode kernel;
+every longer row gets one scaled_dot_product_attention call over its own slots, causal from
+its cached prefix on (plain causal, the flash path, when it has none). A padded batch would
+cost every row the longest row's queries times the longest row's keys.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from radixserve.layers.attention.base import AttentionLayer
 from radixserve.layers.attention.cascade_decode import shared_prefix_groups
@@ -33,6 +40,24 @@ class PagedDecodeMetadata:
     groups: list[tuple[torch.Tensor, torch.Tensor]]  # (member rows, shared prefix slots [1, Lp])
 
 
+@dataclass
+class ExtendSpan:
+    """One request of an extend step with more than one new token."""
+
+    q_start: int  # its first token in the step's packed tokens
+    q_len: int
+    slots: torch.Tensor  # [L] its KV slots, prefix and new tokens
+    mask: torch.Tensor | None  # [q_len, L] causal from the prefix on; None: no prefix
+
+
+@dataclass
+class PagedExtendMetadata:
+    single: torch.Tensor  # packed index of each one-token row's query
+    single_rows: torch.Tensor  # [n, L] those rows' slots
+    single_end: torch.Tensor  # [n] their sequence lengths
+    spans: list[ExtendSpan]
+
+
 class CpuPagedAttnBackend(TorchNativeAttnBackend):
     name = "cpu_paged"
 
@@ -45,7 +70,7 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if not fb.forward_mode.is_decode():
-            super().init_forward_metadata(fb)
+            fb.attn_metadata = self._extend_metadata(fb)
             return
         seq_lens = fb.seq_lens
         kv_rows = fb.kv_rows[:, : max(fb.seq_lens_cpu)].contiguous()
@@ -67,13 +92,13 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         layer: AttentionLayer,
         fb: ForwardBatch,
     ) -> torch.Tensor:
-        if not fb.forward_mode.is_decode():
-            return super().forward(q, k, v, layer, fb)
-        md: PagedDecodeMetadata = fb.attn_metadata  # type: ignore[assignment]
         pool = fb.token_to_kv_pool
         assert pool is not None
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if not fb.forward_mode.is_decode():
+            return self._extend(q, k_buf, v_buf, layer, fb.attn_metadata)  # type: ignore[arg-type]
+        md: PagedDecodeMetadata = fb.attn_metadata  # type: ignore[assignment]
         bs, hkv, d = q.shape[0], layer.num_kv_heads, layer.head_dim
         grp = layer.num_heads // hkv
         q4 = q.reshape(bs, hkv, grp, d)
@@ -96,3 +121,60 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
                 ..., None
             ]
         return out.to(q.dtype).reshape(bs, layer.num_heads * d)
+
+    @staticmethod
+    def _extend_metadata(fb: ForwardBatch) -> PagedExtendMetadata:
+        single, single_rows, spans = [], [], []
+        start = 0
+        for b, (n, seq, prefix) in enumerate(
+            zip(fb.extend_seq_lens_cpu, fb.seq_lens_cpu, fb.extend_prefix_lens_cpu, strict=True)
+        ):
+            if n == 1:
+                single.append(start)
+                single_rows.append(b)
+            elif n > 1:
+                mask = None
+                if prefix:  # query i sits at position prefix + i and sees keys <= it
+                    q_pos = torch.arange(prefix, prefix + n)
+                    mask = torch.arange(seq)[None, :] <= q_pos[:, None]
+                spans.append(ExtendSpan(start, n, fb.kv_rows[b, :seq], mask))
+            start += n
+        ends = [fb.seq_lens_cpu[b] for b in single_rows]
+        rows = fb.kv_rows[single_rows, : max(ends, default=0)].contiguous()
+        return PagedExtendMetadata(
+            torch.tensor(single, dtype=torch.int64), rows, torch.tensor(ends), spans
+        )
+
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        layer: AttentionLayer,
+        md: PagedExtendMetadata,
+    ) -> torch.Tensor:
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q3 = q.view(-1, hq, d)
+        out = torch.empty_like(q3)
+        n = len(md.single)
+        if n:
+            q4 = q3[md.single].view(n, hkv, hq // hkv, d)
+            zero = torch.zeros_like(md.single_end)
+            o, _ = self.kernel(
+                q4, k_buf, v_buf, md.single_rows, zero, md.single_end, layer.scaling, 0
+            )
+            out[md.single] = o.to(q.dtype).view(n, hq, d)
+        for sp in md.spans:  # 4-D inputs: with three, CPU SDPA takes its slow math path
+            keys = k_buf[sp.slots].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+            values = v_buf[sp.slots].to(q.dtype).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                q3[sp.q_start : sp.q_start + sp.q_len].transpose(0, 1)[None],  # [1, H, n, D]
+                keys,
+                values,
+                attn_mask=sp.mask,
+                is_causal=sp.mask is None,
+                scale=layer.scaling,
+                enable_gqa=hq != hkv,
+            )
+            out[sp.q_start : sp.q_start + sp.q_len] = o[0].transpose(0, 1)
+        return out.view(-1, hq * d)
