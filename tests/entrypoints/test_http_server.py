@@ -114,10 +114,8 @@ def sse_events(lines: Any) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from radixserve.model_loader.weights import load_tokenizer
-
-    return load_tokenizer(default_model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer  # the session's (see conftest.py)
 
 
 @pytest.fixture(scope="class")
