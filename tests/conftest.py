@@ -1,8 +1,10 @@
-"""Shared fixtures: tiny random HF models built locally (no downloads) and the default model."""
+"""Shared fixtures: tiny random HF models built locally (no downloads), the default model and
+its tokenizer (built from the GGUF once per session: seconds each time)."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -52,3 +54,11 @@ def default_model_path() -> str:
     from radixserve.model_loader.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path: str) -> Any:
+    """The default model's tokenizer, shared by every module: do not modify it (deepcopy)."""
+    from radixserve.model_loader.weights import load_tokenizer
+
+    return load_tokenizer(default_model_path)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
+import inspect
 import json
 import os
 import sys
@@ -86,6 +90,34 @@ class SchedulerHarness:
         return out
 
 
+@contextlib.contextmanager
+def shared_model_loads() -> Any:
+    """While open, a ModelRunner whose load_model call repeats an earlier one (same path,
+    format, dtype, device, seed, context length, quantization; no TP) gets that call's model
+    instead of building and loading it again: for modules that build many in-process
+    Schedulers over one real model (seconds of dequantizing each). Sharing is sound because a
+    forward pass keeps no state in the model: the attention backend, the KV pool and the rows
+    are the runner's."""
+    import pytest
+
+    from radixserve.model_executor import model_runner
+
+    load = model_runner.load_model
+    loaded: dict[tuple, Any] = {}
+
+    def load_once(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("tp") is not None:
+            return load(*args, **kwargs)
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in loaded:
+            loaded[key] = load(*args, **kwargs)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_runner, "load_model", load_once)
+        yield
+
+
 def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding), EOS ignored."""
     outs = []
@@ -105,6 +137,14 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list
 
 
 def load_hf_reference(model_path: str) -> Any:
+    """The transformers model of `model_path` (a HF directory or a .gguf), in eval mode; loaded
+    once per process and shared, so callers must not modify it (transformers' GGUF conversion
+    takes tens of seconds on two cores)."""
+    return _load_hf_reference(os.path.abspath(model_path), _model_digest(model_path))
+
+
+@functools.cache
+def _load_hf_reference(model_path: str, digest: str) -> Any:
     import transformers
 
     if model_path.endswith(".gguf"):
@@ -114,6 +154,76 @@ def load_hf_reference(model_path: str) -> Any:
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     return model.eval()
+
+
+def _model_files(model_path: str) -> list[str]:
+    if os.path.isfile(model_path):
+        return [model_path]
+    names = sorted(os.listdir(model_path))
+    return [
+        os.path.join(model_path, n) for n in names if n.endswith((".json", ".safetensors", ".bin"))
+    ]
+
+
+@functools.cache
+def _digest_of_files(files: tuple[tuple[str, int, int], ...]) -> str:
+    h = hashlib.sha256()
+    for path, _, _ in files:
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _model_digest(model_path: str) -> str:
+    """sha256 over the model's files (config, tokenizer, weights); hashed once per process per
+    (path, size, mtime), so a model rewritten in place gets a new digest."""
+    files = tuple((f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in _model_files(model_path))
+    return _digest_of_files(files)
+
+
+def _reference_cache_dir() -> str | None:
+    """Where greedy references are kept between runs: RADIXSERVE_TEST_REF_CACHE, else
+    ~/.cache/radixserve/test-refs; "0" or "off" turns the disk cache off."""
+    path = os.environ.get("RADIXSERVE_TEST_REF_CACHE")
+    if path in ("0", "off"):
+        return None
+    return path or os.path.join(os.path.expanduser("~"), ".cache", "radixserve", "test-refs")
+
+
+def reference_greedy(
+    model_path: str, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """`hf_greedy` of the transformers model at `model_path`, kept on disk under a key of
+    everything that decides it: the model files' digest, the prompts, the token count, the
+    versions of transformers and torch, and the source of `hf_greedy` and of the loader. A hit
+    is the very output transformers gave for those inputs; a miss computes and stores it."""
+    import transformers
+
+    key_parts = {
+        "model": _model_digest(model_path),
+        "gguf": model_path.endswith(".gguf"),
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "code": inspect.getsource(hf_greedy) + inspect.getsource(_load_hf_reference),
+    }
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()
+    cache_dir = _reference_cache_dir()
+    path = os.path.join(cache_dir, f"greedy-{key}.json") if cache_dir else None
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)["outputs"]
+    outputs = hf_greedy(load_hf_reference(model_path), prompts, max_new_tokens)
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"outputs": outputs}, f)
+        os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+    return outputs
 
 
 def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0) -> str:

@@ -4,7 +4,7 @@ clear errors for bad parameters, and nothing leaked afterwards."""
 from __future__ import annotations
 
 import pytest
-from rs_testing import hf_greedy, load_hf_reference, make_prompts
+from rs_testing import load_hf_reference, make_prompts, reference_greedy
 
 from radixserve.managers.tokenizer_manager import RequestError
 
@@ -34,7 +34,7 @@ def _assert_drained(engine) -> None:
 
 def test_greedy_matches_transformers(engine, default_model_path):
     prompts = make_prompts(engine.tokenizer, [6, 40, 90])
-    ref = hf_greedy(load_hf_reference(default_model_path), prompts, 24)
+    ref = reference_greedy(default_model_path, prompts, 24)
     outs = engine.generate(
         input_ids=prompts,
         sampling_params={"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},

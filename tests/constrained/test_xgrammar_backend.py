@@ -36,11 +36,8 @@ SEEDS = (0, 1)
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    from radixserve.model_loader.default_model import ensure_default_model
-    from radixserve.model_loader.weights import load_tokenizer
-
-    return load_tokenizer(ensure_default_model())
+def tokenizer(default_tokenizer):
+    return default_tokenizer  # the session's (see conftest.py)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from rs_testing import hf_greedy, load_hf_reference, make_tiny_served_model
+from rs_testing import make_tiny_served_model, reference_greedy
 
 from radixserve.disaggregation.transfer import (
     FakeTransfer,
@@ -41,7 +41,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(model, prompts) -> list[list[int]]:
-    return hf_greedy(load_hf_reference(model), prompts, NEW_TOKENS)
+    return reference_greedy(model, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,7 @@ def test_more_requests_than_the_decode_pool_holds(model):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(20, 120))] for _ in range(150)]
     new = 24
-    reference = hf_greedy(load_hf_reference(model), prompts, new)
+    reference = reference_greedy(model, prompts, new)
     port = free_port()
     common: dict[str, Any] = {
         "model_path": model,

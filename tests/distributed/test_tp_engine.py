@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from rs_testing import hf_greedy, load_hf_reference, make_tiny_served_model
+from rs_testing import make_tiny_served_model, reference_greedy
 
 from radixserve.managers.tokenizer_manager import RequestError
 
@@ -56,7 +56,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model, prompts) -> list[list[int]]:
-    return hf_greedy(load_hf_reference(tiny_model), prompts, NEW_TOKENS)
+    return reference_greedy(tiny_model, prompts, NEW_TOKENS)
 
 
 def _engine(model: str, **kwargs):
@@ -142,7 +142,7 @@ def test_tp2_normal_loop_page16_radix_off_retraction(tiny_model, prompts, refere
 def test_tp2_replicated_kv_head_and_dead_rank(mqa_model, prompts):
     """One KV head on two ranks (replicated); then a rank is killed mid-generation: the
     requests fail with a clear error within seconds instead of hanging."""
-    ref = hf_greedy(load_hf_reference(mqa_model), prompts[:4], NEW_TOKENS)
+    ref = reference_greedy(mqa_model, prompts[:4], NEW_TOKENS)
     engine = _engine(mqa_model, attention_backend="torch_native")
     try:
         outs = engine.generate(input_ids=prompts[:4], sampling_params=_params())

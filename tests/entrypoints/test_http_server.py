@@ -4,7 +4,8 @@ bad input, control routes, SIGTERM, and a scheduler crash taking the server down
 
 The server runs as a subprocess (`python -m radixserve serve`) in its own session so that
 the test can always kill it and its children. One server serves the TestServing class; the
-crash test starts a second one after the first has stopped (the machine has few cores).
+crash test starts a second one, on a tiny model, after the first has stopped (the machine has
+few cores).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jsonschema
 import openai
 import psutil
 import pytest
+from rs_testing import make_tiny_served_model
 
 from radixserve.utils import free_port
 
@@ -114,10 +116,8 @@ def sse_events(lines: Any) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from radixserve.model_loader.weights import load_tokenizer
-
-    return load_tokenizer(default_model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer  # the session's (see conftest.py)
 
 
 @pytest.fixture(scope="class")
@@ -592,7 +592,10 @@ def _assert_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
 
 
 def test_scheduler_crash_makes_server_exit_nonzero(tmp_path):
-    server = ServerProcess(str(tmp_path))
+    # A tiny model: what is tested is the process supervision, not the model (it loads in
+    # seconds where the default model takes half a minute on two cores).
+    model = make_tiny_served_model(str(tmp_path / "tiny"))
+    server = ServerProcess(str(tmp_path), "--model-path", model)
     try:
         server.wait_ready()
         info = server.server_info()

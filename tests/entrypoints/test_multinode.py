@@ -11,7 +11,7 @@ import subprocess
 
 import httpx
 import pytest
-from rs_testing import hf_greedy, load_hf_reference, make_tiny_served_model
+from rs_testing import make_tiny_served_model, reference_greedy
 from test_http_server import ServerProcess
 
 from radixserve.utils import free_port
@@ -28,7 +28,7 @@ def tiny_model(tmp_path_factory) -> str:
 def test_two_nodes_serve_greedy_tokens_and_node_1_stops_with_node_0(tmp_path, tiny_model):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in LENGTHS]
-    reference = hf_greedy(load_hf_reference(tiny_model), prompts, NEW_TOKENS)
+    reference = reference_greedy(tiny_model, prompts, NEW_TOKENS)
     flags = ["--model-path", tiny_model, "--tp-size", "2", "--nnodes", "2"]
     flags += ["--dist-init-addr", f"127.0.0.1:{free_port()}"]
     node1 = ServerProcess(str(tmp_path), *flags, "--node-rank", "1")

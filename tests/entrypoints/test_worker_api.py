@@ -171,10 +171,8 @@ def test_tokenize_and_detokenize_round_trip(server, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from radixserve.model_loader.weights import load_tokenizer
-
-    return load_tokenizer(default_model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer  # the session's (see conftest.py)
 
 
 def _stream_first_event(server: ServerProcess, body: dict, results: list, i: int) -> None:

@@ -1,14 +1,15 @@
 """Greedy generation with the real default model equals transformers' greedy generate, token for
 token, however the requests are batched, in the overlap loop (torch-native attention) and in the
 normal loop (cpu_paged attention), so loops and backends are token-identical; every run drains
-with no slot, row or lock left."""
+with no slot, row or lock left. The module's Schedulers share one load of the model's weights
+(shared_model_loads) and the references come from reference_greedy (kept on disk)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from rs_testing import SchedulerHarness, hf_greedy, load_hf_reference, make_prompts
+from rs_testing import SchedulerHarness, make_prompts, reference_greedy, shared_model_loads
 
 pytestmark = pytest.mark.real_model
 
@@ -17,10 +18,8 @@ LENGTHS = [5, 300, 17, 120, 64, 9, 250, 33, 80, 200, 12, 150, 45, 7, 99, 180]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path):
-    from radixserve.model_loader.weights import load_tokenizer
-
-    return load_tokenizer(default_model_path)
+def tokenizer(default_tokenizer):
+    return default_tokenizer  # the session's (see conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +27,27 @@ def prompts(tokenizer):
     return make_prompts(tokenizer, LENGTHS)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_model_load():
+    with shared_model_loads():
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(default_model_path, prompts):
-    return hf_greedy(load_hf_reference(default_model_path), prompts, NEW_TOKENS)
+    return reference_greedy(default_model_path, prompts, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts(tokenizer):
+    """Five prompts on one 200-token prefix."""
+    base = make_prompts(tokenizer, [200])[0]
+    return [base + t for t in make_prompts(tokenizer, [6, 9, 14, 20, 11])]
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_reference(default_model_path, shared_prefix_prompts):
+    return reference_greedy(default_model_path, shared_prefix_prompts, 16)
 
 
 def _params():
@@ -55,7 +72,6 @@ def harness_factory(request, default_model_path):
         kwargs.setdefault("attention_backend", backend)
         return SchedulerHarness(model_path=default_model_path, **kwargs)
 
-    make.model_path = default_model_path
     return make
 
 
@@ -146,18 +162,17 @@ def test_retraction_under_a_small_pool_is_token_exact(harness_factory, prompts, 
     h.scheduler.assert_drained()
 
 
-def test_requests_sharing_a_cached_prefix_decode_exactly(harness_factory, tokenizer):
+def test_requests_sharing_a_cached_prefix_decode_exactly(
+    harness_factory, shared_prefix_prompts, shared_prefix_reference
+):
     """Several requests decode together on one cached 200-token prefix (cascade attention)."""
-    base = make_prompts(tokenizer, [200])[0]
-    tails = make_prompts(tokenizer, [6, 9, 14, 20, 11])
-    prompts = [base + t for t in tails]
-    ref = hf_greedy(load_hf_reference(harness_factory.model_path), prompts, 16)
+    prompts = shared_prefix_prompts
     h = harness_factory()
     first = h.submit(prompts[0], **{**_params(), "max_new_tokens": 16})
     h.step()  # the prefix is in the tree before the others arrive
     rids = [first] + [h.submit(p, **{**_params(), "max_new_tokens": 16}) for p in prompts[1:]]
     h.run_until_idle()
     results = h.results()
-    assert [results[r] for r in rids] == ref
+    assert [results[r] for r in rids] == shared_prefix_reference
     assert h.scheduler.stats.cached_tokens >= 4 * 200
     h.scheduler.assert_drained()

@@ -9,7 +9,7 @@ import random
 import time
 
 import pytest
-from rs_testing import hf_greedy, load_hf_reference, make_tiny_served_model
+from rs_testing import make_tiny_served_model, reference_greedy
 
 NEW_TOKENS = 8
 DEVICE_TOKENS = 384
@@ -84,7 +84,7 @@ def test_greedy_identical_with_and_without_hierarchical_cache(tiny_model):
         info = hi.get_server_info()
         _assert_drained(hi)
     assert got == base
-    ref = hf_greedy(load_hf_reference(tiny_model), [c[2] for c in convs], NEW_TOKENS)
+    ref = reference_greedy(tiny_model, [c[2] for c in convs], NEW_TOKENS)
     assert got[-len(convs) :] == ref
     assert info["hicache_host_hit_tokens"] > 0
     assert hi_cached > base_cached

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,11 +20,3 @@ def default_gguf() -> str:
     from radixserve.model_loader.default_model import ensure_default_model
 
     return ensure_default_model()
-
-
-@pytest.fixture(scope="session")
-def default_tokenizer(default_gguf: str) -> Any:
-    """The default model's tokenizer, built from its GGUF once per session (takes seconds)."""
-    from radixserve.model_loader.gguf_loader import load_gguf_tokenizer
-
-    return load_gguf_tokenizer(default_gguf)

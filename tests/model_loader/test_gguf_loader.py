@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import quantize
+from rs_testing import load_hf_reference
 
 from radixserve.model_loader.gguf_loader import (
     gguf_to_hf_config,
@@ -298,7 +299,7 @@ def test_default_model_matches_transformers(default_gguf: str) -> None:
     config = gguf_to_hf_config(reader)
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["tie_word_embeddings"] is True  # the file has no output.weight
-    model = load_with_transformers(Path(default_gguf))
+    model = load_hf_reference(default_gguf)  # the session's transformers load, shared
     assert_config_matches_transformers(config, model.config)
     ours = dict(iter_gguf_weights(reader, show_progress=False))
     assert "lm_head.weight" not in ours
