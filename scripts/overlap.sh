@@ -38,7 +38,7 @@ for r in $(seq 1 "$ROUNDS"); do
     echo "round $r, concurrency $c done"
   done
 done
-cleanup
+stop_servers
 PIDS=()
 
 $PY - "$OUT/serving.jsonl" << 'EOF'
