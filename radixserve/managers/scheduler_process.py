@@ -81,8 +81,9 @@ def run_scheduler_process(
         ready.close()
     # From here on this thread's own work (scheduling, results, small tensor ops) runs on one
     # intra-op thread; the forward and sampling take the model's threads (torch_threads in
-    # Scheduler.run_batch, or the overlap loop's forward thread). A second OpenMP team here
-    # would spin on the cores the forward's team needs.
+    # Scheduler.run_batch, or the overlap loop's forward thread). A small op then never opens
+    # a parallel region (under load each one waits milliseconds for a preempted thread), and
+    # the overlap loop never has a second OpenMP team spinning next to the forward's.
     torch.set_num_threads(1)
     poller = zmq.Poller()
     if recv is not None:
