@@ -112,12 +112,11 @@ class InFlightStep:
 
 
 class ForwardThread:
-    def __init__(self, worker: Any, future_map: FutureMap) -> None:
+    def __init__(self, worker: Any, future_map: FutureMap, num_threads: int | None) -> None:
         self.worker = worker
         self.future_map = future_map
         self.device = worker.device
-        runner = getattr(worker, "model_runner", None)
-        self.num_threads = getattr(runner, "num_threads", None) or torch.get_num_threads()
+        self.num_threads = num_threads or torch.get_num_threads()  # the model's intra-op threads
         self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.stream = torch.cuda.Stream() if self.device == "cuda" else None
         self.thread = threading.Thread(target=self._run, name="radixserve-forward", daemon=True)

@@ -102,18 +102,21 @@ def test_empty_ranges_and_bad_inputs(kernel):
         )
 
 
-def _decode_batch(pool, rows, lens, out_loc, num_tokens):
+def _batch(mode, pool, rows, prefixes, ext, out_loc):
+    """A ForwardBatch of requests extending their cached `prefixes` by `ext` tokens each
+    (decode: one token each), whose new tokens' slots are `out_loc`, packed in order."""
+    lens = [p + n for p, n in zip(prefixes, ext, strict=True)]
     return ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
+        forward_mode=mode,
         batch_size=len(lens),
-        input_ids=torch.zeros(num_tokens, dtype=torch.long),
-        positions=torch.tensor(lens) - 1,
+        input_ids=torch.zeros(len(out_loc), dtype=torch.long),
+        positions=torch.cat([torch.arange(p, n) for p, n in zip(prefixes, lens, strict=True)]),
         req_pool_indices=torch.arange(len(lens)),
         seq_lens=torch.tensor(lens),
         out_cache_loc=out_loc,
-        seq_lens_cpu=list(lens),
-        extend_prefix_lens_cpu=[n - 1 for n in lens],
-        extend_seq_lens_cpu=[1] * len(lens),
+        seq_lens_cpu=lens,
+        extend_prefix_lens_cpu=list(prefixes),
+        extend_seq_lens_cpu=list(ext),
         kv_rows=rows,
         token_to_kv_pool=pool,
     )
@@ -153,7 +156,7 @@ def test_backend_decode_equals_torch_native(kernel, dtype, shared):
         pool = MHATokenToKVPool(size, 1, 3, 64, dtype, "cpu", 1)
         pool.k_buffer[0].copy_(torch.randn(size + 1, 3, 64, generator=g2).to(dtype))
         pool.v_buffer[0].copy_(torch.randn(size + 1, 3, 64, generator=g2).to(dtype))
-        fb = _decode_batch(pool, rows, lens, out_loc, len(lens))
+        fb = _batch(ForwardMode.DECODE, pool, rows, [n - 1 for n in lens], [1] * len(lens), out_loc)
         backend.init_forward_metadata(fb)
         if isinstance(backend, CpuPagedAttnBackend):
             assert len(fb.attn_metadata.groups) == shared
@@ -236,20 +239,7 @@ def test_backend_ragged_extend_equals_torch_native(
         pool = MHATokenToKVPool(size, 1, hkv, d, dtype, "cpu", page_size)
         pool.k_buffer[0].copy_(torch.randn(size + page_size, hkv, d, generator=g2).to(dtype))
         pool.v_buffer[0].copy_(torch.randn(size + page_size, hkv, d, generator=g2).to(dtype))
-        fb = ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(lens),
-            input_ids=torch.zeros(t, dtype=torch.long),
-            positions=torch.cat([torch.arange(p, n) for p, n in zip(prefixes, lens, strict=True)]),
-            req_pool_indices=torch.arange(len(lens)),
-            seq_lens=torch.tensor(lens),
-            out_cache_loc=out_loc,
-            seq_lens_cpu=list(lens),
-            extend_prefix_lens_cpu=list(prefixes),
-            extend_seq_lens_cpu=list(ext),
-            kv_rows=rows,
-            token_to_kv_pool=pool,
-        )
+        fb = _batch(mode, pool, rows, prefixes, ext, out_loc)
         backend.init_forward_metadata(fb)
         outs.append(backend.forward(q, k, v, layer, fb))
         pools.append(pool)

@@ -276,7 +276,6 @@ def test_the_forward_runs_with_the_model_threads_while_the_scheduler_runs_on_one
     spinning next to the forward's), and every forward and sampling call gets the model's
     thread count back, on the forward thread or inline."""
     run = Run(overlap=overlap)
-    run.worker.model_runner.num_threads = 3
     run.s.model_threads = 3
     seen: list[int] = []
     forward, sample = run.worker.forward, run.worker.sample

@@ -192,14 +192,6 @@ def assert_config_matches_transformers(ours: dict[str, Any], hf_config: Any) -> 
     assert ours["head_dim"] == hf_head_dim
 
 
-def load_with_transformers(gguf_path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-
-
 def assert_weights_match_transformers(
     ours: dict[str, torch.Tensor], model: torch.nn.Module
 ) -> None:
@@ -234,7 +226,7 @@ def test_tiny_gguf_weights_round_trip(tmp_path: Path, arch: str, tie: bool, head
     config = gguf_to_hf_config(str(path))
     assert config["tie_word_embeddings"] is tie
     assert config["attention_bias"] is (arch == "qwen2")
-    model = load_with_transformers(path)
+    model = load_hf_reference(str(path))
     assert_config_matches_transformers(config, model.config)
     assert_weights_match_transformers(ours, model)
 
