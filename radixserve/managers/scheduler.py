@@ -361,9 +361,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         one while it runs (seed 000 §10.2)."""
         if self.forward_thread is None:
             self.future_map = FutureMap(self.max_running_requests, self.tp_worker.device)
-            self.forward_thread = ForwardThread(
-                self.tp_worker, self.future_map, self.model_threads
-            )
+            self.forward_thread = ForwardThread(self.tp_worker, self.future_map, self.model_threads)
         batch = self.get_next_batch_to_run()
         if batch is not None:
             snapshot, mwb = self._snapshot_for_launch(batch)
