@@ -157,8 +157,9 @@ class ServerArgs:
     attention_backend: str = _f(
         "auto",
         "Attention backend: torch_native (portable, the reference) or cpu_paged (decode reads "
-        "the paged KV pool in place with a C++ kernel built on first use; CPU only); auto = "
-        "cpu_paged on CPU where the kernel builds, else torch_native.",
+        "the paged KV pool in place with a C++ kernel built on first use, and the layers' "
+        "RMSNorm, rotary and SiLU·mul run fused C++ kernels; CPU only); auto = cpu_paged on "
+        "CPU where the kernels build, else torch_native.",
         ATTENTION_BACKENDS,
     )
     quantization: str | None = _f(

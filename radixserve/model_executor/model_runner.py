@@ -16,6 +16,7 @@ from radixserve.args import ServerArgs, physical_core_count
 from radixserve.distributed.parallel_state import TpGroup, local_head_counts
 from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.layers.fused_ops import set_fused_ops
 from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from radixserve.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -102,6 +103,9 @@ class ModelRunner:
             )
             self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self.device)
+        # The cpu_paged backend's library also holds the layers' fused element-wise kernels.
+        self.fused_ops = self.attn_backend.uses_cpu_kernels
+        set_fused_ops(self.model, self.fused_ops)
         self.sampler = Sampler()
 
     # -- memory ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import TpGroup, kv_head_start, local_head_counts
 from radixserve.layers.attention.base import AttentionLayer
+from radixserve.layers.fused_ops import FusedOp
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import Linear, linear
 from radixserve.layers.parallel_layers import (
@@ -52,7 +53,7 @@ def _row(in_features: int, out_features: int, bias: bool, tp: TpGroup) -> Linear
     return RowParallelLinear(in_features, out_features, bias, tp)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(FusedOp, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TpGroup) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = local_head_counts(
@@ -79,13 +80,17 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        cos, sin = rope
+        if self.can_fuse(q) and cos.dtype == q.dtype:  # in place, on the qkv output
+            torch.ops.radixserve.rotary_embedding(q, k, cos.squeeze(1), sin.squeeze(1))
+        else:
+            q, k = RotaryEmbedding.apply(rope, q, k)
         assert fb.attn_backend is not None
         out = fb.attn_backend.forward(q, k, v, self.attn, fb)
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(FusedOp, nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TpGroup) -> None:
         super().__init__()
         start, end = tp.shard_range(cfg.intermediate_size, "the MLP's intermediate size")
@@ -94,7 +99,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = _row(inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.can_fuse(gate_up) and gate_up.dim() == 2:
+            return self.down_proj(torch.ops.radixserve.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -106,9 +114,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings for the first layer, which has
+        no residual yet); returns this layer's MLP output and the residual stream before it.
+        The residual adds are folded into the norms (RMSNorm with a residual)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, fb)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -130,9 +148,12 @@ class LlamaModel(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(fb.input_ids)
         rope = self.rotary.cos_sin(fb.positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, fb)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, fb)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 # (fused parameter, HF parameter, shard id) — how HF's separate projections pack into ours.

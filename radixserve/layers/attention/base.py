@@ -30,6 +30,9 @@ class AttentionLayer:
 
 class AttentionBackend(ABC):
     name = ""  # its --attention-backend value
+    # Whether the model's element-wise steps run radixserve's C++ kernels with this backend
+    # (layers/fused_ops.py): the CPU fast path.
+    uses_cpu_kernels = False
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...

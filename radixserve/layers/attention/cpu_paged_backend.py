@@ -60,6 +60,7 @@ class PagedExtendMetadata:
 
 class CpuPagedAttnBackend(TorchNativeAttnBackend):
     name = "cpu_paged"
+    uses_cpu_kernels = True
 
     def __init__(self, device: str) -> None:
         if device != "cpu":

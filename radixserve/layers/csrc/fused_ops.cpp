@@ -1,0 +1,187 @@
+// The element-wise steps of a decoder layer fused into one pass each, for the CPU fast path:
+// at decode a batch has a handful of rows, and each of these steps costs the reference
+// (radixserve/layers/layernorm.py, rotary_embedding.py, llama.py's MLP) 5 to 14 eager ops.
+//
+// rms_norm(x [T, N], w [N], eps) -> out [T, N]
+// add_rms_norm(x [T, N], residual [T, N], w [N], eps) -> ()
+//     residual += x, then x = rms_norm(residual) (both in place)
+// rotary_embedding(q [T, Hq, D], k [T, Hk, D], cos [T, D], sin [T, D]) -> ()
+//     neox (rotate-half) layout, in place; q and k may be strided views (the qkv projection's)
+// silu_and_mul(x [T, 2I]) -> out [T, I] = silu(x[:, :I]) * x[:, I:]
+//
+// Each computes what the reference computes, rounding where it rounds: RMSNorm in fp32 and the
+// weight applied in the input dtype, the residual added in the input dtype, the rotary's
+// products rounded before their sum. In fp32 the results equal the reference's up to the order
+// of the sum of squares and the exp of SiLU. Rows run in parallel only when there are enough of
+// them to pay for waking the thread pool (decode steps run inline).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+// Elements handled by one thread before another is worth waking.
+constexpr int64_t kGrainElements = 1 << 15;
+
+int64_t row_grain(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
+
+// Rounds a float to scalar_t and back: the reference's intermediate rounding in that dtype.
+template <typename scalar_t>
+inline float rounded(float v) {
+  return static_cast<float>(static_cast<scalar_t>(v));
+}
+
+template <typename scalar_t>
+void norm_row(const scalar_t* in, const scalar_t* w, scalar_t* out, int64_t n, float eps) {
+  float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(in[i]);
+    sq += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    const float h = rounded<scalar_t>(static_cast<float>(in[i]) * inv);
+    out[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * h);
+  }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [T, N] with unit stride");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), name,
+              ": weight must be [N]");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), name, ": weight and x differ in dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w, "rms_norm");
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t T = x.size(0), N = x.size(1), stride = x.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(N), [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t)
+        norm_row<scalar_t>(xp + t * stride, wp, op + t * N, N, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  check_rows(x, w, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+                  residual.stride(1) == 1,
+              "add_rms_norm: residual must match x");
+  const int64_t T = x.size(0), N = x.size(1);
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(N), [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        scalar_t* xr = xp + t * xs;
+        scalar_t* rr = rp + t * rs;
+        for (int64_t i = 0; i < N; ++i)
+          rr[i] = static_cast<scalar_t>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+        norm_row<scalar_t>(rr, wp, xr, N, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+template <typename scalar_t>
+void rotate_heads(scalar_t* base, int64_t heads, int64_t head_stride, int64_t half,
+                  const scalar_t* cos, const scalar_t* sin) {
+  for (int64_t h = 0; h < heads; ++h) {
+    scalar_t* x = base + h * head_stride;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+      // out = x * cos + rotate_half(x) * sin, each product rounded as the reference does.
+      const float a = rounded<scalar_t>(x1 * static_cast<float>(cos[i]));
+      const float b = rounded<scalar_t>(-x2 * static_cast<float>(sin[i]));
+      const float c = rounded<scalar_t>(x2 * static_cast<float>(cos[i + half]));
+      const float d = rounded<scalar_t>(x1 * static_cast<float>(sin[i + half]));
+      x[i] = static_cast<scalar_t>(a + b);
+      x[i + half] = static_cast<scalar_t>(c + d);
+    }
+  }
+}
+
+void check_heads(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, name, " must be [T, H, D] with unit stride");
+}
+
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  check_heads(q, "rotary_embedding: q");
+  check_heads(k, "rotary_embedding: k");
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && D % 2 == 0,
+              "rotary_embedding: q and k must share T and an even D");
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && cos.size(0) == T && cos.size(1) == D &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous(),
+              "rotary_embedding: cos and sin must be contiguous [T, D]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+                  sin.scalar_type() == q.scalar_type(),
+              "rotary_embedding: q, k, cos and sin must share a dtype");
+  const int64_t Hq = q.size(1), Hk = k.size(1), half = D / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain((Hq + Hk) * D), [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        rotate_heads<scalar_t>(qp + t * q.stride(0), Hq, q.stride(1), half, cp + t * D, sp + t * D);
+        rotate_heads<scalar_t>(kp + t * k.stride(0), Hk, k.stride(1), half, cp + t * D, sp + t * D);
+      }
+    });
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be [T, 2I] with unit stride");
+  const int64_t T = x.size(0), I = x.size(1) / 2, stride = x.stride(0);
+  at::Tensor out = at::empty({T, I}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(2 * I), [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const scalar_t* gate = xp + t * stride;
+        const scalar_t* up = gate + I;
+        scalar_t* o = op + t * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          const float s = rounded<scalar_t>(g / (1.f + std::exp(-g)));
+          o[i] = static_cast<scalar_t>(s * static_cast<float>(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  lib.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  lib.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  lib.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
+  lib.impl("rms_norm", &rms_norm);
+  lib.impl("add_rms_norm", &add_rms_norm);
+  lib.impl("rotary_embedding", &rotary_embedding);
+  lib.impl("silu_and_mul", &silu_and_mul);
+}
