@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV_VAR = "RADIXSERVE_KERNEL_CACHE"
-_SOURCES = ("decode_attention.cpp", "q4_linear.cpp", "fused_ops.cpp")
+_SOURCES = ("decode_attention.cpp", "quant_linear.cpp", "fused_ops.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 _lock = threading.Lock()
 _loaded = False

@@ -4,12 +4,17 @@ A batch-1 decode step on a CPU reads every weight once, so its time is mostly th
 bytes: SmolLM2-135M is 540 MB in fp32, 270 MB in bf16, ≈ 140 MB in int8 and ≈ 80 MB in int4.
 The layers here keep their weights packed:
 
-- int8: one symmetric scale per output channel, multiplied by ATen's `_weight_int8pack_mm`
-  with bf16 activations (its fast path; fp32 activations take a scalar path, 5-7x slower on
-  an AVX2 CPU), so the layer casts its input to bf16 and its output back.
+- int8: GGUF's Q8_0 form, groups of `INT4_GROUP_SIZE` (32) input columns with one symmetric
+  scale each. Below `DENSE_ROWS` rows, radixserve's kernel (csrc/quant_linear.cpp) multiplies
+  the codes by the activations quantized to int8 per group of 32, in integers, as the int4
+  kernel does (2x ATen's int8 kernel on the output head at one row, AVX2); from there on, the
+  dequantized weight and the same int8-rounded activations go through the dense GEMM.
+  Where the C++ kernels cannot be built, or K is not a multiple of 32, one scale per output
+  channel and ATen's `_weight_int8pack_mm` with bf16 activations (its fast path; fp32
+  activations take a scalar path, 5-7x slower on an AVX2 CPU) take over.
 - int4: groups of `INT4_GROUP_SIZE` input columns with a scale and a minimum per group
   (a weight is code * scale + minimum, code in [0, 15]: GGUF's Q4_1 form). Below
-  `Q4_DENSE_ROWS` rows, radixserve's own kernel (csrc/q4_linear.cpp) multiplies the 4-bit
+  `DENSE_ROWS` rows, radixserve's own kernel (csrc/quant_linear.cpp) multiplies the 4-bit
   codes by the activations quantized to int8 per group of 32, in integers, as llama.cpp
   does (2x ATen's int4 kernel at batch 1 on AVX2). From there on, the weight is
   dequantized and multiplied by the dense GEMM, which wins at prefill sizes, with the
@@ -35,7 +40,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "int4")
-Q4_DENSE_ROWS = 64  # from this many rows on, dequantize + GEMM beats the int4 kernel (measured)
+DENSE_ROWS = 64  # from this many rows on, dequantize + GEMM beats the int4 kernel (measured)
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; the ATen kernel takes 32, 64, 128 or 256
 KERNEL_DTYPE = torch.bfloat16
 _INT4_INNER_K_TILES = 2
@@ -61,6 +66,19 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return codes, scale
+
+
+def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over groups of 32 columns (GGUF's Q8_0): returns (codes int8 [N, K],
+    scale fp32 [N, K // 32]); a weight is codes * scale. A GGUF Q8_0 tensor dequantized and
+    quantized again gets its own codes back (each block's largest code is ±127)."""
+    w = weight.float()
+    n, k = w.shape
+    groups = w.view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    scale = groups.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = torch.round(groups / safe[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.view(n, k), scale
 
 
 def quantize_int4(
@@ -117,7 +135,12 @@ class QuantizedLinear(nn.Module):
             )
         self.method = method
         self.kernel = "aten"
-        if method == "int8":
+        if method == "int8" and self.in_features % INT4_GROUP_SIZE == 0 and cpu_kernels_available():
+            self.kernel = "q8"
+            codes, scale = quantize_q8(weight)
+            self.register_buffer("qs", codes)
+            self.register_buffer("d", scale.contiguous())
+        elif method == "int8":
             codes, scale = quantize_int8(weight)
             self.register_buffer("packed", codes)
             self.register_buffer("scales", scale.to(KERNEL_DTYPE))
@@ -143,10 +166,16 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "q4":
-            if x2.shape[0] < Q4_DENSE_ROWS:
+            if x2.shape[0] < DENSE_ROWS:
                 y = torch.ops.radixserve.q4_linear(x2, self.qs, self.d, self.m)
             else:  # the kernel's int8 activations and fp32 arithmetic, through a dense GEMM
                 w = torch.ops.radixserve.q4_dequantize(self.qs, self.d, self.m)
+                y = F.linear(quantize_activations(x2), w)
+        elif self.kernel == "q8":
+            if x2.shape[0] < DENSE_ROWS:
+                y = torch.ops.radixserve.q8_linear(x2, self.qs, self.d)
+            else:
+                w = torch.ops.radixserve.q8_dequantize(self.qs, self.d)
                 y = F.linear(quantize_activations(x2), w)
         elif self.method == "int8":
             y = torch._weight_int8pack_mm(
@@ -171,13 +200,13 @@ class QuantizedLinear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"{self.method}, in={self.in_features}, out={self.out_features}"
+        return f"{self.method} ({self.kernel}), in={self.in_features}, out={self.out_features}"
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] rounded to int8 per group of 32 and scaled back (fp32), with the float
-    operations of q4_linear.cpp's quantize_row, so that a prompt's prefill (GEMM) and its
-    decode (the q4 kernel) see the same activations and the same prompt gives the same
+    operations of quant_linear.cpp's quantize_row, so that a prompt's prefill (GEMM) and its
+    decode (the q4 / q8 kernel) see the same activations and the same prompt gives the same
     tokens whichever path, cache hit or batch it takes."""
     m, k = x.shape
     groups = x.float().reshape(m, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)

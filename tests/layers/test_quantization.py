@@ -8,9 +8,9 @@ from torch import nn
 
 from radixserve.layers import quantization
 from radixserve.layers.quantization import (
+    DENSE_ROWS,
     INT4_GROUP_SIZE,
     KERNEL_DTYPE,
-    Q4_DENSE_ROWS,
     BlockParams,
     QuantizedLinear,
     dequantize_int4,
@@ -18,6 +18,7 @@ from radixserve.layers.quantization import (
     quantize_int4,
     quantize_int8,
     quantize_model,
+    quantize_q8,
 )
 
 
@@ -27,23 +28,37 @@ def _bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert (actual.float() - expected).abs().max().item() <= 2e-2 * scale
 
 
+@pytest.fixture(params=["q8", "aten"])
+def int8_kernel(request, monkeypatch):
+    """Both int8 paths: radixserve's kernel, and ATen's where the C++ kernels cannot build."""
+    if request.param == "aten":
+        monkeypatch.setattr(quantization, "cpu_kernels_available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [(48, 64), (960, 576), (64, 1536)])
-@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("rows", [1, 7, 33, DENSE_ROWS])  # GEMV, then GEMM (q8)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_matches_its_dequantized_weight(shape, rows, dtype) -> None:
+def test_int8_linear_matches_its_dequantized_weight(shape, rows, dtype, int8_kernel) -> None:
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(shape, generator=gen) * 0.05
     bias = torch.randn(shape[0], generator=gen)
     layer = QuantizedLinear("int8", w, bias).to(dtype)  # the bias follows the model dtype
-    codes, scale = quantize_int8(w)
+    assert layer.kernel == int8_kernel
+    if int8_kernel == "q8":  # Q8_0: a scale per group of 32 columns
+        codes, scale = quantize_q8(w)
+        step = scale.repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    else:  # a scale per output channel
+        codes, scale = quantize_int8(w)
+        step = scale[:, None].expand_as(w)
     assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
+    deq = codes.float() * step
+    assert ((deq - w).abs() <= step / 2 + 1e-7).all()  # within half a step of the weight
     x = torch.randn(rows, shape[1], generator=gen)
-    ref = x @ (codes.float() * scale[:, None]).t() + bias
+    ref = x @ deq.t() + bias
     out = layer(x.to(dtype))
     assert out.dtype == dtype and out.shape == (rows, shape[0])
-    _bf16_close(out, ref)
-    # Per-channel int8 is within half a step of the float weight.
-    assert ((codes.float() * scale[:, None]) - w).abs().max() <= scale.max() / 2 + 1e-7
+    _bf16_close(out, ref)  # bf16 activations (ATen) or int8 ones per group of 32 (q8)
 
 
 @pytest.fixture(params=["q4", "aten"])
@@ -55,7 +70,7 @@ def int4_kernel(request, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(16, 32), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 5, Q4_DENSE_ROWS - 1, Q4_DENSE_ROWS])  # GEMV, then GEMM
+@pytest.mark.parametrize("rows", [1, 5, DENSE_ROWS - 1, DENSE_ROWS])  # GEMV, then GEMM
 def test_int4_linear_matches_its_dequantized_weight(shape, rows, int4_kernel) -> None:
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(shape, generator=gen) * 0.05
@@ -128,7 +143,8 @@ def test_quantize_model_replaces_every_linear_and_survives_dtype_casts() -> None
     assert isinstance(model.b, QuantizedLinear) and model.b.method == "int8"
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.method == "int8"
     assert isinstance(model.embed, nn.Embedding)  # the lookup stays dense
-    assert model.a.kernel == "q4"  # radixserve's kernel (built for the test session)
+    assert model.a.kernel == "q4"  # radixserve's kernels (built for the test session)
+    assert model.lm_head.kernel == "q8" and model.b.kernel == "aten"  # 48 columns: per channel
     for dtype in (torch.float32, torch.bfloat16):
         model.to(dtype)
         assert model.a.d.dtype == torch.float32 and model.a.qs.dtype == torch.uint8
@@ -165,7 +181,49 @@ def test_q4_gemv_and_gemm_paths_agree_row_by_row() -> None:
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(576, 576, generator=gen) * 0.05
     layer = QuantizedLinear("int4", w)
-    x = torch.randn(Q4_DENSE_ROWS, 576, generator=gen)
+    x = torch.randn(DENSE_ROWS, 576, generator=gen)
     gemm = layer(x)  # 64 rows: the dequantized GEMM
     gemv = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])  # one row each: the kernel
     assert (gemm - gemv).abs().max() <= 1e-5 * gemm.abs().max()
+
+
+def test_q8_kernels_against_the_reference() -> None:
+    """q8_dequantize is codes * scale; q8_linear's int8 activations stay within 1.5% of the
+    output's scale; each row's result does not depend on the other rows; the kernel's GEMV
+    and the dequantized GEMM agree row by row (the same int8 activations); bad shapes are
+    clear errors."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 128, generator=gen) * 0.05
+    codes, scale = quantize_q8(w)
+    assert codes.shape == (96, 128) and scale.shape == (96, 4)
+    deq = torch.ops.radixserve.q8_dequantize(codes, scale)
+    assert torch.equal(deq, codes.float() * scale.repeat_interleave(INT4_GROUP_SIZE, dim=1))
+    x = torch.randn(7, 128, generator=gen) * 3
+    y = torch.ops.radixserve.q8_linear(x, codes, scale)
+    ref = x @ deq.t()
+    assert (y - ref).abs().max() <= 0.015 * ref.abs().max()
+    assert (y - ref).abs().max() > 0  # the activations were rounded, not passed through
+    assert torch.equal(torch.ops.radixserve.q8_linear(x[3:4], codes, scale)[0], y[3])
+    layer = QuantizedLinear("int8", w)
+    rows = torch.randn(DENSE_ROWS, 128, generator=gen)
+    gemm = layer(rows)
+    gemv = torch.cat([layer(rows[i : i + 1]) for i in range(len(rows))])
+    assert (gemm - gemv).abs().max() <= 1e-5 * gemm.abs().max()
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.radixserve.q8_linear(torch.randn(1, 96), codes, scale)
+    with pytest.raises(RuntimeError, match=r"d must be"):
+        torch.ops.radixserve.q8_linear(x, codes, scale[:, :3].contiguous())
+
+
+def test_q8_requantizing_a_q8_0_tensor_keeps_its_codes() -> None:
+    """A GGUF Q8_0 tensor (the default model's embedding, which is its output head) is
+    dequantized at load; int8 quantizes it again onto the file's own grid: same codes, and
+    the same scale up to float rounding."""
+    gen = torch.Generator().manual_seed(6)
+    codes = torch.randint(-127, 128, (64, 96), generator=gen, dtype=torch.int8)
+    codes[:, ::INT4_GROUP_SIZE] = 127  # each block's largest code is ±127, as in ggml
+    scale = (torch.rand(64, 3, generator=gen) * 0.01 + 1e-4).half().float()  # fp16 in GGUF
+    w = codes.float() * scale.repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    got, got_scale = quantize_q8(w)
+    assert torch.equal(got, codes)
+    assert torch.allclose(got_scale, scale, rtol=1e-6, atol=0)

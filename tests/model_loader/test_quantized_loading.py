@@ -92,7 +92,7 @@ def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monke
     for name in (None, "int8", "int4", "int4-gemv"):
         method = name.split("-")[0] if name else None
         if name == "int4-gemv":
-            monkeypatch.setattr(quantization, "Q4_DENSE_ROWS", 10**9)
+            monkeypatch.setattr(quantization, "DENSE_ROWS", 10**9)
         runner = ModelRunner(ServerArgs(**{**base.__dict__, "quantization": method}).resolve())
         total, count = score(runner, ids, 256)
         assert count == 510

@@ -1,0 +1,241 @@
+// Weight-only int4 and int8 linear layers for CPU decode, with the activations quantized on the
+// fly to int8 per group of 32 (llama.cpp's Q8 idea), so that each group's dot product is 32
+// 8-bit products summed in integers (AVX2: vpmaddubsw), then scaled in floats.
+//
+// int4, GGUF's Q4_1 form (groups of 32 weights: 16 bytes of 4-bit codes, a float scale d and
+// minimum m; w = q * d + m); code layout per group as ggml's: byte j holds element j (low
+// nibble) and j + 16:
+//   q4_linear(x [M, K], qs [N, K/32, 16] uint8, d [N, K/32] fp32, m [N, K/32] fp32) -> [M, N] fp32
+//   q4_dequantize(qs, d, m) -> [N, K] fp32 (for large M, where a dense GEMM wins)
+// int8, GGUF's Q8_0 form (groups of 32 int8 codes and a float scale d; w = q * d):
+//   q8_linear(x [M, K], qs [N, K] int8, d [N, K/32] fp32) -> [M, N] fp32
+//   q8_dequantize(qs, d) -> [N, K] fp32
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+// Quantize one row of activations: per group, int8 codes, their scale, and the sum of the
+// quantized values (scale * sum of codes), so that the minimum's term uses the same
+// activations as the codes' term. QuantizedLinear's GEMM path quantizes its input the same
+// way (same float operations), so both paths compute one function up to summation order.
+void quantize_row(const float* x, int64_t groups, int8_t* xq, float* sx, float* xsum) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * kGroup;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    int32_t codes = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const int8_t c = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+      xq[g * kGroup + j] = c;
+      codes += c;
+    }
+    sx[g] = scale;
+    xsum[g] = scale * static_cast<float>(codes);
+  }
+}
+
+// One output: sum over groups of d_g * sx_g * (codes . xq)_g + m_g * xsum_g.
+inline float row_dot(const uint8_t* qn, const float* dn, const float* mn, const int8_t* xq,
+                     const float* sx, const float* xsum, int64_t groups) {
+  float acc_min = 0.f;
+  for (int64_t g = 0; g < groups; ++g) acc_min += mn[g] * xsum[g];
+#if defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 16));
+    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * kGroup));
+    const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), ones);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dn[g] * sx[g]), acc);
+  }
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s) + acc_min;
+#else
+  float acc = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* q = qn + g * 16;
+    const int8_t* x = xq + g * kGroup;
+    int32_t dot = 0;
+    for (int64_t j = 0; j < 16; ++j)
+      dot += static_cast<int32_t>(q[j] & 0x0F) * x[j] + static_cast<int32_t>(q[j] >> 4) * x[j + 16];
+    acc += dn[g] * sx[g] * static_cast<float>(dot);
+  }
+  return acc + acc_min;
+#endif
+}
+
+// Activations of every row quantized (quantize_row), then y[r, n] = dot(n, row r) in parallel
+// over the output columns: each weight row is read once for all M rows.
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> sx, xsum;
+};
+
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t M, int64_t K) {
+  const int64_t G = K / kGroup;
+  QuantizedRows q{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    quantize_row(xp + r * K, G, q.xq.data() + r * K, q.sx.data() + r * G, q.xsum.data() + r * G);
+  return q;
+}
+
+template <typename Dot>
+at::Tensor quantized_matmul(const at::Tensor& x, int64_t N, const Dot& dot) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  const QuantizedRows q = quantize_rows(x, M, K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n)
+      for (int64_t r = 0; r < M; ++r)
+        yp[r * N + n] = dot(n, q.xq.data() + r * K, q.sx.data() + r * G, q.xsum.data() + r * G);
+  });
+  return y;
+}
+
+at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                     const at::Tensor& m) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == at::kByte,
+              "qs must be uint8 [N, K/32, 16]");
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && m.is_contiguous(),
+              "weights must be contiguous");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "d, m: fp32");
+  const int64_t K = x_in.size(1), N = qs.size(0), G = qs.size(1);
+  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
+  TORCH_CHECK(d.size(0) == N && d.size(1) == G && m.sizes() == d.sizes(), "d, m: [N, K/32]");
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  return quantized_matmul(
+      x_in.to(at::kFloat).contiguous(), N,
+      [&](int64_t n, const int8_t* xq, const float* sx, const float* xsum) {
+        return row_dot(qp + n * G * 16, dp + n * G, mp + n * G, xq, sx, xsum, G);
+      });
+}
+
+// One output of an int8 weight row: sum over groups of d_g * sx_g * (codes . xq)_g.
+inline float row_dot_q8(const int8_t* wn, const float* dn, const int8_t* xq, const float* sx,
+                        int64_t groups) {
+#if defined(__AVX2__)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + g * kGroup));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * kGroup));
+    // vpmaddubsw multiplies unsigned by signed bytes: |x| times w with x's sign.
+    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(w, xv));
+    const __m256i p32 = _mm256_madd_epi16(p16, ones);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dn[g] * sx[g]), acc);
+  }
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+#else
+  float acc = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t dot = 0;
+    for (int64_t j = 0; j < kGroup; ++j)
+      dot += static_cast<int32_t>(wn[g * kGroup + j]) * xq[g * kGroup + j];
+    acc += dn[g] * sx[g] * static_cast<float>(dot);
+  }
+  return acc;
+#endif
+}
+
+void check_q8(const at::Tensor& qs, const at::Tensor& d) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous(),
+              "qs must be contiguous int8 [N, K]");
+  TORCH_CHECK(qs.size(1) % kGroup == 0, "K must be a multiple of ", kGroup);
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 &&
+                  d.size(0) == qs.size(0) && d.size(1) == qs.size(1) / kGroup,
+              "d must be contiguous fp32 [N, K/32]");
+}
+
+at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  check_q8(qs, d);
+  const int64_t K = x_in.size(1), N = qs.size(0), G = d.size(1);
+  TORCH_CHECK(K == qs.size(1), "x has ", K, " columns, the weight ", qs.size(1));
+  const int8_t* qp = qs.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  return quantized_matmul(x_in.to(at::kFloat).contiguous(), N,
+                          [&](int64_t n, const int8_t* xq, const float* sx, const float*) {
+                            return row_dot_q8(qp + n * K, dp + n * G, xq, sx, G);
+                          });
+}
+
+at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d) {
+  check_q8(qs, d);
+  const int64_t N = qs.size(0), K = qs.size(1), G = d.size(1);
+  at::Tensor w = at::empty({N, K}, d.options());
+  float* wp = w.data_ptr<float>();
+  const int8_t* qp = qs.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  at::parallel_for(0, N * G, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i)
+      for (int64_t j = 0; j < kGroup; ++j)
+        wp[i * kGroup + j] = static_cast<float>(qp[i * kGroup + j]) * dp[i];
+  });
+  return w;
+}
+
+at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == at::kByte,
+              "qs must be uint8 [N, K/32, 16]");
+  const int64_t N = qs.size(0), G = qs.size(1);
+  at::Tensor w = at::empty({N, G * kGroup}, d.options());
+  float* wp = w.data_ptr<float>();
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  at::parallel_for(0, N * G, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint8_t* q = qp + i * 16;
+      float* out = wp + i * kGroup;
+      for (int64_t j = 0; j < 16; ++j) {
+        out[j] = static_cast<float>(q[j] & 0x0F) * dp[i] + mp[i];
+        out[j + 16] = static_cast<float>(q[j] >> 4) * dp[i] + mp[i];
+      }
+    }
+  });
+  return w;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
+  lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
+  lib.def("q4_dequantize(Tensor qs, Tensor d, Tensor m) -> Tensor");
+  lib.def("q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  lib.def("q8_dequantize(Tensor qs, Tensor d) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
+  lib.impl("q4_linear", &q4_linear);
+  lib.impl("q4_dequantize", &q4_dequantize);
+  lib.impl("q8_linear", &q8_linear);
+  lib.impl("q8_dequantize", &q8_dequantize);
+}
