@@ -22,9 +22,10 @@ mkdir -p "$OUT"
 # shellcheck source=scripts/lib.sh
 source scripts/lib.sh
 
-wait_ready() {  # wait_ready URL SECONDS
+wait_ready() {  # wait_ready URL SECONDS PID: until the URL answers; fails if PID exits
   for _ in $(seq 1 $(($2 * 2))); do
     curl -sf "$1" > /dev/null && return 0
+    kill -0 "$3" 2> /dev/null || { echo "the server for $1 exited (see its log)" >&2; exit 1; }
     sleep 0.5
   done
   echo "no answer from $1 after $2 s" >&2
@@ -45,6 +46,7 @@ os.makedirs(out, exist_ok=True)
 state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
 save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
 cfg = model.config.to_dict()
+cfg.pop("quantization_config", None)  # the GGUF's: these weights are plain bf16
 cfg["architectures"] = ["LlamaForCausalLM"]
 cfg["torch_dtype"] = "bfloat16"
 json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=1)
@@ -74,7 +76,7 @@ start_engine() {  # start_engine NAME: starts it on $PORT and waits until it ser
       ;;
   esac
   PIDS+=($!)
-  wait_ready "http://127.0.0.1:$PORT/v1/models" 600
+  wait_ready "http://127.0.0.1:$PORT/v1/models" 600 "$!"
 }
 
 bench() {  # bench ENGINE WORKLOAD ARGS...

@@ -5,10 +5,10 @@ bytes: SmolLM2-135M is 540 MB in fp32, 270 MB in bf16, â‰ˆ 140 MB in int8 and â‰
 The layers here keep their weights packed:
 
 - int8: GGUF's Q8_0 form, groups of `INT4_GROUP_SIZE` (32) input columns with one symmetric
-  scale each. Below `DENSE_ROWS` rows, radixserve's kernel (csrc/quant_linear.cpp) multiplies
-  the codes by the activations quantized to int8 per group of 32, in integers, as the int4
-  kernel does (2x ATen's int8 kernel on the output head at one row, AVX2); from there on, the
-  dequantized weight and the same int8-rounded activations go through the dense GEMM.
+  scale each. Below `DENSE_ROWS` rows, radixserve's kernel (csrc/quant_linear.cpp) widens
+  each group's codes to floats once and multiplies them into every row (the activations stay
+  fp32; 2x ATen's int8 kernel on the output head at one row, AVX2); from there on, the
+  dequantized weight goes through the dense GEMM.
   Where the C++ kernels cannot be built, or K is not a multiple of 32, one scale per output
   channel and ATen's `_weight_int8pack_mm` with bf16 activations (its fast path; fp32
   activations take a scalar path, 5-7x slower on an AVX2 CPU) take over.
@@ -175,8 +175,7 @@ class QuantizedLinear(nn.Module):
             if x2.shape[0] < DENSE_ROWS:
                 y = torch.ops.radixserve.q8_linear(x2, self.qs, self.d)
             else:
-                w = torch.ops.radixserve.q8_dequantize(self.qs, self.d)
-                y = F.linear(quantize_activations(x2), w)
+                y = F.linear(x2.float(), torch.ops.radixserve.q8_dequantize(self.qs, self.d))
         elif self.method == "int8":
             y = torch._weight_int8pack_mm(
                 x2.to(KERNEL_DTYPE).contiguous(), self.packed, self.scales
@@ -206,8 +205,10 @@ class QuantizedLinear(nn.Module):
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] rounded to int8 per group of 32 and scaled back (fp32), with the float
     operations of quant_linear.cpp's quantize_row, so that a prompt's prefill (GEMM) and its
-    decode (the q4 / q8 kernel) see the same activations and the same prompt gives the same
-    tokens whichever path, cache hit or batch it takes."""
+    decode (the q4 kernel) round the same activations the same way. (Upstream float-order
+    differences between paths, e.g. attention over a cached prefix, can still move a value
+    across a rounding boundary: int4 logits agree across paths to a few tenths of a nat, not
+    bitwise; test_engine's int4 test.)"""
     m, k = x.shape
     groups = x.float().reshape(m, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
     scale = groups.abs().amax(dim=-1, keepdim=True) / 127.0

@@ -1,4 +1,4 @@
-// Weight-only int4 and int8 linear layers for CPU decode, with the activations quantized on the
+// Weight-only int4 and int8 linear layers for CPU decode. int4 quantizes the activations on the
 // fly to int8 per group of 32 (llama.cpp's Q8 idea), so that each group's dot product is 32
 // 8-bit products summed in integers (AVX2: vpmaddubsw), then scaled in floats.
 //
@@ -7,7 +7,8 @@
 // nibble) and j + 16:
 //   q4_linear(x [M, K], qs [N, K/32, 16] uint8, d [N, K/32] fp32, m [N, K/32] fp32) -> [M, N] fp32
 //   q4_dequantize(qs, d, m) -> [N, K] fp32 (for large M, where a dense GEMM wins)
-// int8, GGUF's Q8_0 form (groups of 32 int8 codes and a float scale d; w = q * d):
+// int8, GGUF's Q8_0 form (groups of 32 int8 codes and a float scale d; w = q * d), with the
+// activations kept in floats (q8_rows says why):
 //   q8_linear(x [M, K], qs [N, K] int8, d [N, K/32] fp32) -> [M, N] fp32
 //   q8_dequantize(qs, d) -> [N, K] fp32
 
@@ -84,36 +85,6 @@ inline float row_dot(const uint8_t* qn, const float* dn, const float* mn, const 
 #endif
 }
 
-// Activations of every row quantized (quantize_row), then y[r, n] = dot(n, row r) in parallel
-// over the output columns: each weight row is read once for all M rows.
-struct QuantizedRows {
-  std::vector<int8_t> xq;
-  std::vector<float> sx, xsum;
-};
-
-QuantizedRows quantize_rows(const at::Tensor& x, int64_t M, int64_t K) {
-  const int64_t G = K / kGroup;
-  QuantizedRows q{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
-  const float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r)
-    quantize_row(xp + r * K, G, q.xq.data() + r * K, q.sx.data() + r * G, q.xsum.data() + r * G);
-  return q;
-}
-
-template <typename Dot>
-at::Tensor quantized_matmul(const at::Tensor& x, int64_t N, const Dot& dot) {
-  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
-  const QuantizedRows q = quantize_rows(x, M, K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n)
-      for (int64_t r = 0; r < M; ++r)
-        yp[r * N + n] = dot(n, q.xq.data() + r * K, q.sx.data() + r * G, q.xsum.data() + r * G);
-  });
-  return y;
-}
-
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                      const at::Tensor& m) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
@@ -122,48 +93,81 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Ten
   TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && m.is_contiguous(),
               "weights must be contiguous");
   TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "d, m: fp32");
-  const int64_t K = x_in.size(1), N = qs.size(0), G = qs.size(1);
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = qs.size(0), G = qs.size(1);
   TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
   TORCH_CHECK(d.size(0) == N && d.size(1) == G && m.sizes() == d.sizes(), "d, m: [N, K/32]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> sx(M * G), xsum(M * G);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    quantize_row(xp + r * K, G, xq.data() + r * K, sx.data() + r * G, xsum.data() + r * G);
+
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
-  return quantized_matmul(
-      x_in.to(at::kFloat).contiguous(), N,
-      [&](int64_t n, const int8_t* xq, const float* sx, const float* xsum) {
-        return row_dot(qp + n * G * 16, dp + n * G, mp + n * G, xq, sx, xsum, G);
-      });
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      for (int64_t r = 0; r < M; ++r) {
+        yp[r * N + n] = row_dot(qp + n * G * 16, dp + n * G, mp + n * G, xq.data() + r * K,
+                                sx.data() + r * G, xsum.data() + r * G, G);
+      }
+    }
+  });
+  return y;
 }
 
-// One output of an int8 weight row: sum over groups of d_g * sx_g * (codes . xq)_g.
-inline float row_dot_q8(const int8_t* wn, const float* dn, const int8_t* xq, const float* sx,
-                        int64_t groups) {
+// int8 rows against float activations: each group of 32 codes is widened to floats and scaled
+// once, then multiplied into every row's accumulator (the weight is read once for all rows).
+// The activations stay in floats: the output head's logits decide the tokens, and a rounding
+// of its input would turn float-order noise between two paths of one prompt (a prefill and
+// a cache hit) into different tokens.
 #if defined(__AVX2__)
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + g * kGroup));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * kGroup));
-    // vpmaddubsw multiplies unsigned by signed bytes: |x| times w with x's sign.
-    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(w, xv));
-    const __m256i p32 = _mm256_madd_epi16(p16, ones);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dn[g] * sx[g]), acc);
-  }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-#else
-  float acc = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    int32_t dot = 0;
-    for (int64_t j = 0; j < kGroup; ++j)
-      dot += static_cast<int32_t>(wn[g * kGroup + j]) * xq[g * kGroup + j];
-    acc += dn[g] * sx[g] * static_cast<float>(dot);
-  }
-  return acc;
-#endif
+// Four accumulators per row, one per quarter of a group, summed at the end in a fixed order:
+// a row's result does not depend on M. acc: the caller's scratch of 4 * M (no allocation per
+// output).
+inline __m256 widen_scaled(__m128i eight_codes, __m256 scale) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_codes)), scale);
 }
+
+void q8_rows(const int8_t* wn, const float* dn, const float* x, int64_t M, int64_t K,
+             int64_t groups, float* y, int64_t y_stride, __m256* acc) {
+  for (int64_t i = 0; i < 4 * M; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 dg = _mm256_set1_ps(dn[g]);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + g * kGroup));
+    const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
+    const __m256 w[4] = {widen_scaled(lo, dg), widen_scaled(_mm_srli_si128(lo, 8), dg),
+                         widen_scaled(hi, dg), widen_scaled(_mm_srli_si128(hi, 8), dg)};
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = x + r * K + g * kGroup;
+      for (int q = 0; q < 4; ++q)
+        acc[4 * r + q] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xr + q * 8), acc[4 * r + q]);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[4 * r], acc[4 * r + 1]),
+                                   _mm256_add_ps(acc[4 * r + 2], acc[4 * r + 3]));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[r * y_stride] = _mm_cvtss_f32(s);
+  }
+}
+#else
+void q8_rows(const int8_t* wn, const float* dn, const float* x, int64_t M, int64_t K,
+             int64_t groups, float* y, int64_t y_stride) {
+  for (int64_t r = 0; r < M; ++r) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t j = 0; j < kGroup; ++j)
+        acc += static_cast<float>(wn[g * kGroup + j]) * dn[g] * x[r * K + g * kGroup + j];
+    y[r * y_stride] = acc;
+  }
+}
+#endif
 
 void check_q8(const at::Tensor& qs, const at::Tensor& d) {
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous(),
@@ -177,14 +181,24 @@ void check_q8(const at::Tensor& qs, const at::Tensor& d) {
 at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   check_q8(qs, d);
-  const int64_t K = x_in.size(1), N = qs.size(0), G = d.size(1);
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = qs.size(0), G = d.size(1);
   TORCH_CHECK(K == qs.size(1), "x has ", K, " columns, the weight ", qs.size(1));
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
   const int8_t* qp = qs.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
-  return quantized_matmul(x_in.to(at::kFloat).contiguous(), N,
-                          [&](int64_t n, const int8_t* xq, const float* sx, const float*) {
-                            return row_dot_q8(qp + n * K, dp + n * G, xq, sx, G);
-                          });
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+#if defined(__AVX2__)
+    std::vector<__m256> acc(4 * M);
+    for (int64_t n = lo; n < hi; ++n)
+      q8_rows(qp + n * K, dp + n * G, xp, M, K, G, yp + n, N, acc.data());
+#else
+    for (int64_t n = lo; n < hi; ++n) q8_rows(qp + n * K, dp + n * G, xp, M, K, G, yp + n, N);
+#endif
+  });
+  return y;
 }
 
 at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d) {
