@@ -7,7 +7,7 @@ The layers here keep their weights packed:
 - int8: GGUF's Q8_0 form, groups of `INT4_GROUP_SIZE` (32) input columns with one symmetric
   scale each. Below `DENSE_ROWS` rows, radixserve's kernel (csrc/quant_linear.cpp) widens
   each group's codes to floats once and multiplies them into every row (the activations stay
-  fp32; 2x ATen's int8 kernel on the output head at one row, AVX2); from there on, the
+  fp32; 1.5x ATen's int8 kernel on the output head at one row, AVX2); from there on, the
   dequantized weight goes through the dense GEMM.
   Where the C++ kernels cannot be built, or K is not a multiple of 32, one scale per output
   channel and ATen's `_weight_int8pack_mm` with bf16 activations (its fast path; fp32
@@ -40,7 +40,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "int4")
-DENSE_ROWS = 64  # from this many rows on, dequantize + GEMM beats the int4 kernel (measured)
+DENSE_ROWS = 64  # from here on dequantize + GEMM beats the int4 kernel (measured; int8 shares it)
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; the ATen kernel takes 32, 64, 128 or 256
 KERNEL_DTYPE = torch.bfloat16
 _INT4_INNER_K_TILES = 2
