@@ -1,7 +1,7 @@
 """radixserve's C++ CPU kernels (csrc/): built once per machine with the local compiler,
 cached, and loaded as torch ops (`torch.ops.radixserve.*`): `decode_attention` (the cpu_paged
-attention backend), `q4_linear` / `q4_dequantize` (int4 weights, `--quantization int4`) and
-the fused element-wise steps of a layer (`rms_norm`, `add_rms_norm`, `rotary_embedding`,
+attention backend), `q4_linear` / `q4_dequantize` and `q8_linear` / `q8_dequantize` (int4 and
+int8 weights, `--quantization`; quant_linear.cpp) and the fused element-wise steps of a layer (`rms_norm`, `add_rms_norm`, `rotary_embedding`,
 `silu_and_mul`; fused_ops.py). `-ffp-contract=off` keeps a*b + c*d two roundings, as the
 PyTorch reference computes it.
 
