@@ -1,9 +1,9 @@
 """radixserve's C++ CPU kernels (csrc/): built once per machine with the local compiler,
 cached, and loaded as torch ops (`torch.ops.radixserve.*`): `decode_attention` (the cpu_paged
 attention backend), `q4_linear` / `q4_dequantize` and `q8_linear` / `q8_dequantize` (int4 and
-int8 weights, `--quantization`; quant_linear.cpp) and the fused element-wise steps of a layer (`rms_norm`, `add_rms_norm`, `rotary_embedding`,
-`silu_and_mul`; fused_ops.py). `-ffp-contract=off` keeps a*b + c*d two roundings, as the
-PyTorch reference computes it.
+int8 weights, `--quantization`; quant_linear.cpp) and the fused element-wise steps of a layer
+(`rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul`; fused_ops.py).
+`-ffp-contract=off` keeps a*b + c*d two roundings, as the PyTorch reference computes it.
 
 The build needs a C++ compiler (g++ or clang++) and ninja (a pip dependency); it takes about
 45 seconds on two cores, is logged while it runs, and lands in
