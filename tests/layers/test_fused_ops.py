@@ -96,6 +96,25 @@ def test_silu_and_mul_matches_the_reference(ops, dtype, rows):
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_holds_over_the_whole_range_of_the_exp(ops, dtype):
+    """The vectorized exp across [-100, 100] (its clamps at -87 and 88 included), zeros, an
+    odd width (the scalar tail) and non-finite gates, against the reference."""
+    gate = torch.cat(
+        [
+            torch.tensor([float("inf"), float("nan")]),
+            torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.5, -87.5, 88.5, -88.5]),
+            torch.linspace(-100, 100, 20001),
+        ]
+    )
+    gate = gate[: gate.numel() // 3 * 3].view(3, -1)  # rows of 6670: a tail past the vectors
+    up = torch.linspace(-2, 2, gate.numel()).view_as(gate)
+    x = torch.cat([gate, up], dim=1).to(dtype)
+    torch.testing.assert_close(
+        ops.silu_and_mul(x), F.silu(x[:, : gate.shape[1]]) * x[:, gate.shape[1] :], equal_nan=True
+    )
+
+
 def test_bad_inputs_are_clear_errors(ops):
     w = torch.ones(64)
     with pytest.raises(RuntimeError, match="weight must be"):
