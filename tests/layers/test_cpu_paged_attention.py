@@ -55,6 +55,9 @@ def _paged_rows(lens: list[int], page_size: int, pool_pages: int, gen) -> torch.
         ((2, 4, 128), [9000, 17]),  # long rows split into segments across threads
         ((1, 1, 64), [5]),  # MHA-like, one request
         ((4, 2, 32), [64] * 9),  # more requests than threads, equal lengths
+        ((3, 24, 64), [1024, 40]),  # a cascade group's call: 8 requests' queries stacked
+        ((2, 2, 40), [70, 5]),  # a head size that is no multiple of 8 (the scalar path)
+        ((1, 2, 8), [8, 16, 9]),  # blocks ending exactly on and just past 8 slots
     ],
 )
 @pytest.mark.parametrize("split_tokens", [0, 7])

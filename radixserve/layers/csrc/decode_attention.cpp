@@ -21,6 +21,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kBlock = 32;  // tokens scored before their softmax update
@@ -97,6 +101,143 @@ void attend(const float* q, int64_t H, int64_t G, int64_t D, const kv_t* k_buf, 
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for 8 floats, within 2 ulp on [-87, 88] (Cephes' expf, as fused_ops.cpp's); inputs
+// are clamped to that range, so a score far below the running maximum weighs about 1e-38
+// instead of 0, far under float precision next to the maximum's weight of 1.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), _mm256_min_ps(_mm256_set1_ps(88.f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// The 8 dot products q · k_j (j < 8) of D floats (D % 8 == 0), as one vector.
+inline __m256 dot8(const float* q, const float* const* k, int64_t off, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + off + d), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + off + d), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + off + d), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + off + d), a3);
+    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + off + d), a4);
+    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + off + d), a5);
+    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + off + d), a6);
+    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + off + d), a7);
+  }
+  // Horizontal sums of the eight accumulators, lane j holding a_j's.
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// acc[0 : 8 * NV] = acc * corr + sum_i w[i] * v_i[off : off + 8 * NV], in registers.
+template <int NV>
+inline void weigh_values(float* acc, float corr, const float* w, const float* const* v,
+                         int64_t off, int64_t n) {
+  __m256 r[NV];
+  const __m256 c = _mm256_set1_ps(corr);
+  for (int j = 0; j < NV; ++j) r[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * j), c);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 wi = _mm256_broadcast_ss(w + i);
+    const float* vi = v[i] + off;
+    for (int j = 0; j < NV; ++j) r[j] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vi + 8 * j), r[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + 8 * j, r[j]);
+}
+
+// `attend` for D % 8 == 0 with AVX2: per block of slots, each query's scores come eight slots
+// at a time (dot8), the softmax update runs on vectors, and each query's accumulator stays in
+// registers while the block's V rows pass (at most 64 floats of it at a time).
+template <typename kv_t>
+void attend_avx2(const float* q, int64_t H, int64_t G, int64_t D, const kv_t* k_buf,
+                 const kv_t* v_buf, const int64_t* row, int64_t t0, int64_t t1, float scale,
+                 float* m, float* l, float* acc) {
+  const int64_t HG = H * G, W = H * D;
+  constexpr bool in_place = std::is_same_v<kv_t, float>;
+  std::vector<float> kt(in_place ? 0 : kBlock * W), vt(in_place ? 0 : kBlock * W);
+  std::vector<float> zero(W, 0.f);
+  alignas(32) float p[kBlock];
+  const float* krow[kBlock];
+  const float* vrow[kBlock];
+  for (int64_t i = 0; i < HG; ++i) {
+    m[i] = kNegInf;
+    l[i] = 0.f;
+  }
+  std::fill(acc, acc + HG * D, 0.f);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t base = t0; base < t1; base += kBlock) {
+    const int64_t n = std::min(kBlock, t1 - base);
+    for (int64_t i = 0; i < kBlock; ++i) {
+      if (i >= n) {  // a partial block scores the zero row (its lanes are dropped)
+        krow[i] = vrow[i] = zero.data();
+      } else if constexpr (in_place) {
+        krow[i] = k_buf + row[base + i] * W;
+        vrow[i] = v_buf + row[base + i] * W;
+      } else {
+        krow[i] = row_as_float(k_buf + row[base + i] * W, kt.data() + i * W, W);
+        vrow[i] = row_as_float(v_buf + row[base + i] * W, vt.data() + i * W, W);
+      }
+    }
+    const int64_t n8 = (n + 7) / 8 * 8;
+    for (int64_t hg = 0; hg < HG; ++hg) {
+      const int64_t off = (hg / G) * D;
+      const float* qh = q + hg * D;
+      __m256 vmax = _mm256_set1_ps(kNegInf);
+      for (int64_t i = 0; i < n8; i += 8) {
+        __m256 sv = _mm256_mul_ps(dot8(qh, krow + i, off, D), vscale);
+        if (i + 8 > n) {  // lanes past the block's end: -inf, so they weigh nothing
+          const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+          const __m256 live = _mm256_castsi256_ps(
+              _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)), lane));
+          sv = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), sv, live);
+        }
+        _mm256_store_ps(p + i, sv);
+        vmax = _mm256_max_ps(vmax, sv);
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float new_m = std::max(m[hg], _mm_cvtss_f32(m4));
+      const float corr = std::exp(m[hg] - new_m);  // exp(-inf) = 0 on the first block
+      const __m256 vm = _mm256_set1_ps(new_m);
+      for (int64_t i = 0; i < n8; i += 8)
+        _mm256_store_ps(p + i, exp8(_mm256_sub_ps(_mm256_load_ps(p + i), vm)));
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) sum += p[i];
+      l[hg] = l[hg] * corr + sum;
+      m[hg] = new_m;
+      float* a = acc + hg * D;
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        switch (std::min<int64_t>(8, (D - d0) / 8)) {
+          case 8: weigh_values<8>(a + d0, corr, p, vrow, off + d0, n); break;
+          case 7: weigh_values<7>(a + d0, corr, p, vrow, off + d0, n); break;
+          case 6: weigh_values<6>(a + d0, corr, p, vrow, off + d0, n); break;
+          case 5: weigh_values<5>(a + d0, corr, p, vrow, off + d0, n); break;
+          case 4: weigh_values<4>(a + d0, corr, p, vrow, off + d0, n); break;
+          case 3: weigh_values<3>(a + d0, corr, p, vrow, off + d0, n); break;
+          case 2: weigh_values<2>(a + d0, corr, p, vrow, off + d0, n); break;
+          default: weigh_values<1>(a + d0, corr, p, vrow, off + d0, n); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, const at::Tensor& k_buf,
                                                     const at::Tensor& v_buf,
                                                     const at::Tensor& kv_rows_in,
@@ -131,8 +272,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   }
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += ends[b] - starts[b];
-  // Under this many (slot, head) visits the work is smaller than waking the thread pool.
-  const bool serial = total * H < 16384;
+  // Under this many (slot, query head) pairs the work is smaller than waking the thread pool
+  // (a request of SmolLM2's 9 query heads: 5,461 slots; a cascade group of 8: 682).
+  const bool serial = total * H * G < 49152;
   if (split_tokens <= 0 && serial) {
     split_tokens = std::max<int64_t>(1, max_len);
   } else if (split_tokens <= 0) {  // enough segments for every thread, none under 128 tokens
@@ -160,6 +302,14 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
     at::parallel_for(0, n, serial ? n + 1 : 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
         const Segment& s = segs[i];
+#if defined(__AVX2__) && defined(__FMA__)
+        if (D % 8 == 0) {
+          attend_avx2<scalar_t>(qp + s.b * HG * D, H, G, D, kp, vp, rows + s.b * L, s.t0, s.t1,
+                                fscale, seg_m.data() + i * HG, seg_l.data() + i * HG,
+                                seg_acc.data() + i * HG * D);
+          continue;
+        }
+#endif
         attend<scalar_t>(qp + s.b * HG * D, H, G, D, kp, vp, rows + s.b * L, s.t0, s.t1, fscale,
                          seg_m.data() + i * HG, seg_l.data() + i * HG, seg_acc.data() + i * HG * D);
       }
