@@ -38,6 +38,7 @@ class PagedDecodeMetadata:
     kv_start: torch.Tensor  # [B] first slot each request attends (after a shared prefix)
     kv_end: torch.Tensor  # [B] its sequence length
     groups: list[tuple[torch.Tensor, torch.Tensor]]  # (member rows, shared prefix slots [1, Lp])
+    group_members: torch.Tensor | None = None  # every group's member rows, in group order
 
 
 @dataclass
@@ -79,11 +80,12 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         if fb.batch_size >= 2:  # it compares only slots below every member's length
             found = shared_prefix_groups(kv_rows, seq_lens)
         if found is None:
-            groups, start = [], torch.zeros_like(seq_lens)
+            groups, start, members = [], torch.zeros_like(seq_lens), None
         else:
             groups = [(members, slots[None, :]) for members, slots in found[0]]
             start = found[1]
-        fb.attn_metadata = PagedDecodeMetadata(kv_rows, start, seq_lens, groups)
+            members = torch.cat([m for m, _ in groups])
+        fb.attn_metadata = PagedDecodeMetadata(kv_rows, start, seq_lens, groups, members)
 
     def forward(
         self,
@@ -106,15 +108,19 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         out, lse = self.kernel(
             q4, k_buf, v_buf, md.kv_rows, md.kv_start, md.kv_end, layer.scaling, 0
         )
-        for members, slots in md.groups:
-            n = len(members)
-            qg = q4[members].permute(1, 0, 2, 3).reshape(1, hkv, n * grp, d)
-            length = torch.tensor([slots.shape[1]])
-            op, lp = self.kernel(
-                qg, k_buf, v_buf, slots, torch.zeros_like(length), length, layer.scaling, 0
-            )
-            op = op.view(hkv, n, grp, d).transpose(0, 1)  # [n, Hkv, G, D]
-            lp = lp.view(hkv, n, grp).transpose(0, 1)  # [n, Hkv, G]
+        if md.groups:  # each group's prefix once, merged with every member's suffix at once
+            parts, part_lse = [], []
+            for members, slots in md.groups:
+                n = len(members)
+                qg = q4[members].permute(1, 0, 2, 3).reshape(1, hkv, n * grp, d)
+                length = md.kv_end.new_full((1,), slots.shape[1])
+                op, lp = self.kernel(
+                    qg, k_buf, v_buf, slots, torch.zeros_like(length), length, layer.scaling, 0
+                )
+                parts.append(op.view(hkv, n, grp, d).transpose(0, 1))  # [n, Hkv, G, D]
+                part_lse.append(lp.view(hkv, n, grp).transpose(0, 1))  # [n, Hkv, G]
+            members = md.group_members
+            op, lp = torch.cat(parts), torch.cat(part_lse)
             ls = lse[members]
             m = torch.maximum(ls, lp)
             ws, wp = torch.exp(ls - m), torch.exp(lp - m)
