@@ -7,14 +7,7 @@ single row is doubled so it stays a GEMM). Measured on SmolLM2-135M's 30 layers 
 (2 cores, AVX2, weights cold in cache, one call per weight): 40 ms instead of 56 at 1 row,
 42 instead of 95 at 2, 97 instead of 141 at 32, 164 instead of 250 at 64; at 128 rows the two
 are even, so only up to 64 rows go this way. The output head alone (49152 × 576): 9.7 ms
-instead of 13.3 at 1 row, 15.8 instead of 31.9 at 8.
-
-Above 64 rows (prefill, large batches) the fp32 product goes to oneDNN's matmul
-(`torch.ops.mkldnn._linear_pointwise`, PyTorch's own binding, the one inductor's CPU backend
-emits), on the dense weight as it is: on the AMD Zen 3 machine of docs/performance.md it ran
-SmolLM2-135M's four projections 15-30% faster than `F.linear` (MKL's sgemm) at 65 to 1,024
-rows, measured side by side, and it uses the same OpenMP threads. Below 64 rows it is no
-faster than (W · xᵀ)ᵀ. Other devices and dtypes keep F.linear.
+instead of 13.3 at 1 row, 15.8 instead of 31.9 at 8. Other devices and dtypes keep F.linear.
 """
 
 from __future__ import annotations
@@ -24,25 +17,19 @@ import torch.nn.functional as F
 from torch import nn
 
 SMALL_M_ROWS = 64
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); on CPU in fp32 (W · xᵀ)ᵀ up to 64 rows, oneDNN above."""
+    """F.linear(x, weight, bias), with the few-row CPU fp32 case as (W · xᵀ)ᵀ."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if (
         x.device.type != "cpu"
         or weight.dtype != torch.float32
         or x.dtype != torch.float32
-        or rows == 0
+        or not 0 < rows <= SMALL_M_ROWS
     ):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    if rows > SMALL_M_ROWS:
-        if not _ONEDNN:
-            return F.linear(x, weight, bias)
-        out = torch.ops.mkldnn._linear_pointwise(flat, weight.contiguous(), bias, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
     if rows == 1:
         flat = torch.cat([flat, flat])
     out = torch.mm(weight, flat.t()).t()[:rows]

@@ -34,9 +34,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from radixserve.layers.linear import linear as dense_linear
 
 logger = logging.getLogger(__name__)
 
@@ -171,12 +170,12 @@ class QuantizedLinear(nn.Module):
                 y = torch.ops.radixserve.q4_linear(x2, self.qs, self.d, self.m)
             else:  # the kernel's int8 activations and fp32 arithmetic, through a dense GEMM
                 w = torch.ops.radixserve.q4_dequantize(self.qs, self.d, self.m)
-                y = dense_linear(quantize_activations(x2), w)
+                y = F.linear(quantize_activations(x2), w)
         elif self.kernel == "q8":
             if x2.shape[0] < DENSE_ROWS:
                 y = torch.ops.radixserve.q8_linear(x2, self.qs, self.d)
             else:
-                y = dense_linear(x2.float(), torch.ops.radixserve.q8_dequantize(self.qs, self.d))
+                y = F.linear(x2.float(), torch.ops.radixserve.q8_dequantize(self.qs, self.d))
         elif self.method == "int8":
             y = torch._weight_int8pack_mm(
                 x2.to(KERNEL_DTYPE).contiguous(), self.packed, self.scales
