@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV_VAR = "RADIXSERVE_KERNEL_CACHE"
 _SOURCES = ("decode_attention.cpp", "quant_linear.cpp", "fused_ops.cpp")
+_HEADERS = ("vec_math.h",)  # included by the sources: part of the build's name too
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 _lock = threading.Lock()
 _loaded = False
@@ -74,7 +75,7 @@ def load_cpu_kernels() -> None:
             return
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
         sources = [os.path.join(here, s) for s in _SOURCES]
-        name = _build_name(sources)
+        name = _build_name(sources + [os.path.join(here, h) for h in _HEADERS])
         build_dir = os.path.join(kernel_cache_dir(), name)
         library = os.path.join(build_dir, f"{name}.so")
         # torch's builder holds build_dir/lock while it compiles and links: a library seen

@@ -185,3 +185,13 @@ def test_the_portable_backend_keeps_the_reference_forms(tiny_llama_dir):
     runner = _runner(tiny_llama_dir, "torch_native", "float32")
     assert not runner.fused_ops
     assert not any(getattr(m, "fused", False) for m in runner.model.modules())
+
+
+def test_every_kernel_header_is_part_of_the_build_name():
+    """A header the kernels include must change the cached build's name when it changes."""
+    import os
+
+    from radixserve.layers import cpu_kernels
+
+    csrc = os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc")
+    assert set(cpu_kernels._HEADERS) == {f for f in os.listdir(csrc) if f.endswith(".h")}

@@ -21,9 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -102,27 +100,6 @@ void attend(const float* q, int64_t H, int64_t G, int64_t D, const kv_t* k_buf, 
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// exp(x) for 8 floats, within 2 ulp on [-87, 88] (Cephes' expf, as fused_ops.cpp's); inputs
-// are clamped to that range, so a score far below the running maximum weighs about 1e-38
-// instead of 0, far under float precision next to the maximum's weight of 1.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.f), _mm256_min_ps(_mm256_set1_ps(88.f), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // The 8 dot products q · k_j (j < 8) of D floats (D % 8 == 0), as one vector.
 inline __m256 dot8(const float* q, const float* const* k, int64_t off, int64_t D) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
@@ -215,7 +192,7 @@ void attend_avx2(const float* q, int64_t H, int64_t G, int64_t D, const kv_t* k_
       const float corr = std::exp(m[hg] - new_m);  // exp(-inf) = 0 on the first block
       const __m256 vm = _mm256_set1_ps(new_m);
       for (int64_t i = 0; i < n8; i += 8)
-        _mm256_store_ps(p + i, exp8(_mm256_sub_ps(_mm256_load_ps(p + i), vm)));
+        _mm256_store_ps(p + i, radixserve_vec::exp8(_mm256_sub_ps(_mm256_load_ps(p + i), vm)));
       float sum = 0.f;
       for (int64_t i = 0; i < n; ++i) sum += p[i];
       l[hg] = l[hg] * corr + sum;

@@ -22,9 +22,7 @@
 #include <algorithm>
 #include <cmath>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -151,29 +149,6 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// exp(x) for 8 floats, within 2 ulp of the correctly rounded value on [-87, 88] (Cephes' expf:
-// x = n ln2 + r with ln2 split in two, a degree-6 polynomial in r, 2^n through the exponent
-// bits). Inputs are clamped to that range, which SiLU never notices: there exp(-g) is either
-// beyond 1e38 or below 1e-38 next to 1. NaN passes through the clamps and stays NaN.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.f), _mm256_min_ps(_mm256_set1_ps(88.f), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
 
 // out[i] = g[i] / (1 + exp(-g[i])), the reference's SiLU.
 inline void silu(const float* g, float* out, int64_t n) {
@@ -183,7 +158,7 @@ inline void silu(const float* g, float* out, int64_t n) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(g + i);
-    const __m256 e = exp8(_mm256_xor_ps(v, sign));
+    const __m256 e = radixserve_vec::exp8(_mm256_xor_ps(v, sign));
     _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
   }
 #endif
