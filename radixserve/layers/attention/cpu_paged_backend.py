@@ -37,8 +37,10 @@ class PagedDecodeMetadata:
     kv_rows: torch.Tensor  # [B, L] the step's req_to_token rows
     kv_start: torch.Tensor  # [B] first slot each request attends (after a shared prefix)
     kv_end: torch.Tensor  # [B] its sequence length
-    groups: list[tuple[torch.Tensor, torch.Tensor]]  # (member rows, shared prefix slots [1, Lp])
+    # (member rows, shared prefix slots [1, Lp], the prefix's length [1]), built once per step
+    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     group_members: torch.Tensor | None = None  # every group's member rows, in group order
+    prefix_start: torch.Tensor | None = None  # [1] zero: a group attends its prefix from slot 0
 
 
 @dataclass
@@ -80,12 +82,16 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         if fb.batch_size >= 2:  # it compares only slots below every member's length
             found = shared_prefix_groups(kv_rows, seq_lens)
         if found is None:
-            groups, start, members = [], torch.zeros_like(seq_lens), None
+            groups, start, members, zero = [], torch.zeros_like(seq_lens), None, None
         else:
-            groups = [(members, slots[None, :]) for members, slots in found[0]]
+            groups = [
+                (members, slots[None, :], seq_lens.new_full((1,), len(slots)))
+                for members, slots in found[0]
+            ]
             start = found[1]
-            members = torch.cat([m for m, _ in groups])
-        fb.attn_metadata = PagedDecodeMetadata(kv_rows, start, seq_lens, groups, members)
+            members = torch.cat([g[0] for g in groups])
+            zero = seq_lens.new_zeros(1)
+        fb.attn_metadata = PagedDecodeMetadata(kv_rows, start, seq_lens, groups, members, zero)
 
     def forward(
         self,
@@ -110,12 +116,11 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         )
         if md.groups:  # each group's prefix once, merged with every member's suffix at once
             parts, part_lse = [], []
-            for members, slots in md.groups:
+            for members, slots, length in md.groups:
                 n = len(members)
                 qg = q4[members].permute(1, 0, 2, 3).reshape(1, hkv, n * grp, d)
-                length = md.kv_end.new_full((1,), slots.shape[1])
                 op, lp = self.kernel(
-                    qg, k_buf, v_buf, slots, torch.zeros_like(length), length, layer.scaling, 0
+                    qg, k_buf, v_buf, slots, md.prefix_start, length, layer.scaling, 0
                 )
                 parts.append(op.view(hkv, n, grp, d).transpose(0, 1))  # [n, Hkv, G, D]
                 part_lse.append(lp.view(hkv, n, grp).transpose(0, 1))  # [n, Hkv, G]

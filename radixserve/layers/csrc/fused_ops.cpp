@@ -149,7 +149,6 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
   });
 }
 
-
 // out[i] = g[i] / (1 + exp(-g[i])), the reference's SiLU.
 inline void silu(const float* g, float* out, int64_t n) {
   int64_t i = 0;

@@ -21,9 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -67,10 +65,7 @@ inline float row_dot(const uint8_t* qn, const float* dn, const float* mn, const 
     const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), ones);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dn[g] * sx[g]), acc);
   }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s) + acc_min;
+  return radixserve_vec::hsum8(acc) + acc_min;
 #else
   float acc = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
@@ -150,10 +145,7 @@ void q8_rows(const int8_t* wn, const float* dn, const float* x, int64_t M, int64
   for (int64_t r = 0; r < M; ++r) {
     const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[4 * r], acc[4 * r + 1]),
                                    _mm256_add_ps(acc[4 * r + 2], acc[4 * r + 3]));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    y[r * y_stride] = _mm_cvtss_f32(s);
+    y[r * y_stride] = radixserve_vec::hsum8(a);
   }
 }
 #else

@@ -1,10 +1,20 @@
-// Vector math shared by the CPU kernels (AVX2 + FMA builds only).
+// Vector math shared by the CPU kernels (AVX2 builds only).
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 
 namespace radixserve_vec {
+
+// The sum of 8 floats, in a fixed order: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#if defined(__FMA__)
 
 // exp(x) for 8 floats, within 2 ulp of the correctly rounded value on [-87, 88] (Cephes'
 // expf: x = n ln2 + r with ln2 split in two, a degree-6 polynomial in r, 2^n through the
@@ -28,6 +38,7 @@ inline __m256 exp8(__m256 x) {
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+#endif  // __FMA__
 
 }  // namespace radixserve_vec
 
