@@ -24,7 +24,11 @@ Both inputs are measured, never assumed:
   68-token verify of 32 requests as almost free. Draft forwards are timed the same way.
 * α_i counts, with decay, accepted drafts against first rejections. NGRAM proposals are also
   checked against the tokens a request actually produces while it decodes without speculating
-  (a shadow verification, free), so a text that turns repetitive is noticed at once; a draft
+  (a shadow verification), so a text that turns repetitive is noticed within a few tokens.
+  A proposal costs ≈ 50 µs, so after an empty proposal or a shadow rejected at its first
+  draft the request waits 1, 2, 4, then at most MAX_SHADOW_WAIT plain steps before the next
+  (32 requests on random text otherwise proposed ≈ 21 times a step); an accepted draft resets
+  the wait. A draft
   model's request that stopped drafting drafts again every PROBE_INTERVAL steps instead.
 """
 
@@ -38,6 +42,7 @@ from radixserve.speculative.spec_info import DraftTree
 
 DECAY = 0.8  # weight of the history in a request's acceptance counts, per observation
 PROBE_INTERVAL = 16
+MAX_SHADOW_WAIT = 8  # plain steps between shadow proposals, at most, after first-draft misses
 COST_EMA = 0.3  # weight of a new timing in its bucket
 
 
@@ -95,6 +100,8 @@ class RequestSpecState:
         "shadow",
         "shadow_node",
         "shadow_accepted",
+        "shadow_wait",
+        "shadow_backoff",
     )
 
     def __init__(self) -> None:
@@ -108,6 +115,8 @@ class RequestSpecState:
         self.shadow: DraftTree | None = None  # a proposal checked against real tokens
         self.shadow_node = 0
         self.shadow_accepted = 0
+        self.shadow_wait = 0  # plain steps left before the next shadow proposal
+        self.shadow_backoff = 0  # the wait after the next first-draft miss, halved
 
     def alpha(self) -> float:
         return self.succ / self.trials
@@ -126,28 +135,48 @@ class RequestSpecState:
         self.accepted += accepted
         self.plain_steps = 0
         self.shadow = None
+        if accepted:
+            self.shadow_wait = self.shadow_backoff = 0
         self.observe(accepted, depth)
 
     # -- shadow verification (NGRAM proposals while decoding plainly) --------------------------
+    def wants_shadow(self) -> bool:
+        """Whether a new proposal should be made only to be checked against the real tokens."""
+        return self.shadow is None and self.shadow_wait == 0
+
     def start_shadow(self, tree: DraftTree) -> None:
         if self.shadow is None and tree.num_drafts:
             self.shadow, self.shadow_node, self.shadow_accepted = tree, 0, 0
+        elif self.shadow is None:  # nothing to propose: as good as a first-draft miss
+            self._back_off()
+
+    def _back_off(self) -> None:
+        """Wait 1, 2, 4, ... up to MAX_SHADOW_WAIT plain steps before the next proposal."""
+        self.shadow_wait = self.shadow_backoff = min(
+            max(1, 2 * self.shadow_backoff), MAX_SHADOW_WAIT
+        )
 
     def on_plain_token(self, token: int) -> None:
         self.plain_steps += 1
         tree = self.shadow
         if tree is None:
+            self.shadow_wait = max(0, self.shadow_wait - 1)
             return
         nxt = next((c for c in tree.children[self.shadow_node] if tree.tokens[c] == token), None)
         depth = max(tree.depths)
         if nxt is None:
             self.observe(self.shadow_accepted, depth)
             self.shadow = None
+            if self.shadow_accepted == 0:
+                self._back_off()
+            else:
+                self.shadow_backoff = 0
             return
         self.shadow_node, self.shadow_accepted = nxt, self.shadow_accepted + 1
         if not tree.children[nxt]:
             self.observe(self.shadow_accepted, depth)
             self.shadow = None
+            self.shadow_backoff = 0
 
 
 class SpecController:

@@ -91,7 +91,7 @@ class SpecSchedulerMixin:
         ]
         if not draft_model and ctrl.select(batch.reqs, chains, backlog) is None:
             for r, n in zip(batch.reqs, budgets, strict=True):
-                if n and r.spec.shadow is None:
+                if n and r.spec.wants_shadow():
                     r.spec.start_shadow(self._ngram_proposal(r, n))
             return False
         if draft_model:  # placeholders: the draft model fills them in on the worker

@@ -65,3 +65,40 @@ def test_a_draft_with_no_acceptance_is_never_verified_once_priced():
     for _ in range(12):
         req.spec.observe(0, 4)
     assert ctrl.select([req], [DraftTree.chain([7, 8, 9, 10, 11])]) is None
+
+
+def test_shadow_proposals_back_off_after_misses_and_resume_after_a_hit():
+    """Random text: a request proposes for a shadow check after waits of 1, 2, 4, 8, 8 plain
+    steps; one accepted shadow draft (or a verify that accepted one) proposes at once again."""
+    spec = RequestSpecState()
+    miss = DraftTree.chain([1, 2, 3])  # its first draft (2) never comes
+
+    def steps_until_wanted() -> int:
+        n = 0
+        while not spec.wants_shadow():
+            spec.on_plain_token(99)
+            n += 1
+        return n
+
+    waits = []
+    for _ in range(5):
+        waits.append(steps_until_wanted())
+        spec.start_shadow(miss)
+        assert not spec.wants_shadow()  # one check at a time
+        spec.on_plain_token(99)  # rejected at the first draft
+    assert waits == [0, 1, 2, 4, 8]
+    assert steps_until_wanted() == 8  # capped
+    spec.start_shadow(DraftTree.root_only(1))  # nothing to propose counts as a miss
+    assert steps_until_wanted() == 8
+    spec.start_shadow(miss)
+    spec.on_plain_token(2)  # the first draft accepted, then the second missed
+    spec.on_plain_token(99)
+    assert spec.wants_shadow()
+    spec.start_shadow(DraftTree.root_only(1))
+    assert steps_until_wanted() == 1  # the backoff starts over
+    for _ in range(3):
+        spec.start_shadow(DraftTree.root_only(1))
+        spec.on_plain_token(99)
+    assert not spec.wants_shadow()
+    spec.on_verify(depth=2, accepted=1, committed=2, drafts=2)
+    assert spec.wants_shadow()
