@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.layers.sampler import SamplingBatchInfo, sampling_probs
+from radixserve.layers.sampler import SamplingBatchInfo, inverse_cdf_draw, sampling_probs
 from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.speculative.spec_info import (
@@ -209,7 +209,7 @@ def draft_sample(
         return argmax, onehot
     q = sampling_probs(logits, info)
     q = q / q.sum(dim=-1, keepdim=True)
-    drawn = torch.multinomial(q, 1).view(-1)
+    drawn = inverse_cdf_draw(q)
     tok = torch.where(info.greedy, argmax, drawn)
     return tok, torch.where(info.greedy.view(-1, 1), onehot, q)
 
