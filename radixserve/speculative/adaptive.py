@@ -28,8 +28,8 @@ Both inputs are measured, never assumed:
   A proposal costs ≈ 50 µs, so after an empty proposal or a shadow rejected at its first
   draft the request waits 1, 2, 4, then at most MAX_SHADOW_WAIT plain steps before the next
   (32 requests on random text otherwise proposed ≈ 21 times a step); an accepted draft resets
-  the wait. A draft
-  model's request that stopped drafting drafts again every PROBE_INTERVAL steps instead.
+  the wait. A draft model's request that stopped drafting drafts again every PROBE_INTERVAL
+  steps instead.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from radixserve.speculative.spec_info import DraftTree
 
 DECAY = 0.8  # weight of the history in a request's acceptance counts, per observation
 PROBE_INTERVAL = 16
-MAX_SHADOW_WAIT = 8  # plain steps between shadow proposals, at most, after first-draft misses
+MAX_SHADOW_WAIT = 8  # the longest wait, in plain steps, between shadow proposals
 COST_EMA = 0.3  # weight of a new timing in its bucket
 
 
@@ -116,7 +116,7 @@ class RequestSpecState:
         self.shadow_node = 0
         self.shadow_accepted = 0
         self.shadow_wait = 0  # plain steps left before the next shadow proposal
-        self.shadow_backoff = 0  # the wait after the next first-draft miss, halved
+        self.shadow_backoff = 0  # the last wait set; the next miss doubles it
 
     def alpha(self) -> float:
         return self.succ / self.trials
