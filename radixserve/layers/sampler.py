@@ -49,6 +49,7 @@ class SamplingBatchInfo:
     vocab_size: int
     processed_rows: list[tuple[int, SamplingReq]]  # rows with penalties, bias or min tokens
     vocab_mask: torch.Tensor | None = None  # [B, V] bool, True = forbidden (grammar)
+    any_greedy: bool = True  # known on the host: no device sync to skip the argmax
 
     @classmethod
     def from_reqs(
@@ -85,6 +86,7 @@ class SamplingBatchInfo:
             steps=[len(r.output_ids) + (pending[i] if pending else 0) for i, r in enumerate(reqs)],
             vocab_size=vocab_size,
             processed_rows=[(i, _ReqView.of(r)) for i, r in enumerate(reqs) if needs_processing(r)],
+            any_greedy=any(greedy),
         )
 
     # -- logits processors -------------------------------------------------------------------
@@ -207,8 +209,9 @@ class Sampler:
         for i, seed in enumerate(info.seeds):
             if seed is not None:
                 choice[i] = _seeded_draw(probs[i], seed, info.steps[i])
-        greedy_ids = logits.argmax(dim=-1)
-        return torch.where(info.greedy, greedy_ids, choice)
+        if not info.any_greedy:
+            return choice
+        return torch.where(info.greedy, logits.argmax(dim=-1), choice)
 
 
 def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -239,7 +242,10 @@ def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 def _repair_degenerate_rows(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """A row whose distribution is not one (NaN/inf from extreme parameters, or nothing left
     with any mass) becomes its argmax, so one request's numbers never crash the batch's draw."""
-    bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
+    # Each entry is at most 1, so a row's sum is finite exactly when all its entries are: one
+    # pass over the vocabulary, not an isfinite mask (5 ms for 32 rows of 49,152 on 2 cores).
+    total = probs.sum(dim=-1)
+    bad = ~(torch.isfinite(total) & (total > 0))
     if not bool(bad.any()):
         return probs
     best = torch.nan_to_num(logits[bad], nan=float("-inf")).argmax(dim=-1)
