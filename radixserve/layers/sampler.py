@@ -199,13 +199,14 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         probs = sampling_probs(logits, info)
-        choice = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
         unseeded = [i for i, s in enumerate(info.seeds) if s is None]
         if len(unseeded) == probs.shape[0]:
             choice = inverse_cdf_draw(probs)
-        elif unseeded:
-            idx = torch.tensor(unseeded, device=probs.device)
-            choice[idx] = inverse_cdf_draw(probs[idx])
+        else:
+            choice = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+            if unseeded:
+                idx = torch.tensor(unseeded, device=probs.device)
+                choice[idx] = inverse_cdf_draw(probs[idx])
         for i, seed in enumerate(info.seeds):
             if seed is not None:
                 choice[i] = _seeded_draw(probs[i], seed, info.steps[i])
