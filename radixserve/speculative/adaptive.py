@@ -136,7 +136,7 @@ class RequestSpecState:
         self.plain_steps = 0
         self.shadow = None
         if accepted:
-            self.shadow_wait = self.shadow_backoff = 0
+            self._reset_backoff()
         self.observe(accepted, depth)
 
     # -- shadow verification (NGRAM proposals while decoding plainly) --------------------------
@@ -156,6 +156,11 @@ class RequestSpecState:
             max(1, 2 * self.shadow_backoff), MAX_SHADOW_WAIT
         )
 
+    def _reset_backoff(self) -> None:
+        """An accepted draft: the next shadow proposal comes at once (a shadow the verify path
+        started while a wait was running must not leave the wait behind)."""
+        self.shadow_wait = self.shadow_backoff = 0
+
     def on_plain_token(self, token: int) -> None:
         self.plain_steps += 1
         tree = self.shadow
@@ -170,13 +175,13 @@ class RequestSpecState:
             if self.shadow_accepted == 0:
                 self._back_off()
             else:
-                self.shadow_backoff = 0
+                self._reset_backoff()
             return
         self.shadow_node, self.shadow_accepted = nxt, self.shadow_accepted + 1
         if not tree.children[nxt]:
             self.observe(self.shadow_accepted, depth)
             self.shadow = None
-            self.shadow_backoff = 0
+            self._reset_backoff()
 
 
 class SpecController:

@@ -102,3 +102,10 @@ def test_shadow_proposals_back_off_after_misses_and_resume_after_a_hit():
     assert not spec.wants_shadow()
     spec.on_verify(depth=2, accepted=1, committed=2, drafts=2)
     assert spec.wants_shadow()
+    # A shadow the verify path starts while a wait runs: its hit ends the wait too.
+    spec.start_shadow(DraftTree.root_only(1))
+    assert not spec.wants_shadow()
+    spec.start_shadow(miss)
+    spec.on_plain_token(2)
+    spec.on_plain_token(3)  # the whole chain accepted
+    assert spec.wants_shadow()
