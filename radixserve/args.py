@@ -162,6 +162,11 @@ class ServerArgs:
         "CPU where the kernels build, else torch_native.",
         ATTENTION_BACKENDS,
     )
+    disable_cpu_decode_step: bool = _f(
+        False,
+        "Run CPU decode steps layer by layer in Python instead of in one C++ call (the "
+        "cpu_paged backend's captured step; it gives the same tokens, faster).",
+    )
     quantization: str | None = _f(
         None,
         "Weight-only quantization of the linear layers and the output head, CPU only: int8 "

@@ -2,7 +2,9 @@
 cached, and loaded as torch ops (`torch.ops.radixserve.*`): `decode_attention` (the cpu_paged
 attention backend), `q4_linear` / `q4_dequantize` and `q8_linear` / `q8_dequantize` (int4 and
 int8 weights, `--quantization`; quant_linear.cpp) and the fused element-wise steps of a layer
-(`rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul`; fused_ops.py).
+(`rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul`; fused_ops.py), and
+`torch.classes.radixserve.DecodeStep`, which runs a decode step's layers through them in one
+call (decode_step.py).
 `-ffp-contract=off` keeps a*b + c*d two roundings, as the PyTorch reference computes it.
 
 The build needs a C++ compiler (g++ or clang++) and ninja (a pip dependency); it takes about
@@ -26,8 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV_VAR = "RADIXSERVE_KERNEL_CACHE"
-_SOURCES = ("decode_attention.cpp", "quant_linear.cpp", "fused_ops.cpp")
-_HEADERS = ("vec_math.h",)  # included by the sources: part of the build's name too
+_SOURCES = ("decode_attention.cpp", "quant_linear.cpp", "fused_ops.cpp", "decode_step.cpp")
+_HEADERS = ("kernels.h", "vec_math.h")  # included by the sources: part of the build's name too
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 _lock = threading.Lock()
 _loaded = False

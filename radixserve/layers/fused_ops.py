@@ -35,4 +35,6 @@ def set_fused_ops(model: nn.Module, enabled: bool) -> int:
         if isinstance(module, FusedOp):
             module.fused = enabled
             count += 1
+        if not enabled and getattr(module, "decode_step", None) is not None:
+            module.decode_step = None  # the C++ decode step (decode_step.py) runs these kernels
     return count

@@ -16,6 +16,7 @@ from radixserve.args import ServerArgs, physical_core_count
 from radixserve.distributed.parallel_state import TpGroup, local_head_counts
 from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from radixserve.layers.decode_step import CpuDecodeStep
 from radixserve.layers.fused_ops import set_fused_ops
 from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from radixserve.mem_cache.memory_pool import (
@@ -106,6 +107,10 @@ class ModelRunner:
         # The cpu_paged backend's library also holds the layers' fused element-wise kernels.
         self.fused_ops = self.attn_backend.uses_cpu_kernels
         set_fused_ops(self.model, self.fused_ops)
+        if self.fused_ops and not server_args.disable_cpu_decode_step:
+            decode_step = CpuDecodeStep.build(self.model)
+            if decode_step is not None:
+                self.model.model.decode_step = decode_step
         self.sampler = Sampler()
 
     # -- memory ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from torch import nn
 
 from radixserve.distributed.parallel_state import TpGroup, kv_head_start, local_head_counts
 from radixserve.layers.attention.base import AttentionLayer
+from radixserve.layers.decode_step import CpuDecodeStep
 from radixserve.layers.fused_ops import FusedOp
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import Linear, linear
@@ -144,13 +145,19 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The C++ decode step (layers/decode_step.py), set by the ModelRunner on the CPU fast
+        # path: eligible decode steps run every layer in one call, with the same results.
+        self.decode_step: CpuDecodeStep | None = None
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(fb.input_ids)
         rope = self.rotary.cos_sin(fb.positions, x.dtype)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, fb)
+        if self.decode_step is not None and self.decode_step.applies(fb, x):
+            x, residual = self.decode_step.run(x, rope, fb)
+        else:
+            for layer in self.layers:
+                x, residual = layer(rope, x, residual, fb)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -215,6 +216,10 @@ void attend_avx2(const float* q, int64_t H, int64_t G, int64_t D, const kv_t* k_
 }
 #endif
 
+}  // namespace
+
+namespace radixserve {
+
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, const at::Tensor& k_buf,
                                                     const at::Tensor& v_buf,
                                                     const at::Tensor& kv_rows_in,
@@ -320,7 +325,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   return {out, lse};
 }
 
-}  // namespace
+}  // namespace radixserve
 
 TORCH_LIBRARY(radixserve, m) {
   m.def(
@@ -328,4 +333,6 @@ TORCH_LIBRARY(radixserve, m) {
       "Tensor kv_end, float scale, int split_tokens) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(radixserve, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("decode_attention", &radixserve::decode_attention);
+}

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -53,6 +54,10 @@ void norm_row(const scalar_t* in, const scalar_t* w, scalar_t* out, int64_t n, f
     out[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * h);
   }
 }
+
+}  // namespace
+
+namespace radixserve {
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [T, N] with unit stride");
@@ -193,7 +198,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace radixserve
 
 TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -203,8 +208,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
-  lib.impl("rms_norm", &rms_norm);
-  lib.impl("add_rms_norm", &add_rms_norm);
-  lib.impl("rotary_embedding", &rotary_embedding);
-  lib.impl("silu_and_mul", &silu_and_mul);
+  lib.impl("rms_norm", &radixserve::rms_norm);
+  lib.impl("add_rms_norm", &radixserve::add_rms_norm);
+  lib.impl("rotary_embedding", &radixserve::rotary_embedding);
+  lib.impl("silu_and_mul", &radixserve::silu_and_mul);
 }

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -79,6 +80,10 @@ inline float row_dot(const uint8_t* qn, const float* dn, const float* mn, const 
   return acc + acc_min;
 #endif
 }
+
+}  // namespace
+
+namespace radixserve {
 
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                      const at::Tensor& m) {
@@ -230,7 +235,7 @@ at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Te
   return w;
 }
 
-}  // namespace
+}  // namespace radixserve
 
 TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("q4_linear(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
@@ -240,8 +245,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
-  lib.impl("q4_linear", &q4_linear);
-  lib.impl("q4_dequantize", &q4_dequantize);
-  lib.impl("q8_linear", &q8_linear);
-  lib.impl("q8_dequantize", &q8_dequantize);
+  lib.impl("q4_linear", &radixserve::q4_linear);
+  lib.impl("q4_dequantize", &radixserve::q4_dequantize);
+  lib.impl("q8_linear", &radixserve::q8_linear);
+  lib.impl("q8_dequantize", &radixserve::q8_dequantize);
 }

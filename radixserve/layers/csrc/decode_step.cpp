@@ -1,0 +1,194 @@
+// A decode step's decoder layers in one call: the CPU fast path's answer to a captured graph.
+//
+// At decode a batch has a handful of rows, and a step of SmolLM2-135M is 30 layers of about
+// twenty small calls each. Issued one by one from Python (module calls, views, the KV write,
+// the attention backend), their dispatch took a third of a batch-1 int4 step. DecodeStep holds
+// the model's per-layer weights once and runs every layer in C++, calling the same kernels
+// (kernels.h) and ATen ops, with the same arguments, in the same order as the Python path of
+// radixserve/models/llama.py under the cpu_paged backend; its results are bitwise those of that
+// path (tests/layers/test_decode_step.py). radixserve/layers/decode_step.py decides when a step
+// may take it.
+//
+// DecodeStep(params, kinds, num_heads, num_kv_heads, head_dim, scaling, eps)
+//   params: per layer, input_layernorm.weight, post_attention_layernorm.weight, then the
+//     tensors of qkv_proj, o_proj, gate_up_proj and down_proj in that order, each linear's by
+//     its kind: dense (weight), q4 (qs, d, m), q8 (qs, d), then its bias if it has one.
+//   kinds: per layer and linear, kDense / kQ4 / kQ8, plus kBias when it has a bias.
+// run(x [B, hidden], cos [B, D], sin [B, D], k_bufs, v_bufs, out_cache_loc [B], kv_rows [B, L],
+//     kv_start [B], kv_end [B]) -> (x, residual)
+//   x: the embeddings; returns the last layer's MLP output and the residual stream before it
+//   (the model's final norm adds them). Writes each layer's K and V at out_cache_loc.
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kBias = 8;
+constexpr int64_t kKindMask = 7;
+constexpr int64_t kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
+// layers/linear.py's SMALL_M_ROWS: up to this many rows a dense fp32 product is (W · xᵀ)ᵀ.
+constexpr int64_t kSmallRows = 64;
+// layers/quantization.py's DENSE_ROWS: below it the q4 / q8 kernels run.
+constexpr int64_t kKernelRows = 64;
+
+struct Linear {
+  int64_t kind = kDense;
+  at::Tensor w, qs, d, m, bias;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+// layers/linear.py's linear(), for x [rows, K].
+at::Tensor dense(const at::Tensor& x, const Linear& lin) {
+  const int64_t rows = x.size(0);
+  if (lin.w.scalar_type() != at::kFloat || x.scalar_type() != at::kFloat || rows == 0 ||
+      rows > kSmallRows) {
+    return at::linear(x, lin.w, lin.bias.defined() ? c10::optional<at::Tensor>(lin.bias)
+                                                    : c10::optional<at::Tensor>());
+  }
+  const at::Tensor flat = rows == 1 ? at::cat({x, x}) : x;
+  at::Tensor out = at::mm(lin.w, flat.t()).t().slice(0, 0, rows);
+  if (lin.bias.defined()) out = out + lin.bias;
+  return out.contiguous();
+}
+
+// QuantizedLinear.forward (layers/quantization.py) below DENSE_ROWS rows, or linear().
+at::Tensor apply(const at::Tensor& x, const Linear& lin) {
+  at::Tensor y;
+  switch (lin.kind) {
+    case kQ4: {
+      RECORD_FUNCTION("radixserve::q4_linear", std::vector<c10::IValue>());
+      y = radixserve::q4_linear(x, lin.qs, lin.d, lin.m);
+      break;
+    }
+    case kQ8: {
+      RECORD_FUNCTION("radixserve::q8_linear", std::vector<c10::IValue>());
+      y = radixserve::q8_linear(x, lin.qs, lin.d);
+      break;
+    }
+    default:
+      return dense(x, lin);
+  }
+  y = y.to(x.scalar_type());
+  return lin.bias.defined() ? y + lin.bias : y;
+}
+
+class DecodeStep : public torch::CustomClassHolder {
+ public:
+  DecodeStep(std::vector<at::Tensor> params, std::vector<int64_t> kinds, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, double scaling, double eps)
+      : num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        scaling_(scaling),
+        eps_(eps) {
+    TORCH_CHECK(kinds.size() % kLinearsPerLayer == 0, "DecodeStep: 4 linear kinds per layer");
+    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+                "DecodeStep: the query heads must group under the KV heads");
+    size_t next = 0;
+    auto take = [&]() -> at::Tensor {
+      TORCH_CHECK(next < params.size(), "DecodeStep: fewer parameters than the kinds need");
+      return params[next++];
+    };
+    const size_t n_layers = kinds.size() / kLinearsPerLayer;
+    for (size_t l = 0; l < n_layers; ++l) {
+      Layer layer;
+      layer.input_norm = take();
+      layer.post_norm = take();
+      Linear* linears[kLinearsPerLayer] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      for (int64_t i = 0; i < kLinearsPerLayer; ++i) {
+        Linear& lin = *linears[i];
+        lin.kind = kinds[l * kLinearsPerLayer + i] & kKindMask;
+        if (lin.kind == kQ4) {
+          lin.qs = take();
+          lin.d = take();
+          lin.m = take();
+        } else if (lin.kind == kQ8) {
+          lin.qs = take();
+          lin.d = take();
+        } else {
+          TORCH_CHECK(lin.kind == kDense, "DecodeStep: unknown linear kind ", lin.kind);
+          lin.w = take();
+        }
+        if (kinds[l * kLinearsPerLayer + i] & kBias) lin.bias = take();
+      }
+      layers_.push_back(std::move(layer));
+    }
+    TORCH_CHECK(next == params.size(), "DecodeStep: more parameters than the kinds use");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                         std::vector<at::Tensor> k_bufs,
+                                         std::vector<at::Tensor> v_bufs, at::Tensor out_cache_loc,
+                                         at::Tensor kv_rows, at::Tensor kv_start,
+                                         at::Tensor kv_end) {
+    const int64_t n_layers = num_layers();
+    TORCH_CHECK(static_cast<int64_t>(k_bufs.size()) == n_layers &&
+                    static_cast<int64_t>(v_bufs.size()) == n_layers,
+                "DecodeStep.run: one K and one V buffer per layer");
+    TORCH_CHECK(x.dim() == 2 && x.size(0) < kKernelRows,
+                "DecodeStep.run: x must be [B, hidden] with B < ", kKernelRows);
+    const int64_t B = x.size(0), H = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
+    const int64_t q_size = H * D, kv_size = Hkv * D;
+    at::Tensor residual;
+    for (int64_t l = 0; l < n_layers; ++l) {
+      const Layer& layer = layers_[l];
+      if (l == 0) {  // the embeddings become the residual stream
+        residual = x;
+        x = radixserve::rms_norm(x, layer.input_norm, eps_);
+      } else {
+        radixserve::add_rms_norm(x, residual, layer.input_norm, eps_);
+      }
+      // LlamaAttention.forward, with CpuPagedAttnBackend.forward's decode branch.
+      const at::Tensor qkv = apply(x, layer.qkv);
+      at::Tensor q = qkv.slice(1, 0, q_size).reshape({-1, H, D});
+      at::Tensor k = qkv.slice(1, q_size, q_size + kv_size).reshape({-1, Hkv, D});
+      const at::Tensor v = qkv.slice(1, q_size + kv_size, q_size + 2 * kv_size).reshape({-1, Hkv, D});
+      radixserve::rotary_embedding(q, k, cos, sin);
+      at::Tensor& k_buf = k_bufs[l];
+      at::Tensor& v_buf = v_bufs[l];
+      k_buf.index_put_({out_cache_loc}, k.to(k_buf.scalar_type()));
+      v_buf.index_put_({out_cache_loc}, v.to(v_buf.scalar_type()));
+      at::Tensor attn;
+      {
+        RECORD_FUNCTION("radixserve::decode_attention", std::vector<c10::IValue>());
+        attn = std::get<0>(radixserve::decode_attention(q.reshape({B, Hkv, H / Hkv, D}), k_buf,
+                                                        v_buf, kv_rows, kv_start, kv_end,
+                                                        scaling_, 0));
+      }
+      x = apply(attn.to(q.scalar_type()).reshape({B, q_size}), layer.o);
+      radixserve::add_rms_norm(x, residual, layer.post_norm, eps_);
+      // LlamaMLP.forward.
+      x = apply(radixserve::silu_and_mul(apply(x, layer.gate_up)), layer.down);
+    }
+    return {x, residual};
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scaling_, eps_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
+  lib.class_<DecodeStep>("DecodeStep")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t,
+                       double, double>())
+      .def("num_layers", &DecodeStep::num_layers)
+      .def("run", &DecodeStep::run);
+}

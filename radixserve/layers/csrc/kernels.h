@@ -1,0 +1,31 @@
+// The kernels of radixserve's CPU library, for the C++ code that calls them directly (the
+// decode step, decode_step.cpp); Python reaches the same functions as torch.ops.radixserve.*.
+// Each is documented at its definition.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace radixserve {
+
+// decode_attention.cpp
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_buf,
+                                                    const at::Tensor& v_buf,
+                                                    const at::Tensor& kv_rows,
+                                                    const at::Tensor& kv_start,
+                                                    const at::Tensor& kv_end, double scale,
+                                                    int64_t split_tokens);
+
+// quant_linear.cpp
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                     const at::Tensor& m);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d);
+
+// fused_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+}  // namespace radixserve

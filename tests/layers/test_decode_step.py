@@ -1,0 +1,179 @@
+"""The C++ decode step (layers/decode_step.py, csrc/decode_step.cpp) against the Python layers
+it replaces: bitwise the same logits in every configuration it takes (fp32 and bf16, dense,
+int8 and int4 weights, qkv biases, pages of 1 and 16 slots, 1 to 63 rows), and the layer-by-
+layer path wherever it must not run (64 rows and more, shared-prefix groups, Qwen3's q/k norms,
+the portable backend, the flag)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rs_testing import make_tiny_model_dir
+
+from radixserve.args import ServerArgs
+from radixserve.layers.decode_step import MAX_ROWS, CpuDecodeStep
+from radixserve.layers.fused_ops import set_fused_ops
+from radixserve.managers.schedule_batch import Req, ScheduleBatch
+from radixserve.mem_cache.chunk_cache import ChunkCache
+from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory) -> str:  # qkv biases
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen2")), "qwen2")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory) -> str:  # per-head q/k norms
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3")
+
+
+def _runner(model_path: str, **kwargs) -> ModelRunner:
+    args = dict(model_path=model_path, device="cpu", max_total_tokens=8192)
+    return ModelRunner(ServerArgs(**{**args, **kwargs}).resolve())
+
+
+class _Counter:
+    """Counts the decode steps that ran through the C++ step."""
+
+    def __init__(self, step: CpuDecodeStep) -> None:
+        self.calls = 0
+        self._run = step.run
+        step.run = self  # type: ignore[method-assign]
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self._run(*args)
+
+
+def _decode_logits(
+    runner: ModelRunner, prompts: list[list[int]], steps: int, cache_prompts: bool = False
+) -> list[torch.Tensor]:
+    """Logits of a prefill of `prompts` and `steps` greedy decode steps. With cache_prompts,
+    every prompt is first prefilled and cached alone, so that the batch finds the shared
+    prefixes in the cache (the cascade's groups)."""
+    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    cache = ChunkCache(pool, alloc)
+    reqs = [Req(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    for r in reqs:
+        r.init_next_round_input(cache)
+    batch = ScheduleBatch(reqs, pool, alloc, cache)
+    batch.prepare_for_extend()
+    out = []
+    for step in range(steps + 1):
+        if step:
+            batch.prepare_for_decode()
+        logits = runner.forward(batch.get_forward_batch("cpu")).next_token_logits
+        out.append(logits)
+        for r, t in zip(reqs, logits.argmax(-1).tolist(), strict=True):
+            r.output_ids.append(t)
+    for r in reqs:
+        cache.cache_finished_req(r)
+    assert alloc.available_size() == runner.max_total_num_tokens
+    return out
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 90, (n,), generator=gen).tolist()
+    return [torch.randint(3, 320, (k,), generator=gen).tolist() for k in lens]
+
+
+def _compare(runner: ModelRunner, prompts: list[list[int]], steps: int = 3) -> int:
+    """Runs the workload with and without the C++ step; asserts bitwise equal logits and
+    returns how many steps took the C++ step."""
+    step = runner.model.model.decode_step
+    assert isinstance(step, CpuDecodeStep)
+    counter = _Counter(step)
+    fast = _decode_logits(runner, prompts, steps)
+    runner.model.model.decode_step = None
+    slow = _decode_logits(runner, prompts, steps)
+    runner.model.model.decode_step = step
+    for got, want in zip(fast, slow, strict=True):
+        assert torch.equal(got, want)
+    return counter.calls
+
+
+@pytest.mark.parametrize(
+    "arch,dtype,quantization,page_size",
+    [
+        ("llama", "float32", None, 1),
+        ("llama", "bfloat16", None, 1),
+        ("llama", "float32", "int4", 1),
+        ("llama", "float32", "int8", 16),
+        ("llama", "bfloat16", "int4", 16),
+        ("qwen2", "float32", None, 16),
+        ("qwen2", "float32", "int4", 1),
+    ],
+)
+def test_the_cpp_step_equals_the_python_layers_bitwise(
+    tiny_llama_dir, tiny_qwen2_dir, arch, dtype, quantization, page_size
+):
+    path = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}[arch]
+    runner = _runner(path, dtype=dtype, quantization=quantization, page_size=page_size)
+    assert _compare(runner, _prompts(5), steps=4) == 4  # every decode step took it
+
+
+def test_up_to_63_rows_take_the_step_and_64_keep_to_the_layers(tiny_llama_dir):
+    runner = _runner(tiny_llama_dir, quantization="int4")
+    assert _compare(runner, _prompts(MAX_ROWS, seed=1), steps=2) == 2
+    assert _compare(runner, _prompts(MAX_ROWS + 1, seed=2), steps=2) == 0
+
+
+def test_shared_prefix_groups_keep_to_the_layers(tiny_llama_dir):
+    """Requests whose rows share slots attend them as a cascade group: that merge stays in
+    Python, so such a step runs layer by layer."""
+    runner = _runner(tiny_llama_dir)
+    prefix = list(range(10, 90))  # at least MIN_SHARED_PREFIX (64) slots
+    shared = [prefix + [70 + i, 80 + i] for i in range(3)]
+    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    # A radix cache would share the prefix's slots; the test gives the rows the same slots.
+    step = runner.model.model.decode_step
+    counter = _Counter(step)
+    cache = ChunkCache(pool, alloc)
+    reqs = [Req(f"s{i}", p, SamplingParams()) for i, p in enumerate(shared)]
+    for r in reqs:
+        r.init_next_round_input(cache)
+    batch = ScheduleBatch(reqs, pool, alloc, cache)
+    batch.prepare_for_extend()
+    runner.forward(batch.get_forward_batch("cpu"))
+    first = pool.req_to_token[reqs[0].req_pool_idx, : len(prefix)].clone()
+    for r in reqs[1:]:  # point the others' prefix at the first request's slots
+        pool.req_to_token[r.req_pool_idx, : len(prefix)] = first
+    for r in reqs:
+        r.output_ids.append(5)
+    batch.prepare_for_decode()
+    fb = batch.get_forward_batch("cpu")
+    runner.forward(fb)
+    assert fb.attn_metadata.groups and counter.calls == 0
+
+
+def test_models_and_backends_it_cannot_hold_keep_to_the_layers(tiny_llama_dir, tiny_qwen3_dir):
+    assert _runner(tiny_qwen3_dir).model.model.decode_step is None  # q/k norms
+    assert _runner(tiny_llama_dir, attention_backend="torch_native").model.model.decode_step is None
+    assert _runner(tiny_llama_dir, disable_cpu_decode_step=True).model.model.decode_step is None
+    runner = _runner(tiny_llama_dir)
+    assert runner.model.model.decode_step is not None
+    set_fused_ops(runner.model, False)  # the reference forms: no C++ step either
+    assert runner.model.model.decode_step is None
+
+
+def test_the_step_refuses_mismatched_inputs(tiny_llama_dir):
+    step = _runner(tiny_llama_dir).model.model.decode_step.step
+    with pytest.raises(RuntimeError, match="one K and one V buffer per layer"):
+        step.run(
+            torch.zeros(1, 64),
+            torch.zeros(1, 16),
+            torch.zeros(1, 16),
+            [],
+            [],
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+            torch.ones(1, dtype=torch.long),
+        )
+    with pytest.raises(RuntimeError, match="4 linear kinds per layer"):
+        torch.classes.radixserve.DecodeStep([], [0], 4, 2, 16, 0.25, 1e-6)
+    with pytest.raises(RuntimeError, match="fewer parameters"):
+        torch.classes.radixserve.DecodeStep([], [0, 0, 0, 0], 4, 2, 16, 0.25, 1e-6)
