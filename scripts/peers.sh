@@ -17,7 +17,7 @@
 #     transformers' import on CPU).
 #   LLAMA_SERVER=/path/to/llama-server VLLM_PY=V/bin/python scripts/peers.sh [OUT]
 # Either may be left unset to skip that engine. ENGINES limits the run, e.g.
-# ENGINES="llama-server radixserve-int4". About an hour on a 2-core machine (llama-server spends
+# ENGINES="llama-server radixserve-int4", and WORKLOADS the workloads. About an hour on a 2-core machine (llama-server spends
 # 8 minutes on the shared-prefix workload; vLLM in bf16 without AVX-512 BF16 far longer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,7 @@ OUT=${1:-/tmp/radixserve-peers}
 GGUF=${GGUF:-$HOME/.cache/radixserve/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 VLLM_MODEL_DIR=${VLLM_MODEL_DIR:-$OUT/smollm2-bf16}
 ENGINES=${ENGINES:-"llama-server vllm radixserve radixserve-int8 radixserve-int4"}
+WORKLOADS=${WORKLOADS:-"c1 c8 c32 c64 ttft-1024 shared-prefix"}  # e.g. WORKLOADS=c1
 # vLLM's dtype: bf16 as the recipe has it; float32 on a CPU without AVX-512 BF16, where bf16
 # matmuls are emulated (docs/performance.md).
 VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}
@@ -91,6 +92,8 @@ start_engine() {  # start_engine NAME: starts it on $PORT and waits until it ser
   wait_ready "http://127.0.0.1:$PORT/v1/models" 600 "$!"
 }
 
+wants() { [[ " $WORKLOADS " == *" $1 "* ]]; }  # wants WORKLOAD: whether this run includes it
+
 bench() {  # bench ENGINE WORKLOAD ARGS...
   local engine=$1 workload=$2
   shift 2
@@ -106,14 +109,15 @@ for engine in $ENGINES; do
   start_engine "$engine"
   # Distinct seeds per workload: llama-server keeps each slot's last prompt.
   for c in 1 8 32 64; do
+    wants "c$c" || continue
     n=$((c == 1 ? 4 : c))
     bench "$engine" "c$c" --dataset-name random --random-input-len 200 --random-output-len 128 \
       --random-range-ratio 1.0 --num-prompts "$n" --max-concurrency "$c" --seed "$((100 + c))"
   done
-  bench "$engine" ttft-1024 --dataset-name random --random-input-len 1024 \
+  wants ttft-1024 && bench "$engine" ttft-1024 --dataset-name random --random-input-len 1024 \
     --random-output-len 1 --random-range-ratio 1.0 --num-prompts 2 --max-concurrency 1 --seed 7 \
     --warmup-requests 0  # a warm-up on the first prompt would make it a cache hit
-  bench "$engine" shared-prefix --dataset-name generated-shared-prefix --gsp-num-groups 8 \
+  wants shared-prefix && bench "$engine" shared-prefix --dataset-name generated-shared-prefix --gsp-num-groups 8 \
     --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 --gsp-question-len 64 \
     --gsp-output-len 64 --max-concurrency 64 --seed 9
   stop_servers
