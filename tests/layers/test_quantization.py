@@ -176,6 +176,23 @@ def test_q4_kernels_against_the_reference() -> None:
         torch.ops.radixserve.q4_linear(torch.randn(1, 96), qs, scale, minimum)
 
 
+@pytest.mark.parametrize("outputs", [99, 96])
+def test_q4_rows_do_not_depend_on_the_batch(outputs) -> None:
+    """The kernel computes blocks of rows by outputs (4 x 2, 1 x 4, 1 x 2, 1 x 1 at the
+    tails); each row of every batch size equals that row computed alone, bitwise, so a
+    request's tokens do not depend on what else is in its decode batch."""
+    gen = torch.Generator().manual_seed(6)
+    codes, scale, minimum = quantize_int4(torch.randn(outputs, 96, generator=gen) * 0.05)
+    qs = pack_q4(codes)
+    x = torch.randn(11, 96, generator=gen)
+    alone = torch.cat(
+        [torch.ops.radixserve.q4_linear(x[i : i + 1], qs, scale, minimum) for i in range(11)]
+    )
+    for rows in range(1, 12):
+        batch = torch.ops.radixserve.q4_linear(x[:rows], qs, scale, minimum)
+        assert torch.equal(batch, alone[:rows]), rows
+
+
 def test_q4_gemv_and_gemm_paths_agree_row_by_row() -> None:
     """A prompt's rows go through the GEMM at prefill and the kernel at decode (or after a
     cache hit): both see the same int8 activations, so they agree far inside the

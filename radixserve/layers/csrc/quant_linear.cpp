@@ -50,36 +50,76 @@ void quantize_row(const float* x, int64_t groups, int8_t* xq, float* sx, float* 
   }
 }
 
-// One output: sum over groups of d_g * sx_g * (codes . xq)_g + m_g * xsum_g.
-inline float row_dot(const uint8_t* qn, const float* dn, const float* mn, const int8_t* xq,
-                     const float* sx, const float* xsum, int64_t groups) {
-  float acc_min = 0.f;
-  for (int64_t g = 0; g < groups; ++g) acc_min += mn[g] * xsum[g];
 #if defined(__AVX2__)
+constexpr int64_t kAhead = 2;  // blocks (q4) or rows (q8) of weight fetched ahead
+
+// R activation rows times T outputs, accumulators in registers. One output for one row is
+// sum over groups of d_g * sx_g * (codes . xq)_g, plus sum of m_g * xsum_g; every (output,
+// row) pair sums its groups in the same order with the same operations whatever R, T and M,
+// so a row's result does not depend on the other rows of the batch. A group's codes are
+// unpacked once for the R rows, and the R * T chains of dependent FMAs interleave.
+template <int R, int T>
+void q4_block(const uint8_t* qp, const float* dp, const float* mp, int64_t n0, int64_t r0,
+              const int8_t* xq, const float* sx, const float* xsum, int64_t G, float* y,
+              int64_t N) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 16));
-    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * kGroup));
-    const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), ones);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dn[g] * sx[g]), acc);
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  // The weight is read once per call, from memory: fetch the bytes of the block kAhead
+  // blocks on while this one computes (the rows of a block are contiguous).
+  const uint8_t* next_q = qp + (n0 + kAhead * T) * G * 16;
+  const float* next_d = dp + (n0 + kAhead * T) * G;
+  const float* next_m = mp + (n0 + kAhead * T) * G;
+  for (int64_t g = 0; g < G; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(next_q + g * T * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(next_d + g * T), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(next_m + g * T), _MM_HINT_T0);
+    __m256i codes[T];
+    float dg[T];
+    for (int t = 0; t < T; ++t) {
+      const int64_t ng = (n0 + t) * G + g;
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + ng * 16));
+      codes[t] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+      dg[t] = dp[ng];
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * G + g;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + rg * kGroup));
+      const float s = sx[rg];
+      for (int t = 0; t < T; ++t) {
+        const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(codes[t], xv), ones);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dg[t] * s), acc[r][t]);
+      }
+    }
   }
-  return radixserve_vec::hsum8(acc) + acc_min;
-#else
-  float acc = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* q = qn + g * 16;
-    const int8_t* x = xq + g * kGroup;
-    int32_t dot = 0;
-    for (int64_t j = 0; j < 16; ++j)
-      dot += static_cast<int32_t>(q[j] & 0x0F) * x[j] + static_cast<int32_t>(q[j] >> 4) * x[j + 16];
-    acc += dn[g] * sx[g] * static_cast<float>(dot);
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) {
+      const int64_t n = n0 + t, row = r0 + r;
+      float acc_min = 0.f;
+      for (int64_t g = 0; g < G; ++g) acc_min += mp[n * G + g] * xsum[row * G + g];
+      y[row * N + n] = radixserve_vec::hsum8(acc[r][t]) + acc_min;
+    }
   }
-  return acc + acc_min;
-#endif
 }
+
+// Outputs [lo, hi) of every row, in blocks of up to 4 rows by 4 outputs (2 when there are
+// more rows: the accumulators stay within the 16 vector registers).
+void q4_outputs(const uint8_t* qp, const float* dp, const float* mp, int64_t lo, int64_t hi,
+                const int8_t* xq, const float* sx, const float* xsum, int64_t M, int64_t G,
+                float* y, int64_t N) {
+  int64_t n = lo;
+  for (; n + 4 <= hi && M == 1; n += 4) q4_block<1, 4>(qp, dp, mp, n, 0, xq, sx, xsum, G, y, N);
+  for (; n + 2 <= hi; n += 2) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) q4_block<4, 2>(qp, dp, mp, n, r, xq, sx, xsum, G, y, N);
+    for (; r < M; ++r) q4_block<1, 2>(qp, dp, mp, n, r, xq, sx, xsum, G, y, N);
+  }
+  for (; n < hi; ++n)
+    for (int64_t r = 0; r < M; ++r) q4_block<1, 1>(qp, dp, mp, n, r, xq, sx, xsum, G, y, N);
+}
+#endif
 
 }  // namespace
 
@@ -109,12 +149,27 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Ten
   const float* dp = d.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+#if defined(__AVX2__)
+    q4_outputs(qp, dp, mp, lo, hi, xq.data(), sx.data(), xsum.data(), M, G, yp, N);
+#else
     for (int64_t n = lo; n < hi; ++n) {
       for (int64_t r = 0; r < M; ++r) {
-        yp[r * N + n] = row_dot(qp + n * G * 16, dp + n * G, mp + n * G, xq.data() + r * K,
-                                sx.data() + r * G, xsum.data() + r * G, G);
+        float acc = 0.f, acc_min = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* q = qp + (n * G + g) * 16;
+          const int8_t* xg = xq.data() + (r * G + g) * kGroup;
+          int32_t dot = 0;
+          for (int64_t j = 0; j < 16; ++j) {
+            dot += static_cast<int32_t>(q[j] & 0x0F) * xg[j] +
+                   static_cast<int32_t>(q[j] >> 4) * xg[j + 16];
+          }
+          acc += dp[n * G + g] * sx[r * G + g] * static_cast<float>(dot);
+          acc_min += mp[n * G + g] * xsum[r * G + g];
+        }
+        yp[r * N + n] = acc + acc_min;
       }
     }
+#endif
   });
   return y;
 }
@@ -136,6 +191,9 @@ void q8_rows(const int8_t* wn, const float* dn, const float* x, int64_t M, int64
              int64_t groups, float* y, int64_t y_stride, __m256* acc) {
   for (int64_t i = 0; i < 4 * M; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    // fetch the weight row kAhead rows on (as q4_block does)
+    _mm_prefetch(reinterpret_cast<const char*>(wn + kAhead * K + g * kGroup), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dn + kAhead * groups + g), _MM_HINT_T0);
     const __m256 dg = _mm256_set1_ps(dn[g]);
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + g * kGroup));
     const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
