@@ -375,3 +375,54 @@ def test_tokenizer_manager_stops_a_request_the_detokenizer_failed():
         assert sockets.aborts() == ["r"]
 
     run(body())
+
+
+def test_outputs_are_drained_from_a_real_socket_in_order():
+    """start() reads the detokenizer's socket through a reader on its FD: messages queued
+    before it, bursts longer than DRAIN_BATCH, and messages after one that does not unpickle
+    all arrive, in order."""
+    import zmq
+    import zmq.asyncio
+
+    from radixserve.managers.tokenizer_manager import DRAIN_BATCH
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind("inproc://tm-drain")
+        push = zmq.Context.shadow(ctx.underlying).socket(zmq.PUSH)
+        push.connect("inproc://tm-drain")
+        tm = TokenizerManager(
+            ServerArgs(), ByteTokenizer(), FakeSockets(), pull, context_len=256, vocab_size=VOCAB
+        )
+        got: list[Any] = []
+        tm._dispatch = got.append  # type: ignore[method-assign]
+        expected = [("early", i) for i in range(5)]
+        for m in expected:
+            push.send_pyobj(m)
+        tm.start()
+        burst = [("burst", i) for i in range(2 * DRAIN_BATCH + 7)]
+        for m in burst:
+            push.send_pyobj(m)
+        push.send(b"not a pickle")
+        late = [("late", i) for i in range(3)]
+        for m in late:
+            push.send_pyobj(m)
+        expected += burst + late
+        for _ in range(500):
+            if len(got) >= len(expected):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert got == expected
+        for m in expected[:2]:  # and it keeps receiving after going idle
+            push.send_pyobj(m)
+        for _ in range(200):
+            if len(got) >= len(expected) + 2:
+                break
+            await asyncio.sleep(0.01)
+        push.close(linger=0)
+        tm.close()
+        assert got == expected + expected[:2]
+
+    run(body())
