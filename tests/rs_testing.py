@@ -226,6 +226,41 @@ def reference_greedy(
     return outputs
 
 
+def prefill_batch(runner: Any, prompts: list[list[int]]) -> Any:
+    """A ScheduleBatch of `prompts` on the ModelRunner's pools (a ChunkCache), prepared for
+    its prefill."""
+    from radixserve.managers.schedule_batch import Req, ScheduleBatch
+    from radixserve.mem_cache.chunk_cache import ChunkCache
+
+    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    cache = ChunkCache(pool, alloc)
+    reqs = [Req(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    for r in reqs:
+        r.init_next_round_input(cache)
+    batch = ScheduleBatch(reqs, pool, alloc, cache)
+    batch.prepare_for_extend()
+    return batch
+
+
+def greedy_step_logits(runner: Any, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Logits of the prefill of `prompts` and of `steps` greedy decode steps, straight
+    through the ModelRunner; every slot is freed after, and the pool checked whole."""
+    batch = prefill_batch(runner, prompts)
+    out = []
+    for step in range(steps + 1):
+        if step:
+            batch.prepare_for_decode()
+        logits = runner.forward(batch.get_forward_batch(runner.device)).next_token_logits
+        out.append(logits)
+        for r, t in zip(batch.reqs, logits.argmax(-1).tolist(), strict=True):
+            r.output_ids.append(t)
+    for r in batch.reqs:
+        batch.tree_cache.cache_finished_req(r)
+    alloc = runner.token_to_kv_pool_allocator
+    assert alloc.available_size() == runner.max_total_num_tokens
+    return out
+
+
 def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0) -> str:
     """Save a small random transformers model of `arch` (llama | qwen2 | qwen3) to `path`."""
     import transformers

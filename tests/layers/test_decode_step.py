@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rs_testing import make_tiny_model_dir
+from rs_testing import greedy_step_logits, make_tiny_model_dir, prefill_batch
 
 from radixserve.args import ServerArgs
 from radixserve.layers.decode_step import MAX_ROWS, CpuDecodeStep
 from radixserve.layers.fused_ops import set_fused_ops
-from radixserve.managers.schedule_batch import Req, ScheduleBatch
-from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -47,33 +44,6 @@ class _Counter:
         return self._run(*args)
 
 
-def _decode_logits(
-    runner: ModelRunner, prompts: list[list[int]], steps: int, cache_prompts: bool = False
-) -> list[torch.Tensor]:
-    """Logits of a prefill of `prompts` and `steps` greedy decode steps. With cache_prompts,
-    every prompt is first prefilled and cached alone, so that the batch finds the shared
-    prefixes in the cache (the cascade's groups)."""
-    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
-    cache = ChunkCache(pool, alloc)
-    reqs = [Req(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
-    for r in reqs:
-        r.init_next_round_input(cache)
-    batch = ScheduleBatch(reqs, pool, alloc, cache)
-    batch.prepare_for_extend()
-    out = []
-    for step in range(steps + 1):
-        if step:
-            batch.prepare_for_decode()
-        logits = runner.forward(batch.get_forward_batch("cpu")).next_token_logits
-        out.append(logits)
-        for r, t in zip(reqs, logits.argmax(-1).tolist(), strict=True):
-            r.output_ids.append(t)
-    for r in reqs:
-        cache.cache_finished_req(r)
-    assert alloc.available_size() == runner.max_total_num_tokens
-    return out
-
-
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, 90, (n,), generator=gen).tolist()
@@ -86,9 +56,9 @@ def _compare(runner: ModelRunner, prompts: list[list[int]], steps: int = 3) -> i
     step = runner.model.model.decode_step
     assert isinstance(step, CpuDecodeStep)
     counter = _Counter(step)
-    fast = _decode_logits(runner, prompts, steps)
+    fast = greedy_step_logits(runner, prompts, steps)
     runner.model.model.decode_step = None
-    slow = _decode_logits(runner, prompts, steps)
+    slow = greedy_step_logits(runner, prompts, steps)
     runner.model.model.decode_step = step
     for got, want in zip(fast, slow, strict=True):
         assert torch.equal(got, want)
@@ -127,17 +97,11 @@ def test_shared_prefix_groups_keep_to_the_layers(tiny_llama_dir):
     runner = _runner(tiny_llama_dir)
     prefix = list(range(10, 90))  # at least MIN_SHARED_PREFIX (64) slots
     shared = [prefix + [70 + i, 80 + i] for i in range(3)]
-    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
     # A radix cache would share the prefix's slots; the test gives the rows the same slots.
-    step = runner.model.model.decode_step
-    counter = _Counter(step)
-    cache = ChunkCache(pool, alloc)
-    reqs = [Req(f"s{i}", p, SamplingParams()) for i, p in enumerate(shared)]
-    for r in reqs:
-        r.init_next_round_input(cache)
-    batch = ScheduleBatch(reqs, pool, alloc, cache)
-    batch.prepare_for_extend()
+    counter = _Counter(runner.model.model.decode_step)
+    batch = prefill_batch(runner, shared)
     runner.forward(batch.get_forward_batch("cpu"))
+    pool, reqs = runner.req_to_token_pool, batch.reqs
     first = pool.req_to_token[reqs[0].req_pool_idx, : len(prefix)].clone()
     for r in reqs[1:]:  # point the others' prefix at the first request's slots
         pool.req_to_token[r.req_pool_idx, : len(prefix)] = first

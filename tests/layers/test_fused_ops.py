@@ -8,16 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from rs_testing import greedy_step_logits
 
 from radixserve.args import ServerArgs
 from radixserve.layers.cpu_kernels import load_cpu_kernels
 from radixserve.layers.fused_ops import set_fused_ops
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.rotary_embedding import RotaryEmbedding
-from radixserve.managers.schedule_batch import Req, ScheduleBatch
-from radixserve.mem_cache.chunk_cache import ChunkCache
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.sampling_params import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROWS = [1, 7, 300]  # a decode row, a small batch, a prefill chunk (parallel over rows)
@@ -145,28 +143,9 @@ def _runner(model_path: str, backend: str, dtype: str) -> ModelRunner:
 
 def _prefill_then_decode(runner: ModelRunner, steps: int) -> list[torch.Tensor]:
     """Logits of a ragged prefill and `steps` greedy decode steps of three prompts."""
-    cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
     gen = torch.Generator().manual_seed(0)
-    reqs = [
-        Req(f"r{i}", torch.randint(3, 320, (n,), generator=gen).tolist(), SamplingParams())
-        for i, n in enumerate((5, 40, 130))
-    ]
-    for r in reqs:
-        r.init_next_round_input(cache)
-    batch = ScheduleBatch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, cache)
-    batch.prepare_for_extend()
-    out = []
-    for step in range(steps + 1):
-        if step:
-            batch.prepare_for_decode()
-        logits = runner.forward(batch.get_forward_batch("cpu")).next_token_logits
-        out.append(logits)
-        for r, t in zip(reqs, logits.argmax(-1).tolist(), strict=True):
-            r.output_ids.append(t)
-    for r in reqs:
-        cache.cache_finished_req(r)
-    assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
-    return out
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 40, 130)]
+    return greedy_step_logits(runner, prompts, steps)
 
 
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-4), ("bfloat16", 0.15)])
