@@ -9,8 +9,8 @@ the Python path of models/llama.py under the cpu_paged backend, so the two give 
 same hidden states (tests/layers/test_decode_step.py). It plays the part CUDA graphs play on
 a GPU: the step's shape is not captured, but its dispatch overhead is gone.
 
-A step takes it when it is a decode step of fewer than `MAX_ROWS` requests whose attention has
-no shared-prefix groups (the cascade merges stay in Python); every other step, and every model
+A step takes it when it is a decode step of at most `MAX_ROWS` (63) requests whose attention
+has no shared-prefix groups (the cascade merges stay in Python); every other step, and every model
 it cannot hold (tensor parallelism, Qwen3's q/k norms, ATen's int4/int8 fallback kernels, the
 torch-native backend), runs layer by layer. `--disable-cpu-decode-step` turns it off.
 """
@@ -40,9 +40,8 @@ MAX_ROWS = DENSE_ROWS - 1
 class CpuDecodeStep:
     """The C++ DecodeStep of one model, and the test of whether a step may take it."""
 
-    def __init__(self, step: torch.ScriptObject, num_layers: int) -> None:
+    def __init__(self, step: torch.ScriptObject) -> None:
         self.step = step
-        self.num_layers = num_layers
 
     @classmethod
     def build(cls, model: nn.Module) -> CpuDecodeStep | None:
@@ -65,7 +64,7 @@ class CpuDecodeStep:
             attn.attn.scaling,
             model.model.layers[0].input_layernorm.eps,
         )
-        return cls(step, len(model.model.layers))
+        return cls(step)
 
     def applies(self, fb: ForwardBatch, x: torch.Tensor) -> bool:
         md = fb.attn_metadata

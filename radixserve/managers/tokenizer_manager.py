@@ -155,8 +155,8 @@ class TokenizerManager:
     def start(self) -> None:
         """Receive from the detokenizer on the running loop: a reader on the socket's FD
         drains every queued message with non-blocking receives. (An awaited recv_pyobj per
-        message cost a future and a reader registered and dropped per output token, ≈ 0.4 ms
-        of this process's CPU per token, on the cores the model runs on.)"""
+        message made a future and registered and dropped a reader per output token, CPU
+        taken from the cores the model runs on.)"""
         if self._reader is not None or self._await_task is not None:
             return
         import zmq
