@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.attention.cpu_paged_backend import PagedDecodeMetadata
-from radixserve.layers.linear import Linear
+from radixserve.layers.linear import SMALL_M_ROWS, Linear
 from radixserve.layers.quantization import DENSE_ROWS, QuantizedLinear
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 # csrc/decode_step.cpp's linear kinds
 DENSE, Q4, Q8, BIAS = 0, 1, 2, 8
-# The C++ step mirrors the few-row forms of the linear layers: QuantizedLinear's kernels below
-# DENSE_ROWS, and linear()'s (W · xᵀ)ᵀ up to SMALL_M_ROWS (64).
+# The C++ step mirrors the few-row forms of the linear layers (it is given both thresholds):
+# QuantizedLinear's kernels below DENSE_ROWS, and linear()'s (W · xᵀ)ᵀ up to SMALL_M_ROWS.
 MAX_ROWS = DENSE_ROWS - 1
 
 
@@ -63,6 +63,8 @@ class CpuDecodeStep:
             attn.head_dim,
             attn.attn.scaling,
             model.model.layers[0].input_layernorm.eps,
+            SMALL_M_ROWS,
+            DENSE_ROWS,
         )
         return cls(step)
 

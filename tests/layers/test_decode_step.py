@@ -138,6 +138,6 @@ def test_the_step_refuses_mismatched_inputs(tiny_llama_dir):
             torch.ones(1, dtype=torch.long),
         )
     with pytest.raises(RuntimeError, match="4 linear kinds per layer"):
-        torch.classes.radixserve.DecodeStep([], [0], 4, 2, 16, 0.25, 1e-6)
+        torch.classes.radixserve.DecodeStep([], [0], 4, 2, 16, 0.25, 1e-6, 64, 64)
     with pytest.raises(RuntimeError, match="fewer parameters"):
-        torch.classes.radixserve.DecodeStep([], [0, 0, 0, 0], 4, 2, 16, 0.25, 1e-6)
+        torch.classes.radixserve.DecodeStep([], [0, 0, 0, 0], 4, 2, 16, 0.25, 1e-6, 64, 64)

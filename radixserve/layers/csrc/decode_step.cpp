@@ -9,11 +9,15 @@
 // path (tests/layers/test_decode_step.py). radixserve/layers/decode_step.py decides when a step
 // may take it.
 //
-// DecodeStep(params, kinds, num_heads, num_kv_heads, head_dim, scaling, eps)
+// DecodeStep(params, kinds, num_heads, num_kv_heads, head_dim, scaling, eps, small_rows,
+//            kernel_rows)
 //   params: per layer, input_layernorm.weight, post_attention_layernorm.weight, then the
 //     tensors of qkv_proj, o_proj, gate_up_proj and down_proj in that order, each linear's by
 //     its kind: dense (weight), q4 (qs, d, m), q8 (qs, d), then its bias if it has one.
 //   kinds: per layer and linear, kDense / kQ4 / kQ8, plus kBias when it has a bias.
+//   small_rows: layers/linear.py's SMALL_M_ROWS (up to it a dense fp32 product is (W · xᵀ)ᵀ);
+//   kernel_rows: layers/quantization.py's DENSE_ROWS (below it the q4 / q8 kernels run, and
+//     run() takes fewer rows only).
 // run(x [B, hidden], cos [B, D], sin [B, D], k_bufs, v_bufs, out_cache_loc [B], kv_rows [B, L],
 //     kv_start [B], kv_end [B]) -> (x, residual)
 //   x: the embeddings; returns the last layer's MLP output and the residual stream before it
@@ -34,10 +38,6 @@ namespace {
 constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kBias = 8;
 constexpr int64_t kKindMask = 7;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
-// layers/linear.py's SMALL_M_ROWS: up to this many rows a dense fp32 product is (W · xᵀ)ᵀ.
-constexpr int64_t kSmallRows = 64;
-// layers/quantization.py's DENSE_ROWS: below it the q4 / q8 kernels run.
-constexpr int64_t kKernelRows = 64;
 
 struct Linear {
   int64_t kind = kDense;
@@ -50,10 +50,10 @@ struct Layer {
 };
 
 // layers/linear.py's linear(), for x [rows, K].
-at::Tensor dense(const at::Tensor& x, const Linear& lin) {
+at::Tensor dense(const at::Tensor& x, const Linear& lin, int64_t small_rows) {
   const int64_t rows = x.size(0);
   if (lin.w.scalar_type() != at::kFloat || x.scalar_type() != at::kFloat || rows == 0 ||
-      rows > kSmallRows) {
+      rows > small_rows) {
     return at::linear(x, lin.w, lin.bias.defined() ? c10::optional<at::Tensor>(lin.bias)
                                                     : c10::optional<at::Tensor>());
   }
@@ -64,7 +64,7 @@ at::Tensor dense(const at::Tensor& x, const Linear& lin) {
 }
 
 // QuantizedLinear.forward (layers/quantization.py) below DENSE_ROWS rows, or linear().
-at::Tensor apply(const at::Tensor& x, const Linear& lin) {
+at::Tensor apply(const at::Tensor& x, const Linear& lin, int64_t small_rows) {
   at::Tensor y;
   switch (lin.kind) {
     case kQ4: {
@@ -78,7 +78,7 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin) {
       break;
     }
     default:
-      return dense(x, lin);
+      return dense(x, lin, small_rows);
   }
   y = y.to(x.scalar_type());
   return lin.bias.defined() ? y + lin.bias : y;
@@ -87,12 +87,15 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin) {
 class DecodeStep : public torch::CustomClassHolder {
  public:
   DecodeStep(std::vector<at::Tensor> params, std::vector<int64_t> kinds, int64_t num_heads,
-             int64_t num_kv_heads, int64_t head_dim, double scaling, double eps)
+             int64_t num_kv_heads, int64_t head_dim, double scaling, double eps,
+             int64_t small_rows, int64_t kernel_rows)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         scaling_(scaling),
-        eps_(eps) {
+        eps_(eps),
+        small_rows_(small_rows),
+        kernel_rows_(kernel_rows) {
     TORCH_CHECK(kinds.size() % kLinearsPerLayer == 0, "DecodeStep: 4 linear kinds per layer");
     TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
                 "DecodeStep: the query heads must group under the KV heads");
@@ -139,8 +142,8 @@ class DecodeStep : public torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(k_bufs.size()) == n_layers &&
                     static_cast<int64_t>(v_bufs.size()) == n_layers,
                 "DecodeStep.run: one K and one V buffer per layer");
-    TORCH_CHECK(x.dim() == 2 && x.size(0) < kKernelRows,
-                "DecodeStep.run: x must be [B, hidden] with B < ", kKernelRows);
+    TORCH_CHECK(x.dim() == 2 && x.size(0) < kernel_rows_,
+                "DecodeStep.run: x must be [B, hidden] with B < ", kernel_rows_);
     const int64_t B = x.size(0), H = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
     const int64_t q_size = H * D, kv_size = Hkv * D;
     at::Tensor residual;
@@ -153,7 +156,7 @@ class DecodeStep : public torch::CustomClassHolder {
         radixserve::add_rms_norm(x, residual, layer.input_norm, eps_);
       }
       // LlamaAttention.forward, with CpuPagedAttnBackend.forward's decode branch.
-      const at::Tensor qkv = apply(x, layer.qkv);
+      const at::Tensor qkv = apply(x, layer.qkv, small_rows_);
       at::Tensor q = qkv.slice(1, 0, q_size).reshape({-1, H, D});
       at::Tensor k = qkv.slice(1, q_size, q_size + kv_size).reshape({-1, Hkv, D});
       const at::Tensor v = qkv.slice(1, q_size + kv_size, q_size + 2 * kv_size).reshape({-1, Hkv, D});
@@ -169,10 +172,11 @@ class DecodeStep : public torch::CustomClassHolder {
                                                         v_buf, kv_rows, kv_start, kv_end,
                                                         scaling_, 0));
       }
-      x = apply(attn.to(q.scalar_type()).reshape({B, q_size}), layer.o);
+      x = apply(attn.to(q.scalar_type()).reshape({B, q_size}), layer.o, small_rows_);
       radixserve::add_rms_norm(x, residual, layer.post_norm, eps_);
       // LlamaMLP.forward.
-      x = apply(radixserve::silu_and_mul(apply(x, layer.gate_up)), layer.down);
+      const at::Tensor gate_up = apply(x, layer.gate_up, small_rows_);
+      x = apply(radixserve::silu_and_mul(gate_up), layer.down, small_rows_);
     }
     return {x, residual};
   }
@@ -181,6 +185,7 @@ class DecodeStep : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scaling_, eps_;
+  int64_t small_rows_, kernel_rows_;
 };
 
 }  // namespace
@@ -188,7 +193,7 @@ class DecodeStep : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.class_<DecodeStep>("DecodeStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t,
-                       double, double>())
+                       double, double, int64_t, int64_t>())
       .def("num_layers", &DecodeStep::num_layers)
       .def("run", &DecodeStep::run);
 }
