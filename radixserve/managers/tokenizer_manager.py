@@ -182,13 +182,16 @@ class TokenizerManager:
         if self._reader is None:  # closed
             return
         loop = self._reader[0]
+        sock = self._recv_now
         for _ in range(DRAIN_BATCH):
             try:
-                msg = self._recv_now.recv_pyobj(zmq.NOBLOCK)
+                # Reading EVENTS re-arms the FD once the queue is empty; asking first spares
+                # the zmq.Again exception that ending each drain would otherwise raise.
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                msg = sock.recv_pyobj(zmq.NOBLOCK)
             except zmq.Again:
-                if self._recv_now.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    continue  # arrived since: the edge may have been spent
-                return
+                continue  # EVENTS is checked again
             except zmq.ZMQError:  # the socket closed under us
                 return
             except Exception:  # a message that does not unpickle
