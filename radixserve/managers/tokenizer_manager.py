@@ -175,8 +175,8 @@ class TokenizerManager:
     def _drain_outputs(self) -> None:
         """Handle every message queued on the socket (at most DRAIN_BATCH, then yield to the
         loop and continue). The FD is edge-triggered: it signals again only for messages that
-        arrive after a receive found the queue empty, so the queue is always drained to empty
-        or rescheduled."""
+        arrive after the socket's EVENTS showed the queue empty, so the queue is always
+        drained to empty or rescheduled."""
         import zmq
 
         if self._reader is None:  # closed

@@ -149,21 +149,22 @@ def _flush(server: ServerProcess) -> None:
         time.sleep(0.2)
 
 
-class LongStreams:
-    """Streaming requests that run until aborted, each on its own thread; `events[rid]` is
-    the list of SSE events once its stream has ended."""
+class LongRequests:
+    """Requests that run until aborted, each on its own thread; `outputs[rid]` is the final
+    output once it has returned. Not streamed: a stream of SGLang's cumulative /generate
+    events is O(tokens²) bytes, and parsing it starved the polls that these tests make."""
 
     def __init__(self, server: ServerProcess) -> None:
         self.server = server
         self.threads: list[threading.Thread] = []
-        self.events: dict[str, list[Any]] = {}
+        self.outputs: dict[str, Any] = {}
 
     def start(self, rid: str, prompt: str) -> None:
-        body = {"text": prompt, "sampling_params": LONG, "stream": True, "rid": rid}
+        body = {"text": prompt, "sampling_params": LONG, "rid": rid}
 
         def run() -> None:
-            with httpx.stream("POST", self.server.url + "/generate", json=body, timeout=120) as r:
-                self.events[rid] = sse_events(r.iter_lines())
+            r = httpx.post(self.server.url + "/generate", json=body, timeout=120)
+            self.outputs[rid] = r.json()
 
         t = threading.Thread(target=run, daemon=True)
         t.start()
@@ -173,12 +174,10 @@ class LongStreams:
         deadline = time.monotonic() + timeout
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
-            assert not t.is_alive(), "a stream did not end"
+            assert not t.is_alive(), "a request did not end"
 
     def finish_type(self, rid: str) -> str:
-        events = self.events[rid]
-        assert events[-1] == "[DONE]", events[-3:]
-        return events[-2]["meta_info"]["finish_reason"]["type"]
+        return self.outputs[rid]["meta_info"]["finish_reason"]["type"]
 
 
 def wait_running(server: ServerProcess, expected: list[int], timeout: float = 30.0) -> None:
@@ -220,11 +219,11 @@ def test_dp2_server_info_and_get_load(dp2):
 
 def test_dp2_aborts_reach_both_replicas(dp2):
     _flush(dp2)  # empty caches, and so empty prefix indexes
-    streams = LongStreams(dp2)
+    longs = LongRequests(dp2)
     # Prompts that share no prefix: each goes to the replica with the least cached.
-    streams.start("abort-a", "A: tell me a story.")
+    longs.start("abort-a", "A: tell me a story.")
     wait_running(dp2, [1, 0])
-    streams.start("abort-b", "B: tell me a story.")
+    longs.start("abort-b", "B: tell me a story.")
     wait_running(dp2, [1, 1])
     load = httpx.get(dp2.url + "/get_load", timeout=30).json()
     assert [(e["dp_rank"], e["num_reqs"]) for e in load] == [(0, 1), (1, 1)], load
@@ -232,18 +231,18 @@ def test_dp2_aborts_reach_both_replicas(dp2):
     for rid in ("abort-a", "abort-b"):  # one on each replica
         r = httpx.post(dp2.url + "/abort_request", json={"rid": rid}, timeout=30)
         assert r.json() == {"success": True}
-    streams.join()
-    assert [streams.finish_type(rid) for rid in ("abort-a", "abort-b")] == ["abort", "abort"]
+    longs.join()
+    assert [longs.finish_type(rid) for rid in ("abort-a", "abort-b")] == ["abort", "abort"]
     wait_drained_all(dp2)
 
-    streams = LongStreams(dp2)
+    longs = LongRequests(dp2)
     for i in range(4):
-        streams.start(f"all-{i}", f"{i}: tell me a story.")
+        longs.start(f"all-{i}", f"{i}: tell me a story.")
     wait_running(dp2, [2, 2])
     r = httpx.post(dp2.url + "/abort_request", json={"abort_all": True}, timeout=30)
     assert r.json() == {"success": True, "aborted": 4}
-    streams.join()
-    assert {streams.finish_type(f"all-{i}") for i in range(4)} == {"abort"}
+    longs.join()
+    assert {longs.finish_type(f"all-{i}") for i in range(4)} == {"abort"}
     wait_drained_all(dp2)
     _flush(dp2)
     assert all(r["evictable_tokens"] == 0 for r in replicas(dp2))  # both replicas flushed
@@ -311,15 +310,15 @@ def test_dp2_shortest_queue_then_a_dead_replica_takes_the_server_down(tmp_path_f
         "shortest_queue",
     )
     try:
-        streams = LongStreams(sq)
-        streams.start("long-1", "A long story, one.")
+        longs = LongRequests(sq)
+        longs.start("long-1", "A long story, one.")
         wait_running(sq, [1, 0])
         _generate(sq.url, "short")  # to replica 1 (fewer in flight), and done
-        streams.start("long-2", "A long story, two.")
+        longs.start("long-2", "A long story, two.")
         wait_running(sq, [1, 1])  # round_robin would have put it on replica 0
         r = httpx.post(sq.url + "/abort_request", json={"abort_all": True}, timeout=30)
         assert r.json()["aborted"] == 2
-        streams.join()
+        longs.join()
         wait_drained_all(sq)
 
         info = sq.server_info()

@@ -113,17 +113,31 @@ def test_abort_soon_after_submission_is_never_lost(lpm_server, delay):
 
 def test_long_silent_generation_outlives_a_short_watchdog(lpm_server):
     """Nothing is streamed for longer than the watchdog timeout; the scheduler's heartbeat
-    keeps the server up (it used to exit, taking every request with it)."""
+    keeps the server up (it used to exit, taking every request with it). The request is one
+    that no machine finishes in time (a fixed length once took 4.7 s, under the timeout), and
+    is aborted once it has run past the timeout."""
+    pool = ThreadPoolExecutor(1)
+    body = {
+        "text": "Once",
+        "rid": "silent",
+        "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+    }
     start = time.monotonic()
-    reply = httpx.post(
-        lpm_server.url + "/generate",
-        json={"text": "Once", "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}},
-        timeout=300,
-    )
-    assert reply.status_code == 200
-    assert time.monotonic() - start > SHORT_WATCHDOG_S + 1, "too fast to prove anything"
+    reply = pool.submit(httpx.post, lpm_server.url + "/generate", json=body, timeout=300)
+    time.sleep(SHORT_WATCHDOG_S + 1.5)
+    assert not reply.done(), "the request ended before the watchdog's timeout had passed"
+    assert lpm_server.proc.poll() is None
+    aborted = httpx.post(lpm_server.url + "/abort_request", json={"rid": "silent"}, timeout=30)
+    assert aborted.json() == {"success": True}
+    result = reply.result(timeout=60)
+    pool.shutdown()
+    assert result.status_code == 200
+    meta = result.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort", meta
+    assert time.monotonic() - start > SHORT_WATCHDOG_S + 1
     assert lpm_server.proc.poll() is None
     assert httpx.get(lpm_server.url + "/health", timeout=30).status_code == 200
+    wait_drained(lpm_server)
 
 
 def test_engine_raises_when_its_scheduler_dies(tmp_path):
