@@ -124,13 +124,15 @@ def test_long_silent_generation_outlives_a_short_watchdog(lpm_server):
     }
     start = time.monotonic()
     reply = pool.submit(httpx.post, lpm_server.url + "/generate", json=body, timeout=300)
-    time.sleep(SHORT_WATCHDOG_S + 1.5)
-    assert not reply.done(), "the request ended before the watchdog's timeout had passed"
-    assert lpm_server.proc.poll() is None
-    aborted = httpx.post(lpm_server.url + "/abort_request", json={"rid": "silent"}, timeout=30)
+    try:
+        time.sleep(SHORT_WATCHDOG_S + 1.5)
+        assert not reply.done(), "the request ended before the watchdog's timeout had passed"
+        assert lpm_server.proc.poll() is None
+    finally:  # never leave it running for the module's next tests
+        aborted = httpx.post(lpm_server.url + "/abort_request", json={"rid": "silent"}, timeout=30)
+        result = reply.result(timeout=60)
+        pool.shutdown()
     assert aborted.json() == {"success": True}
-    result = reply.result(timeout=60)
-    pool.shutdown()
     assert result.status_code == 200
     meta = result.json()["meta_info"]
     assert meta["finish_reason"]["type"] == "abort", meta
