@@ -113,9 +113,9 @@ def test_abort_soon_after_submission_is_never_lost(lpm_server, delay):
 
 def test_long_silent_generation_outlives_a_short_watchdog(lpm_server):
     """Nothing is streamed for longer than the watchdog timeout; the scheduler's heartbeat
-    keeps the server up (it used to exit, taking every request with it). The request is one
-    that no machine finishes in time (a fixed length once took 4.7 s, under the timeout), and
-    is aborted once it has run past the timeout."""
+    keeps the server up (it used to exit, taking every request with it). The request is far
+    longer than a CPU generates in that time (a fixed 150 tokens once took 4.7 s, under the
+    timeout); it is aborted once it has run past the timeout."""
     pool = ThreadPoolExecutor(1)
     body = {
         "text": "Once",
