@@ -197,19 +197,18 @@ class TokenizerManager:
             except Exception:  # a message that does not unpickle
                 logger.exception("dropped an undecodable message from the detokenizer")
                 continue
-            try:
-                self._dispatch(msg)
-            except Exception:  # a bad message must not stop the receiving that serves everyone
-                logger.exception("failed to handle %s", type(msg).__name__)
+            self._dispatch_logged(msg)
         loop.call_soon(self._drain_outputs)
 
     async def _await_outputs(self) -> None:
         while True:
-            msg = await self.recv_from_detokenizer.recv_pyobj()
-            try:
-                self._dispatch(msg)
-            except Exception:
-                logger.exception("failed to handle %s", type(msg).__name__)
+            self._dispatch_logged(await self.recv_from_detokenizer.recv_pyobj())
+
+    def _dispatch_logged(self, msg: Any) -> None:
+        try:
+            self._dispatch(msg)
+        except Exception:  # a bad message must not stop the receiving that serves everyone
+            logger.exception("failed to handle %s", type(msg).__name__)
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, BatchStrOutput):
