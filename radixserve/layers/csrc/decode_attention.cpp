@@ -159,6 +159,17 @@ void attend_avx2(const float* q, int64_t H, int64_t G, int64_t D, const kv_t* k_
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t base = t0; base < t1; base += kBlock) {
     const int64_t n = std::min(kBlock, t1 - base);
+    // The slots are known ahead: fetch the next block's K and V rows into L2 while this block
+    // computes (two blocks would not fit L1), instead of waiting on each row as it is read.
+    const int64_t next = std::min(kBlock, t1 - base - n);
+    for (int64_t i = 0; i < next; ++i) {
+      const char* kr = reinterpret_cast<const char*>(k_buf + row[base + n + i] * W);
+      const char* vr = reinterpret_cast<const char*>(v_buf + row[base + n + i] * W);
+      for (int64_t c = 0; c < W * static_cast<int64_t>(sizeof(kv_t)); c += 64) {
+        _mm_prefetch(kr + c, _MM_HINT_T1);
+        _mm_prefetch(vr + c, _MM_HINT_T1);
+      }
+    }
     for (int64_t i = 0; i < kBlock; ++i) {
       if (i >= n) {  // a partial block scores the zero row (its lanes are dropped)
         krow[i] = vrow[i] = zero.data();
@@ -254,15 +265,21 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   }
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += ends[b] - starts[b];
-  // Under this many (slot, query head) pairs the work is smaller than waking the thread pool
-  // (a request of SmolLM2's 9 query heads: 5,461 slots; a cascade group of 8: 682).
-  const bool serial = total * H * G < 49152;
+  // Under this many (slot, query head) pairs the work is smaller than starting the thread pool's
+  // parallel region (a request of SmolLM2's 9 query heads: 114 slots). The decode step calls
+  // this between two linear layers, with the pool's threads still spinning; and from a few
+  // hundred slots on, a lone request's K and V come from memory (other layers' weights went
+  // through the caches since this layer's last step) and one thread waits on them.
+  const bool serial = total * H * G < 1024;
   if (split_tokens <= 0 && serial) {
     split_tokens = std::max<int64_t>(1, max_len);
-  } else if (split_tokens <= 0) {  // enough segments for every thread, none under 128 tokens
-    const int64_t target = 4 * at::get_num_threads();
-    const int64_t splits = std::max<int64_t>(1, (target + B - 1) / std::max<int64_t>(1, B));
-    split_tokens = std::max<int64_t>(128, (max_len + splits - 1) / splits);
+  } else if (split_tokens <= 0) {
+    // Enough segments for every thread; then, while segments stay at 128 slots or more, up to
+    // four per thread, so that requests of unequal lengths still share the threads evenly.
+    const int64_t threads = at::get_num_threads();
+    int64_t splits = std::max<int64_t>(1, (threads + B - 1) / std::max<int64_t>(1, B));
+    while (splits * B < 4 * threads && max_len / (2 * splits) >= 128) splits *= 2;
+    split_tokens = std::max<int64_t>(kBlock, (max_len + splits - 1) / splits);
   }
   std::vector<Segment> segs;
   std::vector<int64_t> first(B + 1, 0);  // segments of request b: [first[b], first[b + 1])

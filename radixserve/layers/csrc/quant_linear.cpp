@@ -1,6 +1,7 @@
 // Weight-only int4 and int8 linear layers for CPU decode. int4 quantizes the activations on the
 // fly to int8 per group of 32 (llama.cpp's Q8 idea), so that each group's dot product is 32
-// 8-bit products summed in integers (AVX2: vpmaddubsw), then scaled in floats.
+// 8-bit products summed in integers (AVX-512 VNNI: vpdpbusd; AVX2: vpmaddubsw and vpmaddwd),
+// then scaled in floats.
 //
 // int4, GGUF's Q4_1 form (groups of 32 weights: 16 bytes of 4-bit codes, a float scale d and
 // minimum m; w = q * d + m); code layout per group as ggml's: byte j holds element j (low
@@ -53,6 +54,29 @@ void quantize_row(const float* x, int64_t groups, int8_t* xq, float* sx, float* 
 #if defined(__AVX2__)
 constexpr int64_t kAhead = 2;  // blocks (q4) or rows (q8) of weight fetched ahead
 
+// acc + the sums of four adjacent u8 * s8 products, in 32-bit integers: one instruction with
+// AVX-512 VNNI, two with AVX2 (no 16-bit saturation here: codes are at most 15 and two
+// products at most 3,810). Both give the same integers, so results do not depend on which.
+inline __m256i dot_u8s8(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u8, s8);
+#else
+  return _mm256_add_epi32(
+      acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+#endif
+}
+
+// sum over g < G of a[g] * b[g]: eight lanes, then the tail, in a fixed order.
+inline float dot_f32(const float* a, const float* b, int64_t G) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + g), _mm256_loadu_ps(b + g), acc);
+  float sum = radixserve_vec::hsum8(acc);
+  for (; g < G; ++g) sum += a[g] * b[g];
+  return sum;
+}
+
 // R activation rows times T outputs, accumulators in registers. One output for one row is
 // sum over groups of d_g * sx_g * (codes . xq)_g, plus sum of m_g * xsum_g; every (output,
 // row) pair sums its groups in the same order with the same operations whatever R, T and M,
@@ -63,19 +87,21 @@ void q4_block(const uint8_t* qp, const float* dp, const float* mp, int64_t n0, i
               const int8_t* xq, const float* sx, const float* xsum, int64_t G, float* y,
               int64_t N) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   // The weight is read once per call, from memory: fetch the bytes of the block kAhead
-  // blocks on while this one computes (the rows of a block are contiguous).
+  // blocks on while this one computes (the rows of a block are contiguous; a cache line
+  // holds the scales of 16 groups, so those are fetched every fourth group).
   const uint8_t* next_q = qp + (n0 + kAhead * T) * G * 16;
   const float* next_d = dp + (n0 + kAhead * T) * G;
   const float* next_m = mp + (n0 + kAhead * T) * G;
   for (int64_t g = 0; g < G; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(next_q + g * T * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(next_d + g * T), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(next_m + g * T), _MM_HINT_T0);
+    if ((g & 3) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(next_d + g * T), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next_m + g * T), _MM_HINT_T0);
+    }
     __m256i codes[T];
     float dg[T];
     for (int t = 0; t < T; ++t) {
@@ -89,7 +115,7 @@ void q4_block(const uint8_t* qp, const float* dp, const float* mp, int64_t n0, i
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + rg * kGroup));
       const float s = sx[rg];
       for (int t = 0; t < T; ++t) {
-        const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(codes[t], xv), ones);
+        const __m256i p32 = dot_u8s8(_mm256_setzero_si256(), codes[t], xv);
         acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dg[t] * s), acc[r][t]);
       }
     }
@@ -97,9 +123,7 @@ void q4_block(const uint8_t* qp, const float* dp, const float* mp, int64_t n0, i
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < T; ++t) {
       const int64_t n = n0 + t, row = r0 + r;
-      float acc_min = 0.f;
-      for (int64_t g = 0; g < G; ++g) acc_min += mp[n * G + g] * xsum[row * G + g];
-      y[row * N + n] = radixserve_vec::hsum8(acc[r][t]) + acc_min;
+      y[row * N + n] = radixserve_vec::hsum8(acc[r][t]) + dot_f32(mp + n * G, xsum + row * G, G);
     }
   }
 }
@@ -175,45 +199,57 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Ten
 }
 
 // int8 rows against float activations: each group of 32 codes is widened to floats and scaled
-// once, then multiplied into every row's accumulator (the weight is read once for all rows).
+// once per block of up to four rows, then multiplied into each row's accumulators.
 // The activations stay in floats: the output head's logits decide the tokens, and a rounding
 // of its input would turn float-order noise between two paths of one prompt (a prefill and
 // a cache hit) into different tokens.
 #if defined(__AVX2__)
-// Four accumulators per row, one per quarter of a group, summed at the end in a fixed order:
-// a row's result does not depend on M. acc: the caller's scratch of 4 * M (no allocation per
-// output).
-inline __m256 widen_scaled(__m128i eight_codes, __m256 scale) {
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_codes)), scale);
-}
-
-void q8_rows(const int8_t* wn, const float* dn, const float* x, int64_t M, int64_t K,
-             int64_t groups, float* y, int64_t y_stride, __m256* acc) {
-  for (int64_t i = 0; i < 4 * M; ++i) acc[i] = _mm256_setzero_ps();
+// Rows r0 .. r0 + R - 1 of one output: four accumulators per row (one per quarter of a group),
+// in registers, summed at the end in a fixed order, the same for every R: a row's result does
+// not depend on M.
+template <int R>
+void q8_rows(const int8_t* wn, const float* dn, const float* x, int64_t r0, int64_t K,
+             int64_t groups, float* y, int64_t y_stride) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // fetch the weight row kAhead rows on (as q4_block does)
-    _mm_prefetch(reinterpret_cast<const char*>(wn + kAhead * K + g * kGroup), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(dn + kAhead * groups + g), _MM_HINT_T0);
+    // fetch the weight row kAhead rows on (as q4_block does): a cache line is two groups'
+    // codes or sixteen groups' scales
+    if ((g & 1) == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(wn + kAhead * K + g * kGroup), _MM_HINT_T0);
+    if ((g & 15) == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(dn + kAhead * groups + g), _MM_HINT_T0);
     const __m256 dg = _mm256_set1_ps(dn[g]);
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + g * kGroup));
-    const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
-    const __m256 w[4] = {widen_scaled(lo, dg), widen_scaled(_mm_srli_si128(lo, 8), dg),
-                         widen_scaled(hi, dg), widen_scaled(_mm_srli_si128(hi, 8), dg)};
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = x + r * K + g * kGroup;
+    const int8_t* wg = wn + g * kGroup;
+    __m256 w[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wg + 8 * q));
+      w[q] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), dg);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + (r0 + r) * K + g * kGroup;
       for (int q = 0; q < 4; ++q)
-        acc[4 * r + q] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xr + q * 8), acc[4 * r + q]);
+        acc[r][q] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xr + q * 8), acc[r][q]);
     }
   }
-  for (int64_t r = 0; r < M; ++r) {
-    const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[4 * r], acc[4 * r + 1]),
-                                   _mm256_add_ps(acc[4 * r + 2], acc[4 * r + 3]));
-    y[r * y_stride] = radixserve_vec::hsum8(a);
+  for (int r = 0; r < R; ++r) {
+    const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                   _mm256_add_ps(acc[r][2], acc[r][3]));
+    y[(r0 + r) * y_stride] = radixserve_vec::hsum8(a);
   }
 }
+
+// Every row of one output, four rows at a time.
+void q8_output(const int8_t* wn, const float* dn, const float* x, int64_t M, int64_t K,
+               int64_t groups, float* y, int64_t y_stride) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) q8_rows<4>(wn, dn, x, r, K, groups, y, y_stride);
+  for (; r < M; ++r) q8_rows<1>(wn, dn, x, r, K, groups, y, y_stride);
+}
 #else
-void q8_rows(const int8_t* wn, const float* dn, const float* x, int64_t M, int64_t K,
-             int64_t groups, float* y, int64_t y_stride) {
+void q8_output(const int8_t* wn, const float* dn, const float* x, int64_t M, int64_t K,
+               int64_t groups, float* y, int64_t y_stride) {
   for (int64_t r = 0; r < M; ++r) {
     float acc = 0.f;
     for (int64_t g = 0; g < groups; ++g)
@@ -245,13 +281,7 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Ten
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-#if defined(__AVX2__)
-    std::vector<__m256> acc(4 * M);
-    for (int64_t n = lo; n < hi; ++n)
-      q8_rows(qp + n * K, dp + n * G, xp, M, K, G, yp + n, N, acc.data());
-#else
-    for (int64_t n = lo; n < hi; ++n) q8_rows(qp + n * K, dp + n * G, xp, M, K, G, yp + n, N);
-#endif
+    for (int64_t n = lo; n < hi; ++n) q8_output(qp + n * K, dp + n * G, xp, M, K, G, yp + n, N);
   });
   return y;
 }
