@@ -18,7 +18,8 @@ The layers here keep their weights packed:
   codes by the activations quantized to int8 per group of 32, in integers, as llama.cpp
   does (2x ATen's int4 kernel at batch 1 on AVX2). From there on, the weight is
   dequantized and multiplied by the dense GEMM, which wins at prefill sizes, with the
-  activations rounded to the same int8 grid, so both paths compute the same function. Where
+  activations rounded to the same int8 grid, so both paths compute the same function (in
+  fp32; a bf16 model on a CPU with native bf16 matmuls runs this GEMM in bf16). Where
   the C++ kernels cannot be built, ATen's `_weight_int4pack_mm_for_cpu` (bf16 activations)
   takes over.
 
@@ -168,14 +169,15 @@ class QuantizedLinear(nn.Module):
         if self.kernel == "q4":
             if x2.shape[0] < DENSE_ROWS:
                 y = torch.ops.radixserve.q4_linear(x2, self.qs, self.d, self.m)
-            else:  # the kernel's int8 activations and fp32 arithmetic, through a dense GEMM
+            else:  # the kernel's int8 activations, through a dense GEMM
                 w = torch.ops.radixserve.q4_dequantize(self.qs, self.d, self.m)
-                y = F.linear(quantize_activations(x2), w)
+                y = _dense(quantize_activations(x2), w, x2.dtype)
         elif self.kernel == "q8":
             if x2.shape[0] < DENSE_ROWS:
                 y = torch.ops.radixserve.q8_linear(x2, self.qs, self.d)
             else:
-                y = F.linear(x2.float(), torch.ops.radixserve.q8_dequantize(self.qs, self.d))
+                w = torch.ops.radixserve.q8_dequantize(self.qs, self.d)
+                y = _dense(x2.float(), w, x2.dtype)
         elif self.method == "int8":
             y = torch._weight_int8pack_mm(
                 x2.to(KERNEL_DTYPE).contiguous(), self.packed, self.scales
@@ -200,6 +202,24 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.method} ({self.kernel}), in={self.in_features}, out={self.out_features}"
+
+
+def _dense(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM of the prefill-sized path: fp32, or bf16 (fp32 accumulation) for a bf16 model
+    on a CPU with native bf16 matrix instructions, where it runs ≈ 3x the fp32 rate (AVX-512
+    BF16: 340 against 115 GFLOP/s on two Zen 4 cores). The bf16 path rounds the dequantized
+    weight and the int8-grid activations to bf16, the model's own precision: it agrees with
+    the kernel's rows to bf16's tolerance instead of fp32's."""
+    if dtype == torch.bfloat16 and _native_bf16():
+        return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
+    return F.linear(x, w)
+
+
+@functools.lru_cache(maxsize=1)
+def _native_bf16() -> bool:
+    from radixserve.args import cpu_has_bf16
+
+    return cpu_has_bf16()
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:

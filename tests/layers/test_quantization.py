@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers import quantization
@@ -15,6 +16,7 @@ from radixserve.layers.quantization import (
     QuantizedLinear,
     dequantize_int4,
     pack_q4,
+    quantize_activations,
     quantize_int4,
     quantize_int8,
     quantize_model,
@@ -204,6 +206,28 @@ def test_q4_gemv_and_gemm_paths_agree_row_by_row() -> None:
     gemm = layer(x)  # 64 rows: the dequantized GEMM
     gemv = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])  # one row each: the kernel
     assert (gemm - gemv).abs().max() <= 1e-5 * gemm.abs().max()
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_bf16_prefill_gemm_agrees_with_the_kernel_rows(method, native_bf16, monkeypatch) -> None:
+    """A bf16 model's prefill-sized products: in bf16 on a CPU with native bf16 matmuls, in
+    fp32 elsewhere. Either way each row agrees with the kernel's own row (the decode path)
+    to bf16's tolerance, and the output keeps the model's dtype."""
+    monkeypatch.setattr(quantization, "_native_bf16", lambda: native_bf16)
+    gen = torch.Generator().manual_seed(8)
+    layer = QuantizedLinear(method, torch.randn(320, 576, generator=gen) * 0.05)
+    x = torch.randn(DENSE_ROWS + 5, 576, generator=gen).to(torch.bfloat16)
+    gemm = layer(x)
+    assert gemm.dtype == torch.bfloat16
+    rows = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    err = (gemm.float() - rows.float()).abs().max() / rows.float().abs().max()
+    assert err <= 2e-2, err
+    if method == "int4":  # the GEMM ran in the dtype the capability picks
+        w = torch.ops.radixserve.q4_dequantize(layer.qs, layer.d, layer.m)
+        xq = quantize_activations(x)
+        want = F.linear(xq.bfloat16(), w.bfloat16()) if native_bf16 else F.linear(xq, w)
+        assert torch.equal(gemm, want.to(torch.bfloat16))
 
 
 def test_q8_kernels_against_the_reference() -> None:
