@@ -119,11 +119,15 @@ def test_get_load_is_one_rank_with_the_tokens_in_use(server):
         "stream": True,
     }
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
-        next(line for line in r.iter_lines() if line.startswith("data: "))
+        # Keep the line iterator alive: a dropped one is closed, and closing it closes the
+        # response, which the server takes as a disconnect and aborts the request.
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
         load = _get(server, "/get_load").json()
         assert len(load) == 1 and load[0]["dp_rank"] == 0
         assert load[0]["num_reqs"] == 1 and load[0]["num_tokens"] > 0
         assert load[0]["num_waiting_reqs"] == 0
+        assert sse_events(lines)[-1] == "[DONE]"  # it ran to its end, not aborted
     wait_drained(server)
     assert _get(server, "/get_load").json()[0]["num_tokens"] == 0
 
