@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -540,8 +541,10 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_has_bf16() -> bool:
-    """True when the CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
+    """True when the CPU has native bf16 matrix instructions (AVX512-BF16 or AMX). Read once:
+    the int4/int8 layers ask on every prefill-sized product."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

@@ -214,7 +214,7 @@ def test_bf16_prefill_gemm_agrees_with_the_kernel_rows(method, native_bf16, monk
     """A bf16 model's prefill-sized products: in bf16 on a CPU with native bf16 matmuls, in
     fp32 elsewhere. Either way each row agrees with the kernel's own row (the decode path)
     to bf16's tolerance, and the output keeps the model's dtype."""
-    monkeypatch.setattr(quantization, "_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(quantization, "cpu_has_bf16", lambda: native_bf16)
     gen = torch.Generator().manual_seed(8)
     layer = QuantizedLinear(method, torch.randn(320, 576, generator=gen) * 0.05)
     x = torch.randn(DENSE_ROWS + 5, 576, generator=gen).to(torch.bfloat16)

@@ -92,7 +92,8 @@ void q4_block(const uint8_t* qp, const float* dp, const float* mp, int64_t n0, i
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   // The weight is read once per call, from memory: fetch the bytes of the block kAhead
   // blocks on while this one computes (the rows of a block are contiguous; a cache line
-  // holds the scales of 16 groups, so those are fetched every fourth group).
+  // holds 16 scales, the next 16 / T groups of the block's T rows, so those are fetched
+  // every fourth group: once a line for T = 4).
   const uint8_t* next_q = qp + (n0 + kAhead * T) * G * 16;
   const float* next_d = dp + (n0 + kAhead * T) * G;
   const float* next_m = mp + (n0 + kAhead * T) * G;
