@@ -28,7 +28,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV_VAR = "RADIXSERVE_KERNEL_CACHE"
-_SOURCES = ("decode_attention.cpp", "quant_linear.cpp", "fused_ops.cpp", "decode_step.cpp")
+_SOURCES = (
+    "decode_attention.cpp",
+    "extend_attention.cpp",
+    "quant_linear.cpp",
+    "fused_ops.cpp",
+    "decode_step.cpp",
+)
 _HEADERS = ("kernels.h", "vec_math.h")  # included by the sources: part of the build's name too
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 _lock = threading.Lock()

@@ -13,14 +13,19 @@ once per request.
 
 Extend and mixed steps are ragged, never padded to the longest request: rows that extend by
 one token (a mixed step's decode rows, a one-token chunk) go through the same decode kernel;
-every longer row gets one scaled_dot_product_attention call over its own slots, causal from
-its cached prefix on (plain causal, the flash path, when it has none). A padded batch would
-cost every row the longest row's queries times the longest row's keys.
+every longer row gets one call over its own slots, causal from its cached prefix on. With bf16
+queries and pool, head_dim 64 or 128 and a CPU with AVX512-BF16, that call is the extend kernel
+(csrc/extend_attention.cpp: flash-attention tiles on the bf16 dot-product instructions, K/V
+read through the row's slots, the causal mask computed, not stored); otherwise
+scaled_dot_product_attention (plain causal, the flash path, when there is no prefix; a boolean
+mask after one). A padded batch would cost every row the longest row's queries times the
+longest row's keys.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +55,15 @@ class ExtendSpan:
     q_start: int  # its first token in the step's packed tokens
     q_len: int
     slots: torch.Tensor  # [L] its KV slots, prefix and new tokens
-    mask: torch.Tensor | None  # [q_len, L] causal from the prefix on; None: no prefix
+    prefix: int  # cached tokens before the new ones
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[q_len, L] causal from the prefix on (for SDPA); None: no prefix, plain causal."""
+        if not self.prefix:
+            return None
+        q_pos = torch.arange(self.prefix, self.prefix + self.q_len)
+        return torch.arange(self.prefix + self.q_len)[None, :] <= q_pos[:, None]
 
 
 @dataclass
@@ -71,6 +84,9 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         super().__init__(device)
         load_cpu_kernels()
         self.kernel = torch.ops.radixserve.decode_attention
+        self.extend_kernel = None  # absent on CPUs without AVX512-BF16: SDPA then
+        if torch.ops.radixserve.extend_attention_supported():
+            self.extend_kernel = torch.ops.radixserve.extend_attention
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if not fb.forward_mode.is_decode():
@@ -145,11 +161,7 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
                 single.append(start)
                 single_rows.append(b)
             elif n > 1:
-                mask = None
-                if prefix:  # query i sits at position prefix + i and sees keys <= it
-                    q_pos = torch.arange(prefix, prefix + n)
-                    mask = torch.arange(seq)[None, :] <= q_pos[:, None]
-                spans.append(ExtendSpan(start, n, fb.kv_rows[b, :seq], mask))
+                spans.append(ExtendSpan(start, n, fb.kv_rows[b, :seq], prefix))
             start += n
         ends = [fb.seq_lens_cpu[b] for b in single_rows]
         rows = fb.kv_rows[single_rows, : max(ends, default=0)].contiguous()
@@ -176,7 +188,19 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
                 q4, k_buf, v_buf, md.single_rows, zero, md.single_end, layer.scaling, 0
             )
             out[md.single] = o.to(q.dtype).view(n, hq, d)
-        for sp in md.spans:  # 4-D inputs: with three, CPU SDPA takes its slow math path
+        fast = (
+            self.extend_kernel is not None
+            and q.dtype == k_buf.dtype == torch.bfloat16
+            and d in (64, 128)
+        )
+        for sp in md.spans:
+            if fast:
+                qs = q3[sp.q_start : sp.q_start + sp.q_len].contiguous()
+                out[sp.q_start : sp.q_start + sp.q_len] = self.extend_kernel(
+                    qs, k_buf, v_buf, sp.slots, layer.scaling
+                )
+                continue
+            # 4-D inputs: with three, CPU SDPA takes its slow math path
             keys = k_buf[sp.slots].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
             values = v_buf[sp.slots].to(q.dtype).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
