@@ -149,3 +149,114 @@ def test_bf16_real_model_prefill_is_as_close_to_fp32_as_sdpa(
     assert err_kernel <= 1.5 * err_sdpa, (err_kernel, err_sdpa)
     assert not torch.equal(with_kernel, with_sdpa)  # the kernel did run
     assert torch.equal(with_kernel.argmax(-1), fp32.argmax(-1))
+
+
+def _cascade_inputs(groups, hkv, g, d, gen):
+    """A batch of decode queries, some in groups sharing a prefix: groups = [(members, Lp)]."""
+    b = 1 + max(m for members, _ in groups for m in members)
+    size = sum(lp for _, lp in groups) + 64
+    k_buf = torch.randn(size, hkv, d, generator=gen).bfloat16()
+    v_buf = torch.randn(size, hkv, d, generator=gen).bfloat16()
+    q = torch.randn(b, hkv, g, d, generator=gen).bfloat16()
+    perm = torch.randperm(size, generator=gen)
+    prefixes, at = [], 0
+    for _, lp in groups:
+        prefixes.append(perm[at : at + lp])
+        at += lp
+    return q, k_buf, v_buf, prefixes
+
+
+@pytest.mark.parametrize(
+    ("heads", "groups"),
+    [
+        ((3, 3, 64), [([0, 1, 2], 150), ([4, 3], 64)]),  # SmolLM2's heads, members unsorted
+        ((3, 3, 64), [(list(range(30)), 1030)]),  # 90 rows: two tiles of one group
+        ((2, 4, 128), [([1, 0], 77), ([2, 5, 3], 700)]),  # head size 128
+        ((1, 8, 64), [([0, 1], 1)]),  # a one-slot prefix, one KV head
+    ],
+)
+def test_cascade_kernel_merges_each_groups_prefix_into_the_suffix_result(extend, heads, groups):
+    """Each member's (out, lse) over its suffix, merged with its group's prefix, equals
+    attention over prefix + suffix; rows of the batch in no group are left as they were, and
+    an empty suffix (lse = -inf) gives the prefix's attention alone."""
+    hkv, g, d = heads
+    gen = torch.Generator().manual_seed(len(groups) * 100 + g)
+    q, k_buf, v_buf, prefixes = _cascade_inputs(groups, hkv, g, d, gen)
+    b = q.shape[0]
+    scale = d**-0.5
+    # every request's private suffix: 1 to 40 slots of its own (row 0: none)
+    suffix = [torch.randint(0, k_buf.shape[0], (int(n),), generator=gen) for n in range(b)]
+    owner = {m: i for i, (members, _) in enumerate(groups) for m in members}
+
+    def attend(qb, slots):  # qb [Hkv, G, D] over slots -> (out [Hkv, G, D], lse [Hkv, G])
+        s = torch.einsum("hgd,lhd->hgl", qb.float(), k_buf[slots].float()) * scale
+        return torch.einsum("hgl,lhd->hgd", s.softmax(-1), v_buf[slots].float()), s.logsumexp(-1)
+
+    out = torch.zeros(b, hkv, g, d)
+    lse = torch.full((b, hkv, g), float("-inf"))
+    want = torch.zeros(b, hkv, g, d)
+    for i in range(b):
+        if len(suffix[i]):
+            out[i], lse[i] = attend(q[i], suffix[i])
+        full = suffix[i] if i not in owner else torch.cat([prefixes[owner[i]], suffix[i]])
+        want[i] = attend(q[i], full)[0] if len(full) else out[i]
+    want_lse = torch.stack(
+        [
+            attend(q[i], torch.cat([prefixes[owner[i]], suffix[i]]))[1] if i in owner else lse[i]
+            for i in range(b)
+        ]
+    )
+    members = torch.tensor([m for ms, _ in groups for m in ms])
+    start = torch.tensor([0, *torch.tensor([len(ms) for ms, _ in groups]).cumsum(0).tolist()])
+    rows = torch.nn.utils.rnn.pad_sequence(prefixes, batch_first=True)
+    lens = torch.tensor([lp for _, lp in groups])
+    untouched = [i for i in range(b) if i not in owner]
+    before = out[untouched].clone(), lse[untouched].clone()
+    torch.ops.radixserve.cascade_prefix_attention(
+        q, k_buf, v_buf, members, start, rows, lens, out, lse, scale
+    )
+    assert torch.equal(out[untouched], before[0]) and torch.equal(lse[untouched], before[1])
+    err = (out - want).abs().max().item()
+    assert err < 1e-2, err
+    assert torch.allclose(lse, want_lse, atol=1e-2, rtol=0)
+
+
+def test_cascade_kernel_rejects_bad_groups(extend):
+    q = torch.zeros(4, 3, 3, 64, dtype=torch.bfloat16)
+    k = torch.zeros(100, 3, 64, dtype=torch.bfloat16)
+    out, lse = torch.zeros(4, 3, 3, 64), torch.zeros(4, 3, 3)
+    rows, lens = torch.arange(10)[None], torch.tensor([10])
+    op = torch.ops.radixserve.cascade_prefix_attention
+    with pytest.raises(RuntimeError, match="out of the batch"):
+        op(q, k, k, torch.tensor([0, 4]), torch.tensor([0, 2]), rows, lens, out, lse, 0.1)
+    with pytest.raises(RuntimeError, match="no members"):
+        two = torch.arange(20).view(2, 10)
+        op(
+            q,
+            k,
+            k,
+            torch.tensor([0, 1]),
+            torch.tensor([0, 0, 2]),
+            two,
+            lens.repeat(2),
+            out,
+            lse,
+            0.1,
+        )
+    with pytest.raises(RuntimeError, match="prefix length out of its row"):
+        op(q, k, k, torch.tensor([0, 1]), torch.tensor([0, 2]), rows, lens + 1, out, lse, 0.1)
+    with pytest.raises(RuntimeError, match="out of the pool"):
+        op(q, k, k, torch.tensor([0, 1]), torch.tensor([0, 2]), rows + 95, lens, out, lse, 0.1)
+    with pytest.raises(RuntimeError, match="fp32"):
+        op(
+            q,
+            k,
+            k,
+            torch.tensor([0, 1]),
+            torch.tensor([0, 2]),
+            rows,
+            lens,
+            out.bfloat16(),
+            lse,
+            0.1,
+        )

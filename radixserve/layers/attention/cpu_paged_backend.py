@@ -9,7 +9,9 @@ into segments across threads and merged by log-sum-exp. No padded copy of the co
 Requests that share a cached prefix (cascade): the shared slots are attended once per group,
 with the group's queries stacked as extra query heads of one request, and merged with each
 request's private suffix by their log-sum-exp, so the prefix is read once per group instead of
-once per request.
+once per request. With bf16 queries and pool on a CPU with AVX512-BF16, one call of the
+cascade kernel (csrc/extend_attention.cpp) attends every group's prefix, a group's queries
+stacked as the rows of one tile, and merges the results into the suffixes' in place.
 
 Extend and mixed steps are ragged, never padded to the longest request: rows that extend by
 one token (a mixed step's decode rows, a one-token chunk) go through the same decode kernel;
@@ -24,6 +26,7 @@ longest row's keys.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -46,6 +49,11 @@ class PagedDecodeMetadata:
     groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     group_members: torch.Tensor | None = None  # every group's member rows, in group order
     prefix_start: torch.Tensor | None = None  # [1] zero: a group attends its prefix from slot 0
+    # The same groups for the bf16 cascade kernel: group g's members are
+    # group_members[group_start[g] : group_start[g + 1]], its prefix prefix_rows[g, :len].
+    group_start: torch.Tensor | None = None  # [NG + 1]
+    prefix_rows: torch.Tensor | None = None  # [NG, longest prefix]
+    prefix_lens: torch.Tensor | None = None  # [NG]
 
 
 @dataclass
@@ -84,9 +92,19 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         super().__init__(device)
         load_cpu_kernels()
         self.kernel = torch.ops.radixserve.decode_attention
-        self.extend_kernel = None  # absent on CPUs without AVX512-BF16: SDPA then
+        # bf16 tile kernels, absent on CPUs without AVX512-BF16 (SDPA and the Python cascade then)
+        self.extend_kernel = self.cascade_kernel = None
         if torch.ops.radixserve.extend_attention_supported():
             self.extend_kernel = torch.ops.radixserve.extend_attention
+            self.cascade_kernel = torch.ops.radixserve.cascade_prefix_attention
+
+    def _bf16_tiles(self, q: torch.Tensor, k_buf: torch.Tensor, layer: AttentionLayer) -> bool:
+        """Whether this layer's attention may take the bf16 tile kernels."""
+        return (
+            self.extend_kernel is not None
+            and q.dtype == k_buf.dtype == torch.bfloat16
+            and layer.head_dim in (64, 128)
+        )
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if not fb.forward_mode.is_decode():
@@ -98,16 +116,29 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         if fb.batch_size >= 2:  # it compares only slots below every member's length
             found = shared_prefix_groups(kv_rows, seq_lens)
         if found is None:
-            groups, start, members, zero = [], torch.zeros_like(seq_lens), None, None
-        else:
-            groups = [
-                (members, slots[None, :], seq_lens.new_full((1,), len(slots)))
-                for members, slots in found[0]
-            ]
-            start = found[1]
-            members = torch.cat([g[0] for g in groups])
-            zero = seq_lens.new_zeros(1)
-        fb.attn_metadata = PagedDecodeMetadata(kv_rows, start, seq_lens, groups, members, zero)
+            fb.attn_metadata = PagedDecodeMetadata(
+                kv_rows, torch.zeros_like(seq_lens), seq_lens, []
+            )
+            return
+        groups = [
+            (members, slots[None, :], seq_lens.new_full((1,), len(slots)))
+            for members, slots in found[0]
+        ]
+        sizes = [len(g[0]) for g in groups]
+        lens = [g[2] for g in groups]
+        fb.attn_metadata = PagedDecodeMetadata(
+            kv_rows,
+            found[1],
+            seq_lens,
+            groups,
+            torch.cat([g[0] for g in groups]).to(torch.int64),
+            seq_lens.new_zeros(1),
+            torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64),
+            torch.nn.utils.rnn.pad_sequence([g[1][0] for g in groups], batch_first=True).to(
+                torch.int64
+            ),
+            torch.cat(lens).to(torch.int64),
+        )
 
     def forward(
         self,
@@ -130,7 +161,20 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         out, lse = self.kernel(
             q4, k_buf, v_buf, md.kv_rows, md.kv_start, md.kv_end, layer.scaling, 0
         )
-        if md.groups:  # each group's prefix once, merged with every member's suffix at once
+        if md.groups and self._bf16_tiles(q, k_buf, layer):  # merged into (out, lse) in place
+            self.cascade_kernel(
+                q4,
+                k_buf,
+                v_buf,
+                md.group_members,
+                md.group_start,
+                md.prefix_rows,
+                md.prefix_lens,
+                out,
+                lse,
+                layer.scaling,
+            )
+        elif md.groups:  # each group's prefix once, merged with every member's suffix at once
             parts, part_lse = [], []
             for members, slots, length in md.groups:
                 n = len(members)
@@ -188,11 +232,7 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
                 q4, k_buf, v_buf, md.single_rows, zero, md.single_end, layer.scaling, 0
             )
             out[md.single] = o.to(q.dtype).view(n, hq, d)
-        fast = (
-            self.extend_kernel is not None
-            and q.dtype == k_buf.dtype == torch.bfloat16
-            and d in (64, 128)
-        )
+        fast = self._bf16_tiles(q, k_buf, layer)
         for sp in md.spans:
             if fast:
                 qs = q3[sp.q_start : sp.q_start + sp.q_len].contiguous()

@@ -1,16 +1,26 @@
-// Prefill (extend) attention for one request on CPUs with AVX512-BF16: the request's new tokens
-// attend its cached prefix and, causally, each other, K and V read through its row of slots in
-// the paged pool. Flash-attention tiling: a tile of query rows against a tile of keys at a time,
-// scores and the probabilities-times-values product both on `vdpbf16ps` (bf16 pairs summed into
-// fp32), an online softmax in fp32 in between, the running output in fp32. The probabilities are
-// rounded to bf16 for the second product, as flash-attention does on GPUs.
+// Attention of many queries over one row of slots, for CPUs with AVX512-BF16: flash-attention
+// tiles (a tile of query rows against a tile of keys at a time), scores and the
+// probabilities-times-values product both on `vdpbf16ps` (bf16 pairs summed into fp32), an
+// online softmax in fp32 in between, the running output in fp32. The probabilities are rounded
+// to bf16 for the second product, as flash-attention does on GPUs. K and V are read through
+// the row's slots in the paged pool and packed once per call for the two products.
 //
 // extend_attention(q [N, Hq, D] bf16, k_buf [S, Hkv, D] bf16, v_buf [S, Hkv, D] bf16,
 //                  slots [L] int64, scale) -> out [N, Hq, D] bf16
-// N <= L; the new tokens are the row's last N: query i sits at position L - N + i and sees
-// keys 0 ..= L - N + i. D is 64 or 128; Hq a multiple of Hkv (GQA: query head h reads KV head
-// h / (Hq / Hkv)). extend_attention_supported() says whether this build has the kernel (it
-// needs a CPU with AVX512-BF16; elsewhere callers keep torch's SDPA).
+//   Prefill: a request's N new tokens (the row's last N) attend its cached prefix and,
+//   causally, each other: query i sits at position L - N + i and sees keys 0 ..= L - N + i.
+// cascade_prefix_attention(q [B, Hkv, G, D] bf16, k_buf, v_buf, members [M] int64,
+//                          group_start [NG + 1] int64, prefix_rows [NG, Lmax] int64,
+//                          prefix_lens [NG] int64, out [B, Hkv, G, D] fp32 (in/out),
+//                          lse [B, Hkv, G] fp32 (in/out), scale)
+//   A decode step's shared prefixes: group g's requests members[group_start[g] :
+//   group_start[g + 1]] all attend prefix_rows[g, :prefix_lens[g]] (no mask), their G query
+//   heads per KV head stacked as one tile's rows, so the prefix is read once per group; each
+//   result is merged by log-sum-exp into (out, lse), which hold the requests' attention over
+//   their private suffixes (decode_attention's output).
+// D is 64 or 128; Hq a multiple of Hkv (GQA: query head h reads KV head h / (Hq / Hkv)).
+// extend_attention_supported() says whether this build has the kernels (they need a CPU with
+// AVX512-BF16; elsewhere callers keep torch's SDPA and decode_attention).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -60,30 +70,66 @@ inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
+// out[c] = column c of the 16 x 16 matrix of 32-bit words whose row r is in[r].
+inline void transpose16(const __m512i in[16], __m512i out[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // within 128-bit lanes: 2 x 2 blocks of rows i, i + 1
+    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c], lane L: column 4L + c of rows i .. i + 3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane L of the four row groups: column 4L + c
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    out[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    out[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    out[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    out[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
 // One KV head's keys and values, packed per tile of kBK keys for the two products (a 32-bit
 // word holds a bf16 pair, the lower address in its low half, as vdpbf16ps pairs them):
 //   kp[tile][i][j] = (K[j][2i], K[j][2i + 1])   [D/2][kBK]: a vector is 16 keys' pair i
 //   vp[tile][j][d] = (V[2j][d], V[2j + 1][d])   [kBK/2][D]: a vector is 16 dims of keys 2j, 2j+1
-// Keys past the row's end are zero.
+// Keys past the row's end are zero. D is a multiple of 32.
 void pack_tile(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* slots, int64_t L,
                int64_t Hkv, int64_t D, int64_t h, int64_t tile, uint32_t* kp, uint32_t* vp) {
   const int64_t W = Hkv * D, j0 = tile * kBK, half = D / 2;
+  const uint16_t* krow[kBK];
+  const uint16_t* vrow[kBK];
   for (int64_t j = 0; j < kBK; ++j) {
-    const int64_t t = j0 + j;
-    if (t < L) {
-      const uint32_t* k = reinterpret_cast<const uint32_t*>(k_buf + slots[t] * W + h * D);
-      for (int64_t i = 0; i < half; ++i) kp[i * kBK + j] = k[i];
-    } else {
-      for (int64_t i = 0; i < half; ++i) kp[i * kBK + j] = 0;
+    const bool in = j0 + j < L;
+    krow[j] = in ? k_buf + slots[j0 + j] * W + h * D : nullptr;
+    vrow[j] = in ? v_buf + slots[j0 + j] * W + h * D : nullptr;
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i in[16], out[16];
+  for (int64_t jb = 0; jb < kBK; jb += 16) {  // 16 keys x 16 pairs at a time, transposed
+    for (int64_t ib = 0; ib < half; ib += 16) {
+      for (int r = 0; r < 16; ++r)
+        in[r] = krow[jb + r] ? _mm512_loadu_si512(krow[jb + r] + 2 * ib) : zero;
+      transpose16(in, out);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(kp + (ib + c) * kBK + jb, out[c]);
     }
   }
-  for (int64_t j = 0; j < kBK / 2; ++j) {
-    const int64_t t = j0 + 2 * j;
-    const uint16_t* v0 = t < L ? v_buf + slots[t] * W + h * D : nullptr;
-    const uint16_t* v1 = t + 1 < L ? v_buf + slots[t + 1] * W + h * D : nullptr;
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t lo = v0 ? v0[d] : 0, hi = v1 ? v1[d] : 0;
-      vp[j * D + d] = lo | (hi << 16);
+  for (int64_t j = 0; j < kBK / 2; ++j) {  // interleave keys 2j and 2j + 1, 16 dims at a time
+    const uint16_t *v0 = vrow[2 * j], *v1 = vrow[2 * j + 1];
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512i lo = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(v0 + d)))
+                            : zero;
+      const __m512i hi = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(v1 + d)))
+                            : zero;
+      _mm512_storeu_si512(vp + j * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
 }
@@ -134,30 +180,51 @@ inline void accumulate_rows(const uint32_t* p, const uint32_t* vp, const float* 
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * D + v * 16, acc[r][v]);
 }
 
-// One query head's tile of up to kBQ rows (query rows q0 .. q0 + rows - 1) over every key it
-// sees. q: the request's queries [N, Hq, D]; out likewise.
+// A tile's query rows: row r's query vector (bf16, D values) and which keys it sees: those
+// below limit0 + r when causal, below limit0 otherwise.
+struct TileRows {
+  const uint16_t* q[kBQ];
+  int64_t rows;
+  int64_t limit0;
+  bool causal;
+};
+
+// Per-thread buffers of one tile.
+struct TileScratch {
+  std::vector<uint32_t> q, p;
+  std::vector<float> s, o, m, l, alpha;
+  explicit TileScratch(int64_t D)
+      : q(kBQ * D / 2), p(kBQ * kBK / 2), s(kBQ * kBK), o(kBQ * D), m(kBQ), l(kBQ), alpha(kBQ) {}
+};
+
+// The tile's rows over every key they see (kp, vp: one KV head's packed tiles). Leaves the
+// unnormalized output in w.o [rows, D], the running maximum in w.m and the sum in w.l.
 template <int NV>
-void attend_tile(const uint16_t* q, uint16_t* out, int64_t Hq, int64_t h, int64_t q0,
-                 int64_t rows, int64_t prefix, const uint32_t* kp, const uint32_t* vp,
-                 float scale, uint32_t* qt, float* s, uint32_t* pt, float* o, float* m, float* l,
-                 float* alpha) {
+void attend_tile(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, float scale,
+                 TileScratch& w) {
   constexpr int64_t D = NV * 16, half = D / 2;
-  constexpr int RS = 4;            // rows per score micro-tile (16 accumulators)
-  constexpr int RA = 16 / NV;      // rows per accumulate micro-tile (16 accumulators)
-  static_assert(kBQ % RS == 0 && kBQ % RA == 0);
-  // Rows past the request's end are zero queries: their results are computed and dropped.
-  for (int64_t r = 0; r < kBQ; ++r) {
+  constexpr int RS = 4;        // rows per score micro-tile (16 accumulators)
+  constexpr int RA = 16 / NV;  // rows per accumulate micro-tile (16 accumulators)
+  static_assert(kBQ % RS == 0 && kBQ % RA == 0 && RS % RA == 0);
+  uint32_t *qt = w.q.data(), *pt = w.p.data();
+  float *s = w.s.data(), *o = w.o.data(), *m = w.m.data(), *l = w.l.data();
+  float* alpha = w.alpha.data();
+  const int64_t rows = tr.rows;
+  const int64_t rows_up = (rows + RS - 1) / RS * RS;
+  // Rows up to the micro-tile's end past the tile's rows are zero queries, their results
+  // computed and dropped.
+  for (int64_t r = 0; r < rows_up; ++r) {
     if (r < rows)
-      std::memcpy(qt + r * half, q + ((q0 + r) * Hq + h) * D, D * sizeof(uint16_t));
+      std::memcpy(qt + r * half, tr.q[r], D * sizeof(uint16_t));
     else
       std::memset(qt + r * half, 0, D * sizeof(uint16_t));
     m[r] = kNegInf;
     l[r] = 0.f;
   }
-  std::memset(o, 0, kBQ * D * sizeof(float));
-  const int64_t first_pos = prefix + q0, last_pos = prefix + q0 + rows - 1;
-  const int64_t tiles = last_pos / kBK + 1;
-  const int64_t rows_up = (rows + RS - 1) / RS * RS;
+  std::memset(o, 0, rows_up * D * sizeof(float));
+  const int64_t min_limit = tr.limit0;
+  const int64_t max_limit = tr.causal ? tr.limit0 + rows - 1 : tr.limit0;
+  const int64_t tiles = (max_limit + kBK - 1) / kBK;
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t t = 0; t < tiles; ++t) {
     const uint32_t* kt = kp + t * half * kBK;
@@ -165,15 +232,16 @@ void attend_tile(const uint16_t* q, uint16_t* out, int64_t Hq, int64_t h, int64_
     for (int64_t r = 0; r < rows_up; r += RS)
       score_rows<RS>(qt + r * half, half, kt, scale, s + r * kBK);
     const int64_t k0 = t * kBK;
-    const bool diagonal = k0 + kBK - 1 > first_pos;  // some row sees only part of this tile
+    const bool partial = k0 + kBK > min_limit;  // some row sees only part of this tile
     for (int64_t r = 0; r < rows_up; ++r) {
       float* sr = s + r * kBK;
       __mmask16 valid[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
-      if (diagonal) {  // key k0 + 16c + lane is seen by the row at position first_pos + r
-        const __m512i lim = _mm512_set1_epi32(static_cast<int>(first_pos + r - k0));
+      if (partial) {  // key k0 + 16c + lane is seen below the row's limit
+        const int64_t limit = tr.causal ? tr.limit0 + r : tr.limit0;
+        const __m512i lim = _mm512_set1_epi32(static_cast<int>(std::min(limit - k0, kBK)));
         for (int c = 0; c < 4; ++c)
-          valid[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)),
-                                             lim);
+          valid[c] =
+              _mm512_cmplt_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)), lim);
       }
       __m512 mx = _mm512_set1_ps(kNegInf);
       for (int c = 0; c < 4; ++c)
@@ -202,44 +270,118 @@ void attend_tile(const uint16_t* q, uint16_t* out, int64_t Hq, int64_t h, int64_
     for (int64_t r = 0; r < rows_a; r += RA)
       accumulate_rows<RA, NV>(pt + r * (kBK / 2), vt, alpha + r, o + r * D, kBK / 2);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-    uint16_t* dst = out + ((q0 + r) * Hq + h) * D;
-    for (int v = 0; v < NV; ++v) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + v * 16), inv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + v, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+// Pack the tiles of `heads` rows of slots (one per KV head, or per group and KV head):
+// row i reads slots[i / Hkv] up to len[i / Hkv], KV head i % Hkv. kp/vp: [rows][tiles][...].
+void pack_rows(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* const* slots,
+               const int64_t* lens, int64_t rows, int64_t tiles, int64_t Hkv, int64_t D,
+               uint32_t* kp, uint32_t* vp) {
+  const int64_t tile_words = kBK * D / 2;
+  at::parallel_for(0, rows * tiles, 4, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t row = i / tiles, tile = i % tiles, owner = row / Hkv;
+      if (tile * kBK >= lens[owner]) continue;  // past this row's end: never read
+      pack_tile(k_buf, v_buf, slots[owner], lens[owner], Hkv, D, row % Hkv, tile,
+                kp + i * tile_words, vp + i * tile_words);
     }
-  }
+  });
+}
+
+// Run items 0 .. items - 1 on the thread pool, handed out one at a time (tiles of unequal cost
+// share the threads evenly), each thread with its own scratch.
+template <typename F>
+void for_each_item(int64_t items, int64_t D, const F& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    TileScratch w(D);
+    for (int64_t i = next++; i < items; i = next++) f(i, w);
+  });
 }
 
 template <int NV>
 void extend_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_buf,
                  const int64_t* slots, int64_t N, int64_t L, int64_t Hq, int64_t Hkv, float scale,
                  uint16_t* out) {
-  constexpr int64_t D = NV * 16, half = D / 2;
+  constexpr int64_t D = NV * 16;
   const int64_t tiles = (L + kBK - 1) / kBK, prefix = L - N, G = Hq / Hkv;
-  const int64_t tile_words = half * kBK;  // kBK * D / 2 words, for K and for V alike
-  std::vector<uint32_t> kp(Hkv * tiles * tile_words), vp(Hkv * tiles * tile_words);
-  at::parallel_for(0, Hkv * tiles, 4, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i)
-      pack_tile(k_buf, v_buf, slots, L, Hkv, D, i / tiles, i % tiles,
-                kp.data() + i * tile_words, vp.data() + i * tile_words);
+  const int64_t head_words = tiles * kBK * D / 2;
+  std::vector<uint32_t> kp(Hkv * head_words), vp(Hkv * head_words);
+  const int64_t* rows[1] = {slots};
+  pack_rows(k_buf, v_buf, rows, &L, Hkv, tiles, Hkv, D, kp.data(), vp.data());
+  // Items: (query tile, query head), the costliest (last) query tiles first.
+  const int64_t qtiles = (N + kBQ - 1) / kBQ;
+  for_each_item(qtiles * Hq, D, [&](int64_t i, TileScratch& w) {
+    const int64_t q0 = (qtiles - 1 - i / Hq) * kBQ, h = i % Hq;
+    TileRows tr;
+    tr.rows = std::min(kBQ, N - q0);
+    tr.limit0 = prefix + q0 + 1;
+    tr.causal = true;
+    for (int64_t r = 0; r < tr.rows; ++r) tr.q[r] = q + ((q0 + r) * Hq + h) * D;
+    attend_tile<NV>(tr, kp.data() + (h / G) * head_words, vp.data() + (h / G) * head_words,
+                    scale, w);
+    for (int64_t r = 0; r < tr.rows; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
+      uint16_t* dst = out + ((q0 + r) * Hq + h) * D;
+      for (int v = 0; v < NV; ++v) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D + v * 16), inv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + v, (__m256i)_mm512_cvtneps_pbh(x));
+      }
+    }
   });
-  // Work items: (query tile, query head), the costliest (last) query tiles first, handed out
-  // one at a time so that the causal triangle's unequal tiles share the threads evenly.
-  const int64_t qtiles = (N + kBQ - 1) / kBQ, items = qtiles * Hq;
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
-  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<uint32_t> qt(kBQ * half), pt(kBQ * kBK / 2);
-    std::vector<float> s(kBQ * kBK), o(kBQ * D), m(kBQ), l(kBQ), alpha(kBQ);
-    for (int64_t w = next++; w < items; w = next++) {
-      const int64_t qtile = qtiles - 1 - w / Hq, h = w % Hq;
-      const int64_t q0 = qtile * kBQ, rows = std::min(kBQ, N - q0);
-      const int64_t kvh = h / G;
-      attend_tile<NV>(q, out, Hq, h, q0, rows, prefix, kp.data() + kvh * tiles * tile_words,
-                      vp.data() + kvh * tiles * tile_words, scale, qt.data(), s.data(),
-                      pt.data(), o.data(), m.data(), l.data(), alpha.data());
+}
+
+template <int NV>
+void cascade_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_buf,
+                  const int64_t* members, const int64_t* group_start, const int64_t* prefix_rows,
+                  const int64_t* prefix_lens, int64_t NG, int64_t Lmax, int64_t Hkv, int64_t G,
+                  float scale, float* out, float* lse) {
+  constexpr int64_t D = NV * 16;
+  const int64_t tiles = (Lmax + kBK - 1) / kBK;
+  const int64_t head_words = tiles * kBK * D / 2;
+  std::vector<uint32_t> kp(NG * Hkv * head_words), vp(NG * Hkv * head_words);
+  std::vector<const int64_t*> rows(NG);
+  for (int64_t g = 0; g < NG; ++g) rows[g] = prefix_rows + g * Lmax;
+  pack_rows(k_buf, v_buf, rows.data(), prefix_lens, NG * Hkv, tiles, Hkv, D, kp.data(),
+            vp.data());
+  // Items: (group, KV head, tile of the group's member x query-head rows).
+  std::vector<int64_t> item_group, item_row0;
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t r0 = 0; r0 < (group_start[g + 1] - group_start[g]) * G; r0 += kBQ) {
+      item_group.push_back(g);
+      item_row0.push_back(r0);
+    }
+  const int64_t per_head = static_cast<int64_t>(item_group.size());
+  for_each_item(per_head * Hkv, D, [&](int64_t i, TileScratch& w) {
+    const int64_t g = item_group[i / Hkv], r0 = item_row0[i / Hkv], h = i % Hkv;
+    const int64_t* mem = members + group_start[g];
+    TileRows tr;
+    tr.rows = std::min(kBQ, (group_start[g + 1] - group_start[g]) * G - r0);
+    tr.limit0 = prefix_lens[g];
+    tr.causal = false;
+    for (int64_t r = 0; r < tr.rows; ++r) {
+      const int64_t b = mem[(r0 + r) / G], gi = (r0 + r) % G;
+      tr.q[r] = q + ((b * Hkv + h) * G + gi) * D;
+    }
+    attend_tile<NV>(tr, kp.data() + (g * Hkv + h) * head_words,
+                    vp.data() + (g * Hkv + h) * head_words, scale, w);
+    for (int64_t r = 0; r < tr.rows; ++r) {  // merge with the suffix's (out, lse)
+      const int64_t b = mem[(r0 + r) / G], gi = (r0 + r) % G;
+      const int64_t at = (b * Hkv + h) * G + gi;
+      const float lp = w.m[r] + std::log(w.l[r]), ls = lse[at];
+      const float mx = std::max(lp, ls);
+      const float ws = ls == kNegInf ? 0.f : std::exp(ls - mx), wp = std::exp(lp - mx);
+      const float total = ws + wp;
+      const __m512 a = _mm512_set1_ps(ws / total), c = _mm512_set1_ps(wp / (total * w.l[r]));
+      float* dst = out + at * D;
+      for (int v = 0; v < NV; ++v) {
+        const __m512 x = _mm512_fmadd_ps(
+            _mm512_loadu_ps(dst + v * 16), a,
+            _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D + v * 16), c));
+        _mm512_storeu_ps(dst + v * 16, x);
+      }
+      lse[at] = mx + std::log(total);
     }
   });
 }
@@ -258,30 +400,42 @@ bool extend_attention_supported() {
 #endif
 }
 
+namespace {
+void check_pool(const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t D, const char* op) {
+  TORCH_CHECK(radixserve::extend_attention_supported(), op,
+              " needs a CPU with AVX512-BF16 (this build has no such kernel)");
+  TORCH_CHECK(k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes(), op,
+              ": k_buf and v_buf [S, Hkv, D]");
+  TORCH_CHECK(k_buf.scalar_type() == at::kBFloat16 && v_buf.scalar_type() == at::kBFloat16, op,
+              " runs on bf16 queries and a bf16 KV pool");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), op, ": contiguous KV buffers");
+  TORCH_CHECK(k_buf.size(2) == D && (D == 64 || D == 128), "head_dim must be 64 or 128, got ",
+              D);
+}
+
+void check_slots(const int64_t* sp, int64_t n, int64_t S) {
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(0 <= sp[t] && sp[t] < S, "KV slot ", sp[t], " out of the pool (", S, ")");
+}
+}  // namespace
+
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                             const at::Tensor& slots, double scale) {
-  TORCH_CHECK(extend_attention_supported(),
-              "extend_attention needs a CPU with AVX512-BF16 (this build has no such kernel)");
-  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes(),
-              "extend_attention: q [N, Hq, D], k_buf and v_buf [S, Hkv, D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_buf.scalar_type() == at::kBFloat16 &&
-                  v_buf.scalar_type() == at::kBFloat16,
+  TORCH_CHECK(q.dim() == 3, "extend_attention: q [N, Hq, D]");
+  check_pool(k_buf, v_buf, q.size(2), "extend_attention");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16,
               "extend_attention runs on bf16 queries and a bf16 KV pool");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots: [L] int64");
-  TORCH_CHECK(q.is_contiguous() && k_buf.is_contiguous() && v_buf.is_contiguous(),
-              "extend_attention: contiguous inputs");
   const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t S = k_buf.size(0), Hkv = k_buf.size(1), L = slots.size(0);
-  TORCH_CHECK(k_buf.size(2) == D && (D == 64 || D == 128), "head_dim must be 64 or 128, got ", D);
+  const int64_t Hkv = k_buf.size(1), L = slots.size(0);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(0 < N && N <= L, "extend_attention: 0 < new tokens <= slots");
-  at::Tensor sl = slots.contiguous();
+  const at::Tensor qc = q.contiguous(), sl = slots.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t t = 0; t < L; ++t)
-    TORCH_CHECK(0 <= sp[t] && sp[t] < S, "KV slot ", sp[t], " out of the pool (", S, ")");
-  at::Tensor out = at::empty_like(q);
+  check_slots(sp, L, k_buf.size(0));
+  at::Tensor out = at::empty_like(qc);
 #if defined(RADIXSERVE_EXTEND_BF16)
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
   const auto* kp = reinterpret_cast<const uint16_t*>(k_buf.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_buf.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -294,13 +448,70 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   return out;
 }
 
+void cascade_prefix_attention(const at::Tensor& q, const at::Tensor& k_buf,
+                              const at::Tensor& v_buf, const at::Tensor& members,
+                              const at::Tensor& group_start, const at::Tensor& prefix_rows,
+                              const at::Tensor& prefix_lens, at::Tensor& out, at::Tensor& lse,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 4, "cascade_prefix_attention: q [B, Hkv, G, D]");
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3);
+  check_pool(k_buf, v_buf, D, "cascade_prefix_attention");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16,
+              "cascade_prefix_attention runs on bf16 queries and a bf16 KV pool");
+  TORCH_CHECK(k_buf.size(1) == Hkv, "cascade_prefix_attention: q's KV heads are the pool's");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "out: [B, Hkv, G, D] fp32, contiguous");
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hkv && lse.size(2) == G &&
+                  lse.scalar_type() == at::kFloat && lse.is_contiguous(),
+              "lse: [B, Hkv, G] fp32, contiguous");
+  TORCH_CHECK(members.scalar_type() == at::kLong && group_start.scalar_type() == at::kLong &&
+                  prefix_rows.scalar_type() == at::kLong && prefix_lens.scalar_type() == at::kLong,
+              "members, group_start, prefix_rows and prefix_lens are int64");
+  TORCH_CHECK(prefix_rows.dim() == 2 && prefix_lens.dim() == 1 &&
+                  prefix_lens.size(0) == prefix_rows.size(0) &&
+                  group_start.numel() == prefix_rows.size(0) + 1,
+              "prefix_rows [NG, L], prefix_lens [NG], group_start [NG + 1]");
+  const int64_t NG = prefix_rows.size(0), Lmax = prefix_rows.size(1);
+  const at::Tensor qc = q.contiguous(), mem = members.contiguous(), gs = group_start.contiguous();
+  const at::Tensor rows = prefix_rows.contiguous(), lens = prefix_lens.contiguous();
+  const int64_t *mp = mem.data_ptr<int64_t>(), *gp = gs.data_ptr<int64_t>();
+  const int64_t *rp = rows.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(NG == 0 || (gp[0] == 0 && gp[NG] == mem.numel()),
+              "group_start runs from 0 to the number of members");
+  for (int64_t g = 0; g < NG; ++g) {
+    TORCH_CHECK(gp[g] < gp[g + 1], "group ", g, " has no members");
+    TORCH_CHECK(0 < lp[g] && lp[g] <= Lmax, "group ", g, "'s prefix length out of its row");
+    check_slots(rp + g * Lmax, lp[g], k_buf.size(0));
+  }
+  for (int64_t i = 0; i < mem.numel(); ++i)
+    TORCH_CHECK(0 <= mp[i] && mp[i] < B, "member ", mp[i], " out of the batch (", B, ")");
+  if (NG == 0) return;
+#if defined(RADIXSERVE_EXTEND_BF16)
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_buf.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_buf.data_ptr<at::BFloat16>());
+  const float fs = static_cast<float>(scale);
+  if (D == 64)
+    cascade_bf16<4>(qp, kp, vp, mp, gp, rp, lp, NG, Lmax, Hkv, G, fs, out.data_ptr<float>(),
+                    lse.data_ptr<float>());
+  else
+    cascade_bf16<8>(qp, kp, vp, mp, gp, rp, lp, NG, Lmax, Hkv, G, fs, out.data_ptr<float>(),
+                    lse.data_ptr<float>());
+#endif
+}
+
 }  // namespace radixserve
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("extend_attention_supported", &radixserve::extend_attention_supported);
   m.def("extend_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slots, float scale) -> Tensor");
+  m.def(
+      "cascade_prefix_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor members, "
+      "Tensor group_start, Tensor prefix_rows, Tensor prefix_lens, Tensor(a!) out, "
+      "Tensor(b!) lse, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("extend_attention", &radixserve::extend_attention);
+  m.impl("cascade_prefix_attention", &radixserve::cascade_prefix_attention);
 }
