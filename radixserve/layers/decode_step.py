@@ -145,7 +145,7 @@ def _linear(lin: nn.Module, dtype: torch.dtype) -> tuple[int, list[torch.Tensor]
     elif type(lin) is QuantizedLinear and lin.kernel == "q8":
         kind, tensors = Q8, [lin.qs, lin.d]
     elif type(lin) is Linear and lin.weight.dtype == dtype:
-        kind, tensors = DENSE, [lin.weight]
+        kind, tensors = DENSE, [lin.weight if lin.packed is None else lin.packed]
     else:
         raise _Unsupported(f"a {lin!r} layer")
     if bias is not None:

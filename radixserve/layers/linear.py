@@ -8,6 +8,14 @@ single row is doubled so it stays a GEMM). Measured on SmolLM2-135M's 30 layers 
 42 instead of 95 at 2, 97 instead of 141 at 32, 164 instead of 250 at 64; at 128 rows the two
 are even, so only up to 64 rows go this way. The output head alone (49152 × 576): 9.7 ms
 instead of 13.3 at 1 row, 15.8 instead of 31.9 at 8. Other devices and dtypes keep F.linear.
+
+In bf16 on a CPU with native bf16 matmuls (AVX512-BF16 or AMX), `F.linear` goes to oneDNN,
+which reorders the weight into its blocked layout on every call. `prepack_linears` does that
+once, at start-up (what vLLM's and IPEX's CPU paths do): each Linear keeps oneDNN's blocked copy
+(`packed`) and lets its plain weight go, and the products run `mkldnn::_linear_pointwise` on
+it. SmolLM2-135M's shapes (2 cores, Zen 4): the output head 6.3 → 2.8 ms at 1 row, 8.7 → 6.1 at
+32, 14.2 → 11.1 at 64; an MLP weight (3072 × 576) 0.62 → 0.38 ms at 32 rows; about 1.1× from
+300 rows on.
 """
 
 from __future__ import annotations
@@ -16,11 +24,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.args import cpu_has_bf16
+
 SMALL_M_ROWS = 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), with the few-row CPU fp32 case as (W · xᵀ)ᵀ."""
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a bf16 CPU weight [N, K], where bf16 matmuls are native; else
+    None (the weight stays as it is)."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype != torch.bfloat16
+        or weight.dim() != 2
+        or not torch.backends.mkldnn.is_available()
+        or not cpu_has_bf16()
+    ):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias), with the few-row CPU fp32 case as (W · xᵀ)ᵀ; through the
+    prepacked bf16 weight `packed` (prepack's) when there is one."""
+    if packed is not None:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if (
         x.device.type != "cpu"
@@ -41,5 +75,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear whose forward is `linear` (same parameters, same state dict)."""
 
+    packed: torch.Tensor | None = None  # prepack's copy of the weight, once prepack_linears ran
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Prepack every Linear's weight of `model` (see the module's docstring) and release the
+    plain weights, whose memory the packed copies take over; a tied output head (the
+    embedding's weight, which the embedding still reads) gets a packed copy as the model's
+    `packed_head`. Returns how many weights were packed (0 where prepack does not apply)."""
+    count = 0
+    for module in model.modules():
+        if type(module) is not Linear or module.packed is not None:
+            continue
+        packed = prepack(module.weight)
+        if packed is None:
+            continue
+        module.packed = packed
+        # An empty weight of the same dtype: whatever still reads it fails loudly.
+        module.weight = nn.Parameter(module.weight.new_empty(0, module.in_features), False)
+        count += 1
+    if hasattr(model, "packed_head") and model.lm_head is None and model.packed_head is None:
+        model.packed_head = prepack(model.model.embed_tokens.weight)
+        count += model.packed_head is not None
+    return count

@@ -18,6 +18,7 @@ from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.decode_step import CpuDecodeStep
 from radixserve.layers.fused_ops import set_fused_ops
+from radixserve.layers.linear import prepack_linears
 from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from radixserve.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -107,6 +108,10 @@ class ModelRunner:
         # The cpu_paged backend's library also holds the layers' fused element-wise kernels.
         self.fused_ops = self.attn_backend.uses_cpu_kernels
         set_fused_ops(self.model, self.fused_ops)
+        if self.fused_ops:  # the CPU fast path: bf16 weights in oneDNN's layout, once
+            packed = prepack_linears(self.model)
+            if packed:
+                logger.info("prepacked %d bf16 weights for oneDNN", packed)
         if self.fused_ops and not server_args.disable_cpu_decode_step:
             decode_step = CpuDecodeStep.build(self.model)
             if decode_step is not None:

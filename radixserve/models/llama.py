@@ -180,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or TpGroup.single()
         self.model = LlamaModel(cfg, self.tp)
         self.lm_head: nn.Module | None = None
+        self.packed_head: torch.Tensor | None = None  # a tied head's prepacked copy (linear.py)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         elif self.tp.world_size == 1:
@@ -191,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits of the given hidden rows (the head is the embedding when tied); with TP, the
         full vocabulary on every rank (ParallelLMHead / gather_logits all-gather it)."""
         if self.lm_head is None:
-            logits = linear(hidden, self.model.embed_tokens.weight)
+            logits = linear(hidden, self.model.embed_tokens.weight, packed=self.packed_head)
             if self.tp.world_size > 1:
                 logits = gather_logits(logits, self.config.vocab_size, self.tp)
             return logits

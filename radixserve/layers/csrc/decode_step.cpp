@@ -24,6 +24,8 @@
 //   (the model's final norm adds them). Writes each layer's K and V at out_cache_loc.
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -49,9 +51,21 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
-// layers/linear.py's linear(), for x [rows, K].
+// layers/linear.py's linear(), for x [rows, K]; a prepacked (oneDNN) weight goes through
+// mkldnn::_linear_pointwise, as linear() calls it.
 at::Tensor dense(const at::Tensor& x, const Linear& lin, int64_t small_rows) {
   const int64_t rows = x.size(0);
+  if (lin.w.is_mkldnn()) {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x.contiguous(), lin.w,
+                            lin.bias.defined() ? c10::IValue(lin.bias) : c10::IValue(),
+                            c10::IValue(std::string("none")),
+                            c10::IValue(c10::List<std::optional<c10::Scalar>>()),
+                            c10::IValue(std::string(""))};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
   if (lin.w.scalar_type() != at::kFloat || x.scalar_type() != at::kFloat || rows == 0 ||
       rows > small_rows) {
     return at::linear(x, lin.w, lin.bias.defined() ? c10::optional<at::Tensor>(lin.bias)
