@@ -9,7 +9,8 @@ the Python path of models/llama.py under the cpu_paged backend, so the two give 
 same hidden states (tests/layers/test_decode_step.py). It plays the part CUDA graphs play on
 a GPU: the step's shape is not captured, but its dispatch overhead is gone.
 
-A step takes it when it is a decode step of at most `MAX_ROWS` (63) requests whose attention
+A step takes it when it is a decode step of at most `MAX_ROWS` (63) requests (any number when
+every linear layer is dense: the C++ step then mirrors linear() at every size) whose attention
 has no shared-prefix groups (the cascade merges stay in Python); every other step, and every model
 it cannot hold (tensor parallelism, Qwen3's q/k norms, ATen's int4/int8 fallback kernels, the
 torch-native backend), runs layer by layer. `--disable-cpu-decode-step` turns it off.
@@ -18,6 +19,7 @@ torch-native backend), runs layer by layer. `--disable-cpu-decode-step` turns it
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -40,8 +42,9 @@ MAX_ROWS = DENSE_ROWS - 1
 class CpuDecodeStep:
     """The C++ DecodeStep of one model, and the test of whether a step may take it."""
 
-    def __init__(self, step: torch.ScriptObject) -> None:
+    def __init__(self, step: torch.ScriptObject, max_rows: int = MAX_ROWS) -> None:
         self.step = step
+        self.max_rows = max_rows
 
     @classmethod
     def build(cls, model: nn.Module) -> CpuDecodeStep | None:
@@ -66,13 +69,15 @@ class CpuDecodeStep:
             SMALL_M_ROWS,
             DENSE_ROWS,
         )
-        return cls(step)
+        # Quantized layers switch to a dense GEMM from DENSE_ROWS rows on (not mirrored here).
+        dense_only = all(k & ~BIAS == DENSE for k in kinds)
+        return cls(step, sys.maxsize if dense_only else MAX_ROWS)
 
     def applies(self, fb: ForwardBatch, x: torch.Tensor) -> bool:
         md = fb.attn_metadata
         return (
             fb.forward_mode.is_decode()
-            and 0 < x.shape[0] <= MAX_ROWS
+            and 0 < x.shape[0] <= self.max_rows
             and isinstance(md, PagedDecodeMetadata)
             and not md.groups
             and type(fb.token_to_kv_pool) is MHATokenToKVPool

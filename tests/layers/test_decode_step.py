@@ -86,9 +86,18 @@ def test_the_cpp_step_equals_the_python_layers_bitwise(
 
 
 def test_up_to_63_rows_take_the_step_and_64_keep_to_the_layers(tiny_llama_dir):
+    """With quantized layers: from DENSE_ROWS rows on they run a dense GEMM the step does not
+    mirror."""
     runner = _runner(tiny_llama_dir, quantization="int4")
     assert _compare(runner, _prompts(MAX_ROWS, seed=1), steps=2) == 2
     assert _compare(runner, _prompts(MAX_ROWS + 1, seed=2), steps=2) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_models_take_the_step_at_any_batch_size(tiny_llama_dir, dtype):
+    runner = _runner(tiny_llama_dir, dtype=dtype)
+    assert _compare(runner, _prompts(MAX_ROWS + 1, seed=3), steps=2) == 2
+    assert _compare(runner, _prompts(150, seed=4), steps=2) == 2
 
 
 def test_shared_prefix_groups_keep_to_the_layers(tiny_llama_dir):

@@ -17,7 +17,7 @@
 //   kinds: per layer and linear, kDense / kQ4 / kQ8, plus kBias when it has a bias.
 //   small_rows: layers/linear.py's SMALL_M_ROWS (up to it a dense fp32 product is (W · xᵀ)ᵀ);
 //   kernel_rows: layers/quantization.py's DENSE_ROWS (below it the q4 / q8 kernels run, and
-//     run() takes fewer rows only).
+//     run() takes fewer rows only when a layer is quantized; dense layers take any number).
 // run(x [B, hidden], cos [B, D], sin [B, D], k_bufs, v_bufs, out_cache_loc [B], kv_rows [B, L],
 //     kv_start [B], kv_end [B]) -> (x, residual)
 //   x: the embeddings; returns the last layer's MLP output and the residual stream before it
@@ -127,6 +127,7 @@ class DecodeStep : public torch::CustomClassHolder {
       for (int64_t i = 0; i < kLinearsPerLayer; ++i) {
         Linear& lin = *linears[i];
         lin.kind = kinds[l * kLinearsPerLayer + i] & kKindMask;
+        quantized_ = quantized_ || lin.kind != kDense;
         if (lin.kind == kQ4) {
           lin.qs = take();
           lin.d = take();
@@ -156,8 +157,9 @@ class DecodeStep : public torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(k_bufs.size()) == n_layers &&
                     static_cast<int64_t>(v_bufs.size()) == n_layers,
                 "DecodeStep.run: one K and one V buffer per layer");
-    TORCH_CHECK(x.dim() == 2 && x.size(0) < kernel_rows_,
-                "DecodeStep.run: x must be [B, hidden] with B < ", kernel_rows_);
+    TORCH_CHECK(x.dim() == 2 && (!quantized_ || x.size(0) < kernel_rows_),
+                "DecodeStep.run: x must be [B, hidden], with B < ", kernel_rows_,
+                " when a layer is quantized");
     const int64_t B = x.size(0), H = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
     const int64_t q_size = H * D, kv_size = Hkv * D;
     at::Tensor residual;
@@ -200,6 +202,7 @@ class DecodeStep : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scaling_, eps_;
   int64_t small_rows_, kernel_rows_;
+  bool quantized_ = false;  // some linear is q4 / q8
 };
 
 }  // namespace
