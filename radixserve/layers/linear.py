@@ -51,10 +51,10 @@ def linear(
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), with the few-row CPU fp32 case as (W · xᵀ)ᵀ; through the
     prepacked bf16 weight `packed` (prepack's) when there is one."""
-    if packed is not None:
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
+    if packed is not None:  # a bf16 product (oneDNN takes no other input dtype for it)
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if (
         x.device.type != "cpu"
@@ -73,7 +73,8 @@ def linear(
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose forward is `linear` (same parameters, same state dict)."""
+    """nn.Linear whose forward is `linear` (same parameters, same state dict, until
+    prepack_linears replaces the weight with its packed copy)."""
 
     packed: torch.Tensor | None = None  # prepack's copy of the weight, once prepack_linears ran
 

@@ -69,7 +69,16 @@ def _wait_for_storage_writes(engine, tokens: int) -> None:
 
 
 def _assert_drained(engine) -> None:
-    info = engine.get_server_info()
+    """No request left and every slot back. The host copies of finished requests' KV
+    (write-through) run in the background and hold their slots until they land, which on a
+    loaded machine can be after the last reply: wait for them, a bounded time."""
+    deadline = time.monotonic() + 30
+    while True:
+        info = engine.get_server_info()
+        back = info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
+        if (back and info["protected_tokens"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert info["running"] == 0 and info["queued"] == 0
     assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
     assert info["protected_tokens"] == 0
