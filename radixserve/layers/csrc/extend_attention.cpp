@@ -36,6 +36,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define RADIXSERVE_EXTEND_BF16 1
 #include <immintrin.h>
+
+#include "vec_math.h"
 #endif
 
 namespace {
@@ -45,26 +47,6 @@ namespace {
 constexpr int64_t kBQ = 64;  // query rows of a tile
 constexpr int64_t kBK = 64;  // keys of a tile: four vectors of 16 scores
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) for 16 floats: exp8's polynomial (vec_math.h) on 512-bit vectors, inputs clamped to
-// [-87, 88]. Callers zero the lanes that must be exactly 0 (masked keys).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.f), _mm512_min_ps(_mm512_set1_ps(88.f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
@@ -260,7 +242,7 @@ void attend_tile(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, flo
       __m512 sum = _mm512_setzero_ps();
       for (int c = 0; c < 4; ++c) {
         const __m512 p = _mm512_maskz_mov_ps(
-            valid[c], exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + c * 16), nm)));
+            valid[c], radixserve_vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + c * 16), nm)));
         sum = _mm512_add_ps(sum, p);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr) + c, (__m256i)_mm512_cvtneps_pbh(p));
       }
