@@ -37,6 +37,7 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         or weight.dtype != torch.bfloat16
         or weight.dim() != 2
         or not torch.backends.mkldnn.is_available()
+        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")  # torch's own oneDNN ops
         or not cpu_has_bf16()
     ):
         return None
