@@ -39,26 +39,7 @@ inline const float* row_as_float(const kv_t* src, float* buf, int64_t n) {
   if constexpr (std::is_same_v<kv_t, float>) {
     return src;
   } else {
-    int64_t i = 0;
-#if defined(__AVX2__)
-    // Eight at a time: a bf16 is the upper half of its float; an fp16 goes through F16C.
-    // Exact either way, as the scalar conversion is.
-    if constexpr (std::is_same_v<kv_t, at::BFloat16>) {
-      for (; i + 8 <= n; i += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-        _mm256_storeu_ps(buf + i,
-                         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-      }
-    }
-#if defined(__F16C__)
-    if constexpr (std::is_same_v<kv_t, at::Half>) {
-      for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(
-                                      reinterpret_cast<const __m128i*>(src + i))));
-    }
-#endif
-#endif
-    for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
     return buf;
   }
 }

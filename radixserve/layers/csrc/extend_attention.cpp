@@ -254,7 +254,7 @@ void attend_tile(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, flo
   }
 }
 
-// Pack the tiles of `heads` rows of slots (one per KV head, or per group and KV head):
+// Pack the tiles of `rows` rows of slots (one per KV head, or per group and KV head):
 // row i reads slots[i / Hkv] up to len[i / Hkv], KV head i % Hkv. kp/vp: [rows][tiles][...].
 void pack_rows(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* const* slots,
                const int64_t* lens, int64_t rows, int64_t tiles, int64_t Hkv, int64_t D,
