@@ -170,9 +170,11 @@ class ServerArgs:
     )
     quantization: str | None = _f(
         None,
-        "Weight-only quantization of the linear layers and the output head, CPU only: int8 "
-        "(a scale per output channel) or int4 (groups of 32; GGUF Q4_0/Q4_1 codes are kept).",
-        ("int8", "int4"),
+        "Quantized linear layers, CPU only: weight-only int8 (groups of 32) or int4 (groups of "
+        "32; GGUF Q4_0/Q4_1 codes are kept), both with the output head in int8; or w8a8_int8 "
+        "(int8 weights with a scale per output channel, activations quantized per token, "
+        "integer GEMMs; the output head unquantized).",
+        ("int8", "int4", "w8a8_int8"),
     )
     # Speculative decoding (SGLang's flags)
     speculative_algorithm: str | None = _f(

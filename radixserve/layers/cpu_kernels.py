@@ -33,6 +33,7 @@ _SOURCES = (
     "decode_attention.cpp",
     "extend_attention.cpp",
     "quant_linear.cpp",
+    "w8a8_linear.cpp",
     "fused_ops.cpp",
     "decode_step.cpp",
 )

@@ -10,7 +10,7 @@ same hidden states (tests/layers/test_decode_step.py). It plays the part CUDA gr
 a GPU: the step's shape is not captured, but its dispatch overhead is gone.
 
 A step takes it when it is a decode step of at most `MAX_ROWS` (63) requests (any number when
-every linear layer is dense: the C++ step then mirrors linear() at every size) whose attention
+every linear layer is dense or W8A8: the C++ step then mirrors them at every size) whose attention
 has no shared-prefix groups (the cascade merges stay in Python); every other step, and every model
 it cannot hold (tensor parallelism, Qwen3's q/k norms, ATen's int4/int8 fallback kernels, the
 torch-native backend), runs layer by layer. `--disable-cpu-decode-step` turns it off.
@@ -33,7 +33,7 @@ from radixserve.model_executor.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 
 # csrc/decode_step.cpp's linear kinds
-DENSE, Q4, Q8, BIAS = 0, 1, 2, 8
+DENSE, Q4, Q8, W8A8, BIAS = 0, 1, 2, 3, 8
 # The C++ step mirrors the few-row forms of the linear layers (it is given both thresholds):
 # QuantizedLinear's kernels below DENSE_ROWS, and linear()'s (W · xᵀ)ᵀ up to SMALL_M_ROWS.
 MAX_ROWS = DENSE_ROWS - 1
@@ -69,9 +69,10 @@ class CpuDecodeStep:
             SMALL_M_ROWS,
             DENSE_ROWS,
         )
-        # Quantized layers switch to a dense GEMM from DENSE_ROWS rows on (not mirrored here).
-        dense_only = all(k & ~BIAS == DENSE for k in kinds)
-        return cls(step, sys.maxsize if dense_only else MAX_ROWS)
+        # q4 / q8 layers switch to a dense GEMM from DENSE_ROWS rows on (not mirrored here);
+        # dense and w8a8 layers are one function at every size.
+        any_size = all(k & ~BIAS in (DENSE, W8A8) for k in kinds)
+        return cls(step, sys.maxsize if any_size else MAX_ROWS)
 
     def applies(self, fb: ForwardBatch, x: torch.Tensor) -> bool:
         md = fb.attn_metadata
@@ -149,6 +150,8 @@ def _linear(lin: nn.Module, dtype: torch.dtype) -> tuple[int, list[torch.Tensor]
         kind, tensors = Q4, [lin.qs, lin.d, lin.m]
     elif type(lin) is QuantizedLinear and lin.kernel == "q8":
         kind, tensors = Q8, [lin.qs, lin.d]
+    elif type(lin) is QuantizedLinear and lin.kernel == "w8a8":
+        kind, tensors = W8A8, [lin.wq, lin.w_scale]
     elif type(lin) is Linear and lin.weight.dtype == dtype:
         kind, tensors = DENSE, [lin.weight if lin.packed is None else lin.packed]
     else:

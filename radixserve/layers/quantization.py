@@ -1,4 +1,5 @@
-"""Weight-only int8 / int4 linear layers for the CPU decode path (`--quantization`).
+"""Quantized linear layers for the CPU paths (`--quantization`): weight-only int8 / int4, and
+W8A8 int8.
 
 A batch-1 decode step on a CPU reads every weight once, so its time is mostly the weights'
 bytes: SmolLM2-135M is 540 MB in fp32, 270 MB in bf16, ≈ 140 MB in int8 and ≈ 80 MB in int4.
@@ -23,6 +24,14 @@ The layers here keep their weights packed:
   the C++ kernels cannot be built, ATen's `_weight_int4pack_mm_for_cpu` (bf16 activations)
   takes over.
 
+- w8a8_int8 (SGLang's method of that name): int8 weights with a symmetric scale per output
+  channel, and the activations quantized per row (token) to int8 on the fly, so the product
+  runs in integers (csrc/w8a8_linear.cpp, around ATen's `_int_mm`): from a few dozen rows on
+  the GEMMs are bound by arithmetic, where int8 runs at twice bf16's rate (AVX-512 VNNI),
+  1.5x bf16's prepacked GEMM over whole layers at 64 to 1,024 rows on two Zen 4 cores. It is
+  one function at every row count (decode, prefill, the C++ decode step). The output head
+  stays unquantized, as in SGLang. It needs the C++ kernels.
+
 GGUF Q4_0 and Q4_1 blocks are int4 groups of 32 of exactly this form (Q4_1: q * d + m; Q4_0:
 (q - 8) * d, minimum -8d). The GGUF loader hands their (d, m) per block to `quantize_model`,
 which then recovers the file's own codes instead of choosing new ones.
@@ -42,7 +51,8 @@ from radixserve.args import cpu_has_bf16
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8_int8")
+W8A8 = "w8a8_int8"
 DENSE_ROWS = 64  # from here on dequantize + GEMM beats the int4 kernel (measured; int8 shares it)
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; the ATen kernel takes 32, 64, 128 or 256
 KERNEL_DTYPE = torch.bfloat16
@@ -138,7 +148,19 @@ class QuantizedLinear(nn.Module):
             )
         self.method = method
         self.kernel = "aten"
-        if method == "int8" and self.in_features % INT4_GROUP_SIZE == 0 and cpu_kernels_available():
+        if method == W8A8:
+            if not cpu_kernels_available():
+                raise RuntimeError(
+                    "--quantization w8a8_int8 needs radixserve's C++ CPU kernels, which did not "
+                    "build here (see the log); use int8 or int4"
+                )
+            self.kernel = "w8a8"
+            codes, scale = quantize_int8(weight)
+            self.register_buffer("wq", codes.contiguous())
+            self.register_buffer("w_scale", scale.contiguous())
+        elif (
+            method == "int8" and self.in_features % INT4_GROUP_SIZE == 0 and cpu_kernels_available()
+        ):
             self.kernel = "q8"
             codes, scale = quantize_q8(weight)
             self.register_buffer("qs", codes)
@@ -168,6 +190,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "w8a8":  # its own dtype out; the bias is added in fp32 in the kernel
+            bias = None if self.bias is None else self.bias.to(x2.dtype)
+            y = torch.ops.radixserve.w8a8_linear(x2.contiguous(), self.wq, self.w_scale, bias)
+            return y.reshape(*lead, self.out_features)
         if self.kernel == "q4":
             if x2.shape[0] < DENSE_ROWS:
                 y = torch.ops.radixserve.q4_linear(x2, self.qs, self.d, self.m)
@@ -255,18 +281,23 @@ def cpu_kernels_available() -> bool:
 def quantize_model(
     model: nn.Module, method: str, blocks: dict[str, list[BlockParams]] | None = None
 ) -> None:
-    """Replace every nn.Linear of `model` (and its output head, in int8) by a QuantizedLinear,
-    in place.
+    """Replace every nn.Linear of `model` (and its output head, in int8, under int8 and int4)
+    by a QuantizedLinear, in place.
 
     `blocks` maps a linear's weight name (e.g. `model.layers.0.mlp.down_proj.weight`) to the
     GGUF Q4 rows it holds. A layer int4 cannot pack (shape) is kept in int8, with a log line.
     Call on the fp32 weights, before the model's dtype cast.
     """
     blocks = blocks or {}
-    # The output head stays int8 under int4, as llama.cpp keeps it at 8 bits: in int4 it alone
+    # Under int4 the output head stays int8, as llama.cpp keeps it at 8 bits: in int4 it alone
     # costs SmolLM2-135M 4.7% perplexity (15.26 -> 15.97), in int8 0.2% (docs/performance.md).
-    head_method = "int8"
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # Under w8a8_int8 it stays unquantized, as SGLang leaves it.
+    head_method = None if method == W8A8 else "int8"
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and (name != "lm_head" or head_method)
+    ]
     counts: dict[str, int] = {}
     for name, linear in targets:
         kind = head_method if name == "lm_head" else method
@@ -275,13 +306,13 @@ def quantize_model(
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         counts[layer.method] = counts.get(layer.method, 0) + 1
     tie = getattr(model, "quantize_tied_head", None)
-    if tie is not None:  # a tied output head: quantize a copy, the embedding stays dense
+    if tie is not None and head_method:  # a tied head: quantize a copy, the embedding stays
         embed = blocks.get("model.embed_tokens.weight")
         head = tie(lambda w: _quantize_linear(head_method, w, None, embed))
         if head is not None:
             counts[head.method] = counts.get(head.method, 0) + 1
     logger.info(
-        "weight-only quantization: %s",
+        "quantization: %s",
         ", ".join(f"{n} linear layers in {m}" for m, n in sorted(counts.items())),
     )
 

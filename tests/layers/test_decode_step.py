@@ -1,6 +1,6 @@
 """The C++ decode step (layers/decode_step.py, csrc/decode_step.cpp) against the Python layers
 it replaces: bitwise the same logits in every configuration it takes (fp32 and bf16, dense,
-int8 and int4 weights, qkv biases, pages of 1 and 16 slots, 1 to 63 rows), and the layer-by-
+int8 and int4 weights, W8A8, qkv biases, pages of 1 and 16 slots, 1 to 63 rows), and the layer-by-
 layer path wherever it must not run (64 rows and more, shared-prefix groups, Qwen3's q/k norms,
 the portable backend, the flag)."""
 
@@ -75,6 +75,8 @@ def _compare(runner: ModelRunner, prompts: list[list[int]], steps: int = 3) -> i
         ("llama", "bfloat16", "int4", 16),
         ("qwen2", "float32", None, 16),
         ("qwen2", "float32", "int4", 1),
+        ("llama", "bfloat16", "w8a8_int8", 16),
+        ("qwen2", "float32", "w8a8_int8", 1),
     ],
 )
 def test_the_cpp_step_equals_the_python_layers_bitwise(
@@ -93,9 +95,11 @@ def test_up_to_63_rows_take_the_step_and_64_keep_to_the_layers(tiny_llama_dir):
     assert _compare(runner, _prompts(MAX_ROWS + 1, seed=2), steps=2) == 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_models_take_the_step_at_any_batch_size(tiny_llama_dir, dtype):
-    runner = _runner(tiny_llama_dir, dtype=dtype)
+@pytest.mark.parametrize(
+    "dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "w8a8_int8")]
+)
+def test_dense_and_w8a8_models_take_the_step_at_any_batch_size(tiny_llama_dir, dtype, quantization):
+    runner = _runner(tiny_llama_dir, dtype=dtype, quantization=quantization)
     assert _compare(runner, _prompts(MAX_ROWS + 1, seed=3), steps=2) == 2
     assert _compare(runner, _prompts(150, seed=4), steps=2) == 2
 

@@ -13,11 +13,13 @@
 //            kernel_rows)
 //   params: per layer, input_layernorm.weight, post_attention_layernorm.weight, then the
 //     tensors of qkv_proj, o_proj, gate_up_proj and down_proj in that order, each linear's by
-//     its kind: dense (weight), q4 (qs, d, m), q8 (qs, d), then its bias if it has one.
-//   kinds: per layer and linear, kDense / kQ4 / kQ8, plus kBias when it has a bias.
+//     its kind: dense (weight), q4 (qs, d, m), q8 (qs, d), w8a8 (wq, w_scale), then its bias
+//     if it has one.
+//   kinds: per layer and linear, kDense / kQ4 / kQ8 / kW8A8, plus kBias when it has a bias.
 //   small_rows: layers/linear.py's SMALL_M_ROWS (up to it a dense fp32 product is (W · xᵀ)ᵀ);
 //   kernel_rows: layers/quantization.py's DENSE_ROWS (below it the q4 / q8 kernels run, and
-//     run() takes fewer rows only when a layer is quantized; dense layers take any number).
+//     run() takes fewer rows only when a layer is q4 / q8; dense and w8a8 layers, one function
+//     at every size, take any number).
 // run(x [B, hidden], cos [B, D], sin [B, D], k_bufs, v_bufs, out_cache_loc [B], kv_rows [B, L],
 //     kv_start [B], kv_end [B]) -> (x, residual)
 //   x: the embeddings; returns the last layer's MLP output and the residual stream before it
@@ -37,7 +39,7 @@
 
 namespace {
 
-constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kBias = 8;
+constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kW8A8 = 3, kBias = 8;
 constexpr int64_t kKindMask = 7;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 
@@ -91,6 +93,12 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, int64_t small_rows) {
       y = radixserve::q8_linear(x, lin.qs, lin.d);
       break;
     }
+    case kW8A8: {  // in x's dtype, its bias added inside
+      RECORD_FUNCTION("radixserve::w8a8_linear", std::vector<c10::IValue>());
+      return radixserve::w8a8_linear(x.contiguous(), lin.qs, lin.d,
+                                     lin.bias.defined() ? std::optional<at::Tensor>(lin.bias)
+                                                        : std::optional<at::Tensor>());
+    }
     default:
       return dense(x, lin, small_rows);
   }
@@ -127,12 +135,12 @@ class DecodeStep : public torch::CustomClassHolder {
       for (int64_t i = 0; i < kLinearsPerLayer; ++i) {
         Linear& lin = *linears[i];
         lin.kind = kinds[l * kLinearsPerLayer + i] & kKindMask;
-        quantized_ = quantized_ || lin.kind != kDense;
+        quantized_ = quantized_ || lin.kind == kQ4 || lin.kind == kQ8;
         if (lin.kind == kQ4) {
           lin.qs = take();
           lin.d = take();
           lin.m = take();
-        } else if (lin.kind == kQ8) {
+        } else if (lin.kind == kQ8 || lin.kind == kW8A8) {  // (wq, w_scale) for w8a8
           lin.qs = take();
           lin.d = take();
         } else {
@@ -159,7 +167,7 @@ class DecodeStep : public torch::CustomClassHolder {
                 "DecodeStep.run: one K and one V buffer per layer");
     TORCH_CHECK(x.dim() == 2 && (!quantized_ || x.size(0) < kernel_rows_),
                 "DecodeStep.run: x must be [B, hidden], with B < ", kernel_rows_,
-                " when a layer is quantized");
+                " when a layer is q4 / q8");
     const int64_t B = x.size(0), H = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
     const int64_t q_size = H * D, kv_size = Hkv * D;
     at::Tensor residual;
@@ -202,7 +210,7 @@ class DecodeStep : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scaling_, eps_;
   int64_t small_rows_, kernel_rows_;
-  bool quantized_ = false;  // some linear is q4 / q8
+  bool quantized_ = false;  // some linear is q4 / q8 (their few-row kernels)
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <tuple>
 
 namespace radixserve {
@@ -21,6 +22,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                      const at::Tensor& m);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d);
+
+// w8a8_linear.cpp
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> w8a8_quantize_rows(const at::Tensor& x);
 
 // fused_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
