@@ -41,31 +41,18 @@ def default_text() -> str:
 
 def score(runner, token_ids: list[int], window: int) -> tuple[float, int]:
     """(sum of NLL, number of scored tokens) of `token_ids`, window by window."""
-    from radixserve.managers.schedule_batch import Req, ScheduleBatch
-    from radixserve.mem_cache.chunk_cache import ChunkCache
-    from radixserve.sampling_params import SamplingParams
-
-    cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
-    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     total, count = 0.0, 0
-    for n, start in enumerate(range(0, len(token_ids) - 1, window)):
+    for start in range(0, len(token_ids) - 1, window):
         ids = token_ids[start : start + window]
         if len(ids) < 2:
             break
-        req = Req(f"ppl{n}", ids, sp)
-        req.init_next_round_input(cache)
-        batch = ScheduleBatch(
-            [req], runner.req_to_token_pool, runner.token_to_kv_pool_allocator, cache
-        )
-        batch.prepare_for_extend()
+        hidden = runner.prefill_hidden(ids)
         with torch.inference_mode():
-            hidden = runner.forward_hidden(batch.get_forward_batch(runner.device))
             logits = runner.model.compute_logits(hidden[:-1]).float()
             target = torch.tensor(ids[1:], device=logits.device)
             nll = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
         total += float(nll)
         count += len(ids) - 1
-        cache.cache_finished_req(req)
     return total, count
 
 

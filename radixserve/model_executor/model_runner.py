@@ -19,6 +19,7 @@ from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBack
 from radixserve.layers.decode_step import CpuDecodeStep
 from radixserve.layers.fused_ops import set_fused_ops
 from radixserve.layers.linear import prepack_linears
+from radixserve.layers.quantization import W8A8, quantize_model, smooth_model
 from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from radixserve.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -94,7 +95,8 @@ class ModelRunner:
             self.device,
             server_args.random_seed,
             server_args.context_length,
-            server_args.quantization,
+            # w8a8_int8 quantizes after a calibration pass (_quantize_w8a8), below.
+            None if server_args.quantization == W8A8 else server_args.quantization,
             tp=self.tp if self.tp.world_size > 1 else None,
         )
         if draft_of is not None:
@@ -108,6 +110,8 @@ class ModelRunner:
         # The cpu_paged backend's library also holds the layers' fused element-wise kernels.
         self.fused_ops = self.attn_backend.uses_cpu_kernels
         set_fused_ops(self.model, self.fused_ops)
+        if server_args.quantization == W8A8:
+            self._quantize_w8a8()
         if self.fused_ops:  # the CPU fast path: bf16 weights in oneDNN's layout, once
             packed = prepack_linears(self.model)
             if packed:
@@ -117,6 +121,81 @@ class ModelRunner:
             if decode_step is not None:
                 self.model.model.decode_step = decode_step
         self.sampler = Sampler()
+
+    # -- w8a8_int8 --------------------------------------------------------------------------------
+    CALIBRATION_TOKENS = 512
+
+    def _quantize_w8a8(self) -> None:
+        """--quantization w8a8_int8: measure the input range of each RMSNorm-fed linear layer
+        on one calibration prefill, fold SmoothQuant's factors into the weights
+        (quantization.smooth_model), then quantize every linear layer but the head."""
+        import time
+
+        start = time.perf_counter()
+        layers = getattr(getattr(self.model, "model", None), "layers", [])
+        targets = [
+            m for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)
+        ]
+        amax: dict[torch.nn.Module, torch.Tensor] = {}
+
+        def record(module: torch.nn.Module, args: tuple) -> None:
+            x = args[0]
+            seen = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+            prev = amax.get(module)
+            amax[module] = seen if prev is None else torch.maximum(prev, seen)
+
+        hooks = [m.register_forward_pre_hook(record) for m in targets]
+        try:
+            ids = self._calibration_ids()
+            self.prefill_hidden(ids)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        # (measured under inference mode: clone to ordinary tensors)
+        smoothed = smooth_model(self.model, {m: a.clone() for m, a in amax.items()})
+        quantize_model(self.model, W8A8)
+        logger.info(
+            "w8a8_int8: calibrated on %d tokens, smoothed %d norm/linear pairs (%.1f s)",
+            len(ids),
+            smoothed,
+            time.perf_counter() - start,
+        )
+
+    def _calibration_ids(self) -> list[int]:
+        """Tokens from the end of Python's reference documentation (bench perplexity's default
+        text, shipped with Python; that benchmark scores its beginning), or fixed pseudo-random
+        ids where the tokenizer cannot be loaded or does not fit the model."""
+        n = min(self.CALIBRATION_TOKENS, self.max_total_num_tokens - 1, self.context_len)
+        vocab = self.model_config.vocab_size
+        try:
+            from radixserve.bench.perplexity import default_text
+            from radixserve.managers.tokenizer_utils import load_tokenizer_for
+
+            tokenizer = load_tokenizer_for(self.server_args)
+            ids = tokenizer(default_text()[-8 * n :], add_special_tokens=False)["input_ids"][-n:]
+            if len(ids) == n and max(ids) < vocab:
+                return ids
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure: fall back, say so
+            logger.info("w8a8_int8 calibrates on fixed token ids (no tokenizer: %s)", exc)
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    def prefill_hidden(self, ids: list[int]) -> torch.Tensor:
+        """Prefill `ids` as one request outside any scheduler (calibration, `bench
+        perplexity`): the final hidden state of every token; its KV slots are freed again."""
+        from radixserve.managers.schedule_batch import Req, ScheduleBatch
+        from radixserve.mem_cache.chunk_cache import ChunkCache
+        from radixserve.sampling_params import SamplingParams
+
+        cache = ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator)
+        req = Req("prefill", ids, SamplingParams(max_new_tokens=1, temperature=0.0))
+        req.init_next_round_input(cache)
+        batch = ScheduleBatch([req], self.req_to_token_pool, self.token_to_kv_pool_allocator, cache)
+        batch.prepare_for_extend()
+        with torch.inference_mode():
+            hidden = self.forward_hidden(batch.get_forward_batch(self.device))
+        cache.cache_finished_req(req)
+        return hidden
 
     # -- memory ---------------------------------------------------------------------------------
     def init_memory_pool(self) -> None:

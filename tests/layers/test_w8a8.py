@@ -5,13 +5,22 @@ layer and the model wiring, and errors on bad inputs."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers.cpu_kernels import load_cpu_kernels
-from radixserve.layers.quantization import QuantizedLinear, quantize_int8, quantize_model
+from radixserve.layers.quantization import (
+    SMOOTH_ALPHA,
+    QuantizedLinear,
+    quantize_int8,
+    quantize_model,
+    smooth_model,
+    smoothing_factors,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -145,3 +154,55 @@ def test_quantize_model_w8a8_keeps_the_head(tiny_llama_dir) -> None:
     assert not isinstance(model.lm_head, QuantizedLinear)  # head (tied or not) unquantized
     hidden = torch.randn(4, cfg.hidden_size)
     assert torch.equal(model.compute_logits(hidden), ref.compute_logits(hidden))
+
+
+def test_smoothing_factors_are_powers_of_two() -> None:
+    w = torch.ones(4, 3)
+    w[:, 1] = 4.0
+    act = torch.tensor([16.0, 16.0, 0.0])
+    s = smoothing_factors(act, w)
+    assert torch.equal(torch.log2(s), torch.round(torch.log2(s)))
+    want = [2 ** round(math.log2(16**SMOOTH_ALPHA / c ** (1 - SMOOTH_ALPHA))) for c in (1, 4)]
+    assert s[:2].tolist() == want and want[0] > want[1]  # a larger weight column takes less
+    assert 0 < s[2] < 1  # an unused channel gets a tiny factor, not a NaN
+
+
+def test_smoothing_leaves_the_unquantized_model_bitwise_unchanged(tiny_llama_dir) -> None:
+    """Powers of two move between a norm's weight and the next linear's columns exactly."""
+    from radixserve.model_loader.loader import load_model
+
+    model, cfg = load_model(tiny_llama_dir, "safetensors", "float32", "cpu")
+    gen = torch.Generator().manual_seed(0)
+    amax = {}
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+            amax[lin] = torch.rand(lin.in_features, generator=gen) * 50
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    x = torch.randn(3, 7, cfg.hidden_size, generator=gen)
+    layer = model.model.layers[0]
+    want = layer.self_attn.qkv_proj(layer.input_layernorm(x))
+    assert smooth_model(model, amax) == 2 * cfg.num_hidden_layers
+    got = layer.self_attn.qkv_proj(layer.input_layernorm(x))
+    assert torch.equal(got, want)
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert any("input_layernorm" in n for n in changed) and any("gate_up" in n for n in changed)
+
+
+def test_runner_calibrates_smooths_and_quantizes(tiny_llama_dir) -> None:
+    from radixserve.args import ServerArgs
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    args = ServerArgs(
+        model_path=tiny_llama_dir, device="cpu", max_total_tokens=4096, quantization="w8a8_int8"
+    ).resolve()
+    runner = ModelRunner(args)
+    ref = ModelRunner(ServerArgs(**{**args.__dict__, "quantization": None}).resolve())
+    layers = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * len(runner.model.model.layers)
+    # the norms carry the smoothing: their weights differ from the reference by powers of two
+    norm = runner.model.model.layers[0].input_layernorm.weight
+    ratio = ref.model.model.layers[0].input_layernorm.weight / norm
+    assert not torch.equal(ratio, torch.ones_like(ratio))
+    assert torch.equal(torch.log2(ratio), torch.round(torch.log2(ratio)))
+    # the calibration prefill gave its slots back
+    assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens

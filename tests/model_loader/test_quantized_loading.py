@@ -102,9 +102,9 @@ def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monke
     assert ppl["int8"] / ppl[None] < 1.02, ppl
     assert ppl["int4"] / ppl[None] < 1.02, ppl
     assert ppl["int4-gemv"] / ppl[None] < 1.02, ppl
-    # Activations rounded to int8 per token cost more: +6.6% on these 510 tokens, +2.4% on
-    # 2,044 in bf16 (docs/performance.md).
-    assert ppl["w8a8_int8"] / ppl[None] < 1.10, ppl
+    # Activations rounded to int8 per token cost more: +3.5% on these 510 tokens, +0.7% on
+    # 2,044 in bf16 (docs/performance.md). Without SmoothQuant's smoothing this text lost 6.6%.
+    assert ppl["w8a8_int8"] / ppl[None] < 1.06, ppl
     # Both int4 paths compute one function up to float order (7.6e-7 apart on a real layer);
     # since activation rounding is discontinuous, that noise can flip roundings downstream,
     # so the perplexities agree closely, not exactly (0.3% apart on this text).
