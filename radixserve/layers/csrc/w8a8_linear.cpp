@@ -39,7 +39,7 @@ namespace {
 // product itself slowed down (≈ 1,550 → 620 GOP/s for a 3,072 × 576 weight).
 constexpr int64_t kRowsPerProduct = 512;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // 16 elements as fp32 (bf16: the bits shifted up; fp16: vcvtph2ps), the first `count`.
 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
