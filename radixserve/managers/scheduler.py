@@ -590,6 +590,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.spec_worker is not None and self._prepare_verify(batch):
             self.ratio.on_decode_step()
             return batch
+        if not self._decode_fits(batch) and self.hicache is not None:
+            self._await_cache_copies(lambda: self._decode_fits(batch))
         if not self._decode_fits(batch):
             retracted = batch.retract_decode(lambda reqs: self._decode_fits(self._new_batch(reqs)))
             if retracted:
@@ -612,6 +614,16 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self.ratio.on_decode_step()
         batch.prepare_for_decode()
         return batch
+
+    def _await_cache_copies(self, fits: Callable[[], bool], limit_s: float = 30.0) -> None:
+        """Slots held by the hierarchical cache's copies in flight (write-through backups of
+        finished requests' KV, loads) come back when the copies land: wait for them, a bounded
+        time, before retracting or aborting a request for want of room."""
+        assert self.hicache is not None
+        deadline = time.monotonic() + limit_s
+        while not fits() and self.hicache.has_pending() and time.monotonic() < deadline:
+            self.hicache.wait_idle(0.05)
+            self.hicache.poll()
 
     def _decode_fits(self, batch: ScheduleBatch) -> bool:
         need = batch.decode_slots_needed()
