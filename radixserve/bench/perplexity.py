@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer_for(args)
     text = text[: ns.max_tokens * 16]  # plenty of characters for max_tokens tokens
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"][: ns.max_tokens]
-    runner = ModelRunner(args)
+    runner = ModelRunner(args, tokenizer=tokenizer)
     t0 = time.perf_counter()
     total, count = score(runner, token_ids, ns.window)
     mean = total / count

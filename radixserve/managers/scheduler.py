@@ -85,7 +85,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.dp_rank = dp_rank  # which --dp-size replica this is (reported in server info)
         self.send_output = send_output
         self.tokenizer = tokenizer  # only for stop strings; may be None
-        self.tp_worker = tp_worker or TpModelWorker(server_args)
+        self.tp_worker = tp_worker or TpModelWorker(server_args, tokenizer=tokenizer)
         runner = self.tp_worker.model_runner
         # The forward runs with the model's intra-op threads; the served scheduler runs the rest
         # of its work on one (run_scheduler_process), so that no second OpenMP team spins next

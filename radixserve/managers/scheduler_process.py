@@ -63,7 +63,9 @@ def run_scheduler_process(
             recv = zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc, bind=True)
             send = zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc, bind=False)
         tokenizer = load_tokenizer_for(server_args)
-        worker = TpModelWorker(server_args, tp=tp) if tp.world_size > 1 else None
+        worker = (
+            TpModelWorker(server_args, tp=tp, tokenizer=tokenizer) if tp.world_size > 1 else None
+        )
         scheduler = Scheduler(
             server_args, send.send_pyobj if send else _drop_output, tokenizer, worker, dp_rank
         )

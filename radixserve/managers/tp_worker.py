@@ -11,6 +11,7 @@ the forward before the sampling inputs are known (grammar masks, penalties).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,9 +76,12 @@ class TpModelWorker:
         server_args: ServerArgs,
         model_runner: ModelRunner | None = None,
         tp: TpGroup | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.tp_group = tp or TpGroup.single()
-        self.model_runner = model_runner or ModelRunner(server_args, tp=self.tp_group)
+        self.model_runner = model_runner or ModelRunner(
+            server_args, tp=self.tp_group, tokenizer=tokenizer
+        )
         self.device = self.model_runner.device
         self.vocab_size = self.model_runner.model_config.vocab_size
 

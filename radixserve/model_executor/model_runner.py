@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,15 +65,22 @@ class ModelRunner:
     """`draft_of`: this runner is the speculative draft model of that (target) runner. It loads
     --speculative-draft-model-path and keeps KV of its own, indexed by the target's slots: it
     shares the target's req_to_token rows and slot allocator, so a slot holds both models' KV
-    of the same token and the radix cache serves both."""
+    of the same token and the radix cache serves both.
+
+    `tokenizer`: the caller's, if it has loaded one (only w8a8_int8's calibration reads it; a
+    GGUF's takes seconds to load); else loaded when needed."""
 
     def __init__(
         self,
         server_args: ServerArgs,
         draft_of: ModelRunner | None = None,
         tp: TpGroup | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.server_args = server_args
+        self.tokenizer = (
+            tokenizer if tokenizer is not None else getattr(draft_of, "tokenizer", None)
+        )
         self.device = server_args.device
         self.is_draft = draft_of is not None
         self.tp = tp or TpGroup.single()
@@ -129,8 +138,6 @@ class ModelRunner:
         """--quantization w8a8_int8: measure the input range of each RMSNorm-fed linear layer
         on one calibration prefill, fold SmoothQuant's factors into the weights
         (quantization.smooth_model), then quantize every linear layer but the head."""
-        import time
-
         start = time.perf_counter()
         layers = getattr(getattr(self.model, "model", None), "layers", [])
         targets = [
@@ -171,7 +178,9 @@ class ModelRunner:
             from radixserve.bench.perplexity import default_text
             from radixserve.managers.tokenizer_utils import load_tokenizer_for
 
-            tokenizer = load_tokenizer_for(self.server_args)
+            tokenizer = self.tokenizer
+            if tokenizer is None:
+                tokenizer = load_tokenizer_for(self.server_args)
             ids = tokenizer(default_text()[-8 * n :], add_special_tokens=False)["input_ids"][-n:]
             if len(ids) == n and max(ids) < vocab:
                 return ids
