@@ -9,24 +9,24 @@ the Python path of models/llama.py under the cpu_paged backend, so the two give 
 same hidden states (tests/layers/test_decode_step.py). It plays the part CUDA graphs play on
 a GPU: the step's shape is not captured, but its dispatch overhead is gone.
 
-A step takes it when it is a decode step of at most `MAX_ROWS` (63) requests (any number when
-every linear layer is dense or W8A8: the C++ step then mirrors them at every size) whose attention
-has no shared-prefix groups (the cascade merges stay in Python); every other step, and every model
-it cannot hold (tensor parallelism, Qwen3's q/k norms, ATen's int4/int8 fallback kernels, the
-torch-native backend), runs layer by layer. `--disable-cpu-decode-step` turns it off.
+A step takes it when it is a decode step, of any number of requests (the C++ step mirrors each
+linear layer's forms at every size: the q4 / q8 kernels below `dense_rows()`, their dense GEMMs
+from there on), whose attention has no shared-prefix groups (the cascade merges stay in Python);
+every other step, and every model it cannot hold (tensor parallelism, Qwen3's q/k norms, ATen's
+int4/int8 fallback kernels, the torch-native backend), runs layer by layer.
+`--disable-cpu-decode-step` turns it off.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 from torch import nn
 
 from radixserve.layers.attention.cpu_paged_backend import PagedDecodeMetadata
 from radixserve.layers.linear import SMALL_M_ROWS, Linear
-from radixserve.layers.quantization import DENSE_ROWS, QuantizedLinear
+from radixserve.layers.quantization import QuantizedLinear, dense_rows, gemm_in_bf16
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.model_executor.forward_batch import ForwardBatch
 
@@ -34,17 +34,15 @@ logger = logging.getLogger(__name__)
 
 # csrc/decode_step.cpp's linear kinds
 DENSE, Q4, Q8, W8A8, BIAS = 0, 1, 2, 3, 8
-# The C++ step mirrors the few-row forms of the linear layers (it is given both thresholds):
-# QuantizedLinear's kernels below DENSE_ROWS, and linear()'s (W · xᵀ)ᵀ up to SMALL_M_ROWS.
-MAX_ROWS = DENSE_ROWS - 1
+# The C++ step mirrors the linear layers' forms at each size (it is given the thresholds):
+# QuantizedLinear's kernels below dense_rows(), and linear()'s (W · xᵀ)ᵀ up to SMALL_M_ROWS.
 
 
 class CpuDecodeStep:
     """The C++ DecodeStep of one model, and the test of whether a step may take it."""
 
-    def __init__(self, step: torch.ScriptObject, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, step: torch.ScriptObject) -> None:
         self.step = step
-        self.max_rows = max_rows
 
     @classmethod
     def build(cls, model: nn.Module) -> CpuDecodeStep | None:
@@ -58,6 +56,7 @@ class CpuDecodeStep:
         from radixserve.layers.cpu_kernels import load_cpu_kernels
 
         load_cpu_kernels()
+        bf16 = gemm_in_bf16(model.model.layers[0].input_layernorm.weight.dtype)
         step = torch.classes.radixserve.DecodeStep(
             params,
             kinds,
@@ -67,18 +66,16 @@ class CpuDecodeStep:
             attn.attn.scaling,
             model.model.layers[0].input_layernorm.eps,
             SMALL_M_ROWS,
-            DENSE_ROWS,
+            dense_rows(bf16),
+            bf16,
         )
-        # q4 / q8 layers switch to a dense GEMM from DENSE_ROWS rows on (not mirrored here);
-        # dense and w8a8 layers are one function at every size.
-        any_size = all(k & ~BIAS in (DENSE, W8A8) for k in kinds)
-        return cls(step, sys.maxsize if any_size else MAX_ROWS)
+        return cls(step)
 
     def applies(self, fb: ForwardBatch, x: torch.Tensor) -> bool:
         md = fb.attn_metadata
         return (
             fb.forward_mode.is_decode()
-            and 0 < x.shape[0] <= self.max_rows
+            and x.shape[0] > 0
             and isinstance(md, PagedDecodeMetadata)
             and not md.groups
             and type(fb.token_to_kv_pool) is MHATokenToKVPool

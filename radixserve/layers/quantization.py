@@ -6,23 +6,28 @@ bytes: SmolLM2-135M is 540 MB in fp32, 270 MB in bf16, ≈ 140 MB in int8 and �
 The layers here keep their weights packed:
 
 - int8: GGUF's Q8_0 form, groups of `INT4_GROUP_SIZE` (32) input columns with one symmetric
-  scale each. Below `DENSE_ROWS` rows, radixserve's kernel (csrc/quant_linear.cpp) widens
+  scale each. Below `dense_rows()` rows, radixserve's kernel (csrc/quant_linear.cpp) widens
   each group's codes to floats once and multiplies them into every row (the activations stay
-  fp32; 1.5x ATen's int8 kernel on the output head at one row, AVX2); from there on, the
-  dequantized weight goes through the dense GEMM.
+  fp32; 1.5x ATen's int8 kernel on the output head at one row, AVX2); from there on,
+  `q8_dense` dequantizes the weight block by block into a dense GEMM.
   Where the C++ kernels cannot be built, or K is not a multiple of 32, one scale per output
   channel and ATen's `_weight_int8pack_mm` with bf16 activations (its fast path; fp32
   activations take a scalar path, 5-7x slower on an AVX2 CPU) take over.
 - int4: groups of `INT4_GROUP_SIZE` input columns with a scale and a minimum per group
   (a weight is code * scale + minimum, code in [0, 15]: GGUF's Q4_1 form). Below
-  `DENSE_ROWS` rows, radixserve's own kernel (csrc/quant_linear.cpp) multiplies the 4-bit
+  `dense_rows()` rows, radixserve's own kernel (csrc/quant_linear.cpp) multiplies the 4-bit
   codes by the activations quantized to int8 per group of 32, in integers, as llama.cpp
-  does (2x ATen's int4 kernel at batch 1 on AVX2). From there on, the weight is
-  dequantized and multiplied by the dense GEMM, which wins at prefill sizes, with the
-  activations rounded to the same int8 grid, so both paths compute the same function (in
-  fp32; a bf16 model on a CPU with native bf16 matmuls runs this GEMM in bf16). Where
+  does (2x ATen's int4 kernel at batch 1 on AVX2). From there on, `q4_dense` rounds the
+  activations to the same int8 grid and multiplies them by the weight, dequantized block by
+  block into a dense GEMM, which wins at these sizes: both paths compute the same function
+  (in fp32; a bf16 model on a CPU with native bf16 matmuls runs this GEMM in bf16). Where
   the C++ kernels cannot be built, ATen's `_weight_int4pack_mm_for_cpu` (bf16 activations)
   takes over.
+  The kernels' group scales cost a float multiply-add per 32 products, the dense GEMM none,
+  so the GEMM wins from a few rows on: from `DENSE_ROWS_BF16` (16) rows when it runs in bf16
+  (2 Zen 4 cores: q4 kernel 1.0 ms, dequantize + GEMM 0.65-1.0 ms over SmolLM2's four layer
+  weights at 16 rows; 4.1 against 1.4 ms at 64), from `DENSE_ROWS` (64) in fp32, whose GEMM
+  runs at a third of bf16's rate.
 
 - w8a8_int8 (SGLang's method of that name): int8 weights with a symmetric scale per output
   channel, and the activations quantized per row (token) to int8 on the fly, so the product
@@ -48,7 +53,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.args import cpu_has_bf16
@@ -57,7 +61,8 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8_int8")
 W8A8 = "w8a8_int8"
-DENSE_ROWS = 64  # from here on dequantize + GEMM beats the int4 kernel (measured; int8 shares it)
+DENSE_ROWS = 64  # from here on dequantize + fp32 GEMM beats the q4 / q8 kernels (measured)
+DENSE_ROWS_BF16 = 16  # the same where that GEMM runs in bf16 (a bf16 model, native bf16)
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; the ATen kernel takes 32, 64, 128 or 256
 KERNEL_DTYPE = torch.bfloat16
 _INT4_INNER_K_TILES = 2
@@ -198,18 +203,17 @@ class QuantizedLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x2.dtype)
             y = torch.ops.radixserve.w8a8_linear(x2.contiguous(), self.wq, self.w_scale, bias)
             return y.reshape(*lead, self.out_features)
-        if self.kernel == "q4":
-            if x2.shape[0] < DENSE_ROWS:
+        if self.kernel in ("q4", "q8"):
+            bf16 = gemm_in_bf16(x2.dtype)
+            small = x2.shape[0] < dense_rows(bf16)
+            if self.kernel == "q4" and small:
                 y = torch.ops.radixserve.q4_linear(x2, self.qs, self.d, self.m)
-            else:  # the kernel's int8 activations, through a dense GEMM
-                w = torch.ops.radixserve.q4_dequantize(self.qs, self.d, self.m)
-                y = _dense(quantize_activations(x2), w, x2.dtype)
-        elif self.kernel == "q8":
-            if x2.shape[0] < DENSE_ROWS:
+            elif self.kernel == "q4":  # the kernel's int8 activations, through a dense GEMM
+                y = torch.ops.radixserve.q4_dense(x2, self.qs, self.d, self.m, bf16)
+            elif small:
                 y = torch.ops.radixserve.q8_linear(x2, self.qs, self.d)
             else:
-                w = torch.ops.radixserve.q8_dequantize(self.qs, self.d)
-                y = _dense(x2, w, x2.dtype)
+                y = torch.ops.radixserve.q8_dense(x2, self.qs, self.d, bf16)
         elif self.method == "int8":
             y = torch._weight_int8pack_mm(
                 x2.to(KERNEL_DTYPE).contiguous(), self.packed, self.scales
@@ -236,21 +240,25 @@ class QuantizedLinear(nn.Module):
         return f"{self.method} ({self.kernel}), in={self.in_features}, out={self.out_features}"
 
 
-def _dense(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The GEMM of the prefill-sized path: fp32, or bf16 (fp32 accumulation) for a bf16 model
-    on a CPU with native bf16 matrix instructions, where it runs ≈ 3x the fp32 rate (AVX-512
-    BF16: 340 against 115 GFLOP/s on two Zen 4 cores). The bf16 path rounds the dequantized
-    weight and the int8-grid activations to bf16, the model's own precision: it agrees with
-    the kernel's rows to bf16's tolerance instead of fp32's."""
-    if dtype == torch.bfloat16 and cpu_has_bf16():
-        return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
-    return F.linear(x.float(), w)
+def gemm_in_bf16(dtype: torch.dtype) -> bool:
+    """Whether q4_dense / q8_dense run their GEMM in bf16 (fp32 accumulation): for a bf16
+    model on a CPU with native bf16 matrix instructions, where it runs ≈ 3x the fp32 rate
+    (AVX-512 BF16: 340 against 115 GFLOP/s on two Zen 4 cores). The bf16 GEMM rounds the
+    dequantized weight and the activations to bf16, the model's own precision: it agrees with
+    the kernels' rows to bf16's tolerance instead of fp32's."""
+    return dtype == torch.bfloat16 and cpu_has_bf16()
+
+
+def dense_rows(bf16: bool) -> int:
+    """From how many rows q4 / q8 layers take the dense GEMM (bf16: `gemm_in_bf16`)."""
+    return DENSE_ROWS_BF16 if bf16 else DENSE_ROWS
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] rounded to int8 per group of 32 and scaled back (fp32), with the float
-    operations of quant_linear.cpp's quantize_row, so that a prompt's prefill (GEMM) and its
-    decode (the q4 kernel) round the same activations the same way. (Upstream float-order
+    operations of quant_linear.cpp's quantize_row: what q4_dense multiplies (the reference in
+    tests), so that a prompt's prefill (GEMM) and its decode (the q4 kernel) round the same
+    activations the same way. (Upstream float-order
     differences between paths, e.g. attention over a cached prefix, can still move a value
     across a rounding boundary: int4 logits agree across paths to a few tenths of a nat, not
     bitwise; test_engine's int4 test.)"""

@@ -11,8 +11,9 @@ import torch
 from rs_testing import greedy_step_logits, make_tiny_model_dir, prefill_batch
 
 from radixserve.args import ServerArgs
-from radixserve.layers.decode_step import MAX_ROWS, CpuDecodeStep
+from radixserve.layers.decode_step import CpuDecodeStep
 from radixserve.layers.fused_ops import set_fused_ops
+from radixserve.layers.quantization import DENSE_ROWS, DENSE_ROWS_BF16
 from radixserve.model_executor.model_runner import ModelRunner
 
 
@@ -87,12 +88,24 @@ def test_the_cpp_step_equals_the_python_layers_bitwise(
     assert _compare(runner, _prompts(5), steps=4) == 4  # every decode step took it
 
 
-def test_up_to_63_rows_take_the_step_and_64_keep_to_the_layers(tiny_llama_dir):
-    """With quantized layers: from DENSE_ROWS rows on they run a dense GEMM the step does not
-    mirror."""
-    runner = _runner(tiny_llama_dir, quantization="int4")
-    assert _compare(runner, _prompts(MAX_ROWS, seed=1), steps=2) == 2
-    assert _compare(runner, _prompts(MAX_ROWS + 1, seed=2), steps=2) == 0
+@pytest.mark.parametrize(
+    "dtype,quantization,rows",
+    [
+        # fp32: the q4 / q8 kernels below DENSE_ROWS (64) rows, their dense GEMMs from there on
+        ("float32", "int4", (DENSE_ROWS - 1, DENSE_ROWS, 150)),
+        ("float32", "int8", (DENSE_ROWS - 1, DENSE_ROWS)),
+        # bf16: from DENSE_ROWS_BF16 (16) where the GEMM runs in bf16, else 64
+        ("bfloat16", "int4", (DENSE_ROWS_BF16 - 1, DENSE_ROWS_BF16, DENSE_ROWS)),
+        ("bfloat16", "int8", (DENSE_ROWS_BF16, DENSE_ROWS)),
+    ],
+)
+def test_quantized_models_take_the_step_on_both_sides_of_the_dense_threshold(
+    tiny_llama_dir, dtype, quantization, rows
+):
+    """The step runs the same kernel or dense GEMM as the layers at every size, bitwise."""
+    runner = _runner(tiny_llama_dir, dtype=dtype, quantization=quantization)
+    for i, n in enumerate(rows):
+        assert _compare(runner, _prompts(n, seed=i + 1), steps=2) == 2, n
 
 
 @pytest.mark.parametrize(
@@ -100,7 +113,7 @@ def test_up_to_63_rows_take_the_step_and_64_keep_to_the_layers(tiny_llama_dir):
 )
 def test_dense_and_w8a8_models_take_the_step_at_any_batch_size(tiny_llama_dir, dtype, quantization):
     runner = _runner(tiny_llama_dir, dtype=dtype, quantization=quantization)
-    assert _compare(runner, _prompts(MAX_ROWS + 1, seed=3), steps=2) == 2
+    assert _compare(runner, _prompts(DENSE_ROWS + 1, seed=3), steps=2) == 2
     assert _compare(runner, _prompts(150, seed=4), steps=2) == 2
 
 
@@ -151,6 +164,6 @@ def test_the_step_refuses_mismatched_inputs(tiny_llama_dir):
             torch.ones(1, dtype=torch.long),
         )
     with pytest.raises(RuntimeError, match="4 linear kinds per layer"):
-        torch.classes.radixserve.DecodeStep([], [0], 4, 2, 16, 0.25, 1e-6, 64, 64)
+        torch.classes.radixserve.DecodeStep([], [0], 4, 2, 16, 0.25, 1e-6, 64, 64, False)
     with pytest.raises(RuntimeError, match="fewer parameters"):
-        torch.classes.radixserve.DecodeStep([], [0, 0, 0, 0], 4, 2, 16, 0.25, 1e-6, 64, 64)
+        torch.classes.radixserve.DecodeStep([], [0, 0, 0, 0], 4, 2, 16, 0.25, 1e-6, 64, 64, False)

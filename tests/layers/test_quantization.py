@@ -10,6 +10,7 @@ from torch import nn
 from radixserve.layers import quantization
 from radixserve.layers.quantization import (
     DENSE_ROWS,
+    DENSE_ROWS_BF16,
     INT4_GROUP_SIZE,
     KERNEL_DTYPE,
     BlockParams,
@@ -255,6 +256,72 @@ def test_q8_kernels_against_the_reference() -> None:
         torch.ops.radixserve.q8_linear(torch.randn(1, 96), codes, scale)
     with pytest.raises(RuntimeError, match=r"d must be"):
         torch.ops.radixserve.q8_linear(x, codes, scale[:, :3].contiguous())
+
+
+@pytest.mark.parametrize("n", [40, 1100])  # one block of dequantized weight; three (fp32)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_dense_paths_against_the_reference(n, bf16) -> None:
+    """q4_dense and q8_dense: the activations (rounded to the int8 grid for q4) times the
+    dequantized weight, in bf16 or fp32, dequantized block by block: bitwise the reference
+    product for one block, within float order across blocks; bad shapes are clear errors."""
+    gen = torch.Generator().manual_seed(9)
+    k = 1024  # fp32 blocks of 512 rows: 1,100 rows are two whole blocks and a part
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(20, k, generator=gen)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    codes, scale, minimum = quantize_int4(w)
+    qs = pack_q4(codes)
+    w4 = torch.ops.radixserve.q4_dequantize(qs, scale, minimum)
+    got4 = torch.ops.radixserve.q4_dense(x, qs, scale, minimum, bf16)
+    want4 = F.linear(quantize_activations(x).to(dtype), w4.to(dtype))
+    q8, d8 = quantize_q8(w)
+    w8 = torch.ops.radixserve.q8_dequantize(q8, d8)
+    got8 = torch.ops.radixserve.q8_dense(x, q8, d8, bf16)
+    want8 = F.linear(x.to(dtype), w8.to(dtype))
+    for got, want in ((got4, want4), (got8, want8)):
+        assert got.dtype == dtype and got.shape == (20, n)
+        if n == 40:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the rows of the kernel and of the dense path: one function up to float order (fp32)
+    if not bf16:
+        torch.testing.assert_close(
+            got4, torch.ops.radixserve.q4_linear(x, qs, scale, minimum), rtol=1e-4, atol=1e-4
+        )
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.radixserve.q4_dense(x[:, :992], qs, scale, minimum, bf16)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.radixserve.q8_dense(x[:, :992], q8, d8, bf16)
+    with pytest.raises(RuntimeError, match="d, m"):
+        torch.ops.radixserve.q4_dense(x, qs, scale[:, :3].contiguous(), minimum, bf16)
+    empty = torch.ops.radixserve.q4_dense(x[:0], qs, scale, minimum, bf16)
+    assert empty.shape == (0, n)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_the_dense_threshold_follows_the_gemm_dtype(native_bf16, monkeypatch) -> None:
+    """A bf16 model on a CPU with native bf16 takes the dense GEMM from DENSE_ROWS_BF16 rows,
+    elsewhere from DENSE_ROWS (an fp32 model always from DENSE_ROWS)."""
+    monkeypatch.setattr(quantization, "cpu_has_bf16", lambda: native_bf16)
+    assert quantization.gemm_in_bf16(torch.bfloat16) is native_bf16
+    assert not quantization.gemm_in_bf16(torch.float32)
+    gen = torch.Generator().manual_seed(10)
+    w = torch.randn(64, 128, generator=gen) * 0.05
+    ops = torch.ops.radixserve
+    for method in ("int4", "int8"):
+        layer = QuantizedLinear(method, w)
+        args = (layer.qs, layer.d, layer.m) if method == "int4" else (layer.qs, layer.d)
+        kernel, dense = (
+            (ops.q4_linear, ops.q4_dense) if method == "int4" else (ops.q8_linear, ops.q8_dense)
+        )
+        for dtype in (torch.bfloat16, torch.float32):
+            bf16 = dtype == torch.bfloat16 and native_bf16
+            threshold = DENSE_ROWS_BF16 if bf16 else DENSE_ROWS
+            for rows in (threshold - 1, threshold):
+                x = torch.randn(rows, 128, generator=gen).to(dtype)
+                want = dense(x, *args, bf16) if rows == threshold else kernel(x, *args)
+                assert torch.equal(layer(x), want.to(dtype)), (method, dtype, rows)
 
 
 def test_q8_requantizing_a_q8_0_tensor_keeps_its_codes() -> None:

@@ -93,6 +93,7 @@ def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monke
         method = name.removesuffix("-gemv") if name else None
         if name == "int4-gemv":
             monkeypatch.setattr(quantization, "DENSE_ROWS", 10**9)
+            monkeypatch.setattr(quantization, "DENSE_ROWS_BF16", 10**9)
         runner = ModelRunner(ServerArgs(**{**base.__dict__, "quantization": method}).resolve())
         total, count = score(runner, ids, 256)
         assert count == 510

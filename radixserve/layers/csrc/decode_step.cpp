@@ -10,16 +10,16 @@
 // may take it.
 //
 // DecodeStep(params, kinds, num_heads, num_kv_heads, head_dim, scaling, eps, small_rows,
-//            kernel_rows)
+//            kernel_rows, dense_bf16)
 //   params: per layer, input_layernorm.weight, post_attention_layernorm.weight, then the
 //     tensors of qkv_proj, o_proj, gate_up_proj and down_proj in that order, each linear's by
 //     its kind: dense (weight), q4 (qs, d, m), q8 (qs, d), w8a8 (wq, w_scale), then its bias
 //     if it has one.
 //   kinds: per layer and linear, kDense / kQ4 / kQ8 / kW8A8, plus kBias when it has a bias.
 //   small_rows: layers/linear.py's SMALL_M_ROWS (up to it a dense fp32 product is (W · xᵀ)ᵀ);
-//   kernel_rows: layers/quantization.py's DENSE_ROWS (below it the q4 / q8 kernels run, and
-//     run() takes fewer rows only when a layer is q4 / q8; dense and w8a8 layers, one function
-//     at every size, take any number).
+//   kernel_rows: layers/quantization.py's dense_rows() for the model's dtype (below it the
+//     q4 / q8 kernels run, from it q4_dense / q8_dense), and dense_bf16 its gemm_in_bf16():
+//     whether those run their GEMM in bf16.
 // run(x [B, hidden], cos [B, D], sin [B, D], k_bufs, v_bufs, out_cache_loc [B], kv_rows [B, L],
 //     kv_start [B], kv_end [B]) -> (x, residual)
 //   x: the embeddings; returns the last layer's MLP output and the residual stream before it
@@ -79,18 +79,29 @@ at::Tensor dense(const at::Tensor& x, const Linear& lin, int64_t small_rows) {
   return out.contiguous();
 }
 
-// QuantizedLinear.forward (layers/quantization.py) below DENSE_ROWS rows, or linear().
-at::Tensor apply(const at::Tensor& x, const Linear& lin, int64_t small_rows) {
+// What the rows of a step run through: QuantizedLinear.forward (layers/quantization.py) or
+// linear().
+struct Sizes {
+  int64_t small_rows, kernel_rows;
+  bool dense_bf16;
+};
+
+at::Tensor apply(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
   at::Tensor y;
+  const bool kernel = x.size(0) < sizes.kernel_rows;
   switch (lin.kind) {
     case kQ4: {
-      RECORD_FUNCTION("radixserve::q4_linear", std::vector<c10::IValue>());
-      y = radixserve::q4_linear(x, lin.qs, lin.d, lin.m);
+      RECORD_FUNCTION(kernel ? "radixserve::q4_linear" : "radixserve::q4_dense",
+                      std::vector<c10::IValue>());
+      y = kernel ? radixserve::q4_linear(x, lin.qs, lin.d, lin.m)
+                 : radixserve::q4_dense(x, lin.qs, lin.d, lin.m, sizes.dense_bf16);
       break;
     }
     case kQ8: {
-      RECORD_FUNCTION("radixserve::q8_linear", std::vector<c10::IValue>());
-      y = radixserve::q8_linear(x, lin.qs, lin.d);
+      RECORD_FUNCTION(kernel ? "radixserve::q8_linear" : "radixserve::q8_dense",
+                      std::vector<c10::IValue>());
+      y = kernel ? radixserve::q8_linear(x, lin.qs, lin.d)
+                 : radixserve::q8_dense(x, lin.qs, lin.d, sizes.dense_bf16);
       break;
     }
     case kW8A8: {  // in x's dtype, its bias added inside
@@ -100,7 +111,7 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, int64_t small_rows) {
                                                         : std::optional<at::Tensor>());
     }
     default:
-      return dense(x, lin, small_rows);
+      return dense(x, lin, sizes.small_rows);
   }
   y = y.to(x.scalar_type());
   return lin.bias.defined() ? y + lin.bias : y;
@@ -110,14 +121,13 @@ class DecodeStep : public torch::CustomClassHolder {
  public:
   DecodeStep(std::vector<at::Tensor> params, std::vector<int64_t> kinds, int64_t num_heads,
              int64_t num_kv_heads, int64_t head_dim, double scaling, double eps,
-             int64_t small_rows, int64_t kernel_rows)
+             int64_t small_rows, int64_t kernel_rows, bool dense_bf16)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         scaling_(scaling),
         eps_(eps),
-        small_rows_(small_rows),
-        kernel_rows_(kernel_rows) {
+        sizes_{small_rows, kernel_rows, dense_bf16} {
     TORCH_CHECK(kinds.size() % kLinearsPerLayer == 0, "DecodeStep: 4 linear kinds per layer");
     TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
                 "DecodeStep: the query heads must group under the KV heads");
@@ -135,7 +145,6 @@ class DecodeStep : public torch::CustomClassHolder {
       for (int64_t i = 0; i < kLinearsPerLayer; ++i) {
         Linear& lin = *linears[i];
         lin.kind = kinds[l * kLinearsPerLayer + i] & kKindMask;
-        quantized_ = quantized_ || lin.kind == kQ4 || lin.kind == kQ8;
         if (lin.kind == kQ4) {
           lin.qs = take();
           lin.d = take();
@@ -165,9 +174,7 @@ class DecodeStep : public torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(k_bufs.size()) == n_layers &&
                     static_cast<int64_t>(v_bufs.size()) == n_layers,
                 "DecodeStep.run: one K and one V buffer per layer");
-    TORCH_CHECK(x.dim() == 2 && (!quantized_ || x.size(0) < kernel_rows_),
-                "DecodeStep.run: x must be [B, hidden], with B < ", kernel_rows_,
-                " when a layer is q4 / q8");
+    TORCH_CHECK(x.dim() == 2, "DecodeStep.run: x must be [B, hidden]");
     const int64_t B = x.size(0), H = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
     const int64_t q_size = H * D, kv_size = Hkv * D;
     at::Tensor residual;
@@ -180,7 +187,7 @@ class DecodeStep : public torch::CustomClassHolder {
         radixserve::add_rms_norm(x, residual, layer.input_norm, eps_);
       }
       // LlamaAttention.forward, with CpuPagedAttnBackend.forward's decode branch.
-      const at::Tensor qkv = apply(x, layer.qkv, small_rows_);
+      const at::Tensor qkv = apply(x, layer.qkv, sizes_);
       at::Tensor q = qkv.slice(1, 0, q_size).reshape({-1, H, D});
       at::Tensor k = qkv.slice(1, q_size, q_size + kv_size).reshape({-1, Hkv, D});
       const at::Tensor v = qkv.slice(1, q_size + kv_size, q_size + 2 * kv_size).reshape({-1, Hkv, D});
@@ -196,11 +203,11 @@ class DecodeStep : public torch::CustomClassHolder {
                                                         v_buf, kv_rows, kv_start, kv_end,
                                                         scaling_, 0));
       }
-      x = apply(attn.to(q.scalar_type()).reshape({B, q_size}), layer.o, small_rows_);
+      x = apply(attn.to(q.scalar_type()).reshape({B, q_size}), layer.o, sizes_);
       radixserve::add_rms_norm(x, residual, layer.post_norm, eps_);
       // LlamaMLP.forward.
-      const at::Tensor gate_up = apply(x, layer.gate_up, small_rows_);
-      x = apply(radixserve::silu_and_mul(gate_up), layer.down, small_rows_);
+      const at::Tensor gate_up = apply(x, layer.gate_up, sizes_);
+      x = apply(radixserve::silu_and_mul(gate_up), layer.down, sizes_);
     }
     return {x, residual};
   }
@@ -209,8 +216,7 @@ class DecodeStep : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scaling_, eps_;
-  int64_t small_rows_, kernel_rows_;
-  bool quantized_ = false;  // some linear is q4 / q8 (their few-row kernels)
+  Sizes sizes_;
 };
 
 }  // namespace
@@ -218,7 +224,7 @@ class DecodeStep : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.class_<DecodeStep>("DecodeStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t,
-                       double, double, int64_t, int64_t>())
+                       double, double, int64_t, int64_t, bool>())
       .def("num_layers", &DecodeStep::num_layers)
       .def("run", &DecodeStep::run);
 }

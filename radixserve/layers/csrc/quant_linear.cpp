@@ -12,6 +12,18 @@
 // activations kept in floats (q8_rows says why):
 //   q8_linear(x [M, K], qs [N, K] int8, d [N, K/32] fp32) -> [M, N] fp32
 //   q8_dequantize(qs, d) -> [N, K] fp32
+//
+// From a few dozen rows on, a dense GEMM is faster than these kernels (their group scales
+// cost a float multiply-add per 32 products, a GEMM none): q4_dense and q8_dense compute the
+// same products through ATen's GEMM, in bf16 (fp32 accumulation) where `bf16` is set (a bf16
+// model on a CPU with native bf16 matrix instructions) and in fp32 otherwise. The weight is
+// dequantized in blocks of output rows small enough to stay in cache while the GEMM reads
+// them, straight into the GEMM's dtype: a whole weight dequantized to fp32 went to memory
+// and back twice (a 49,152-row output head is 113 MB in fp32).
+//   q4_dense(x, qs, d, m, bf16) -> [M, N]: the activations rounded to the int8 grid of
+//     q4_linear (quantize_row's float operations), then w = q * d + m;
+//   q8_dense(x, qs, d, bf16) -> [M, N]: the activations as they are, w = q * d;
+//   both in bf16 when `bf16`, else fp32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -145,6 +158,148 @@ void q4_outputs(const uint8_t* qp, const float* dp, const float* mp, int64_t lo,
     for (int64_t r = 0; r < M; ++r) q4_block<1, 1>(qp, dp, mp, n, r, xq, sx, xsum, G, y, N);
 }
 #endif
+
+// The rows [n0, n1) of a dequantized weight, in the GEMM's element type: float, or bf16
+// rounded to nearest even (c10's conversion, for the finite values a weight has). A value is
+// q * d (+ m), a multiply then an add in fp32, whichever of the two forms below runs.
+inline void put(float* out, float v) { *out = v; }
+inline void put(at::BFloat16* out, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  u += 0x7FFF + ((u >> 16) & 1);
+  const uint16_t bits = static_cast<uint16_t>(u >> 16);
+  std::memcpy(out, &bits, sizeof(bits));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kVectorDequantize = true;
+inline void put16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+inline void put16(at::BFloat16* out, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+}
+#else
+constexpr bool kVectorDequantize = false;
+#endif
+
+template <typename T>
+void dequantize_q4_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t n0,
+                        int64_t n1, int64_t G, T* out) {
+  for (int64_t i = n0 * G; i < n1 * G; ++i) {
+    const uint8_t* q = qp + i * 16;
+    T* o = out + (i - n0 * G) * kGroup;
+    const float d = dp[i], m = mp[i];
+    if constexpr (kVectorDequantize) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      const __m128i low4 = _mm_set1_epi8(0x0F);
+      const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
+      const __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
+      put16(o, _mm512_add_ps(_mm512_mul_ps(lo, vd), vm));
+      put16(o + 16, _mm512_add_ps(_mm512_mul_ps(hi, vd), vm));
+#endif
+    } else {
+      for (int64_t j = 0; j < 16; ++j) {
+        put(o + j, static_cast<float>(q[j] & 0x0F) * d + m);
+        put(o + j + 16, static_cast<float>(q[j] >> 4) * d + m);
+      }
+    }
+  }
+}
+
+template <typename T>
+void dequantize_q8_rows(const int8_t* qp, const float* dp, int64_t n0, int64_t n1, int64_t G,
+                        T* out) {
+  for (int64_t i = n0 * G; i < n1 * G; ++i) {
+    const int8_t* q = qp + i * kGroup;
+    T* o = out + (i - n0 * G) * kGroup;
+    const float d = dp[i];
+    if constexpr (kVectorDequantize) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      const __m512 vd = _mm512_set1_ps(d);
+      for (int h = 0; h < 2; ++h) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
+        put16(o + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), vd));
+      }
+#endif
+    } else {
+      for (int64_t j = 0; j < kGroup; ++j) put(o + j, static_cast<float>(q[j]) * d);
+    }
+  }
+}
+
+// One row of activations on quantize_row's int8 grid, as values (code * scale, in fp32, then
+// rounded to T): the same float operations as quantize_row, so the same codes and scales.
+template <typename T>
+void round_activations(const float* x, int64_t groups, T* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * kGroup;
+    T* o = out + g * kGroup;
+    if constexpr (kVectorDequantize) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float scale = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      const __m512 vs = _mm512_set1_ps(scale);
+      constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      put16(o, _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), kNearest), vs));
+      put16(o + 16, _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(b, inv), kNearest), vs));
+#endif
+    } else {
+      int8_t codes[kGroup];
+      float scale, sum;
+      quantize_row(xg, 1, codes, &scale, &sum);
+      for (int64_t j = 0; j < kGroup; ++j) put(o + j, static_cast<float>(codes[j]) * scale);
+    }
+  }
+}
+
+// Bytes of dequantized weight per GEMM call: a block stays in cache (L2, or the L3 close
+// by) between being written and being read by the GEMM. Blocks of 1-4 MB measured alike
+// (SmolLM2's layers and 49,152-row head, 16-128 rows, 2 Zen 4 cores); at 512 KB the calls'
+// own cost showed, and the whole head at once took 27 ms instead of 3 at one row (a fresh
+// 56 MB buffer is page faults first).
+constexpr int64_t kDenseBlockBytes = int64_t{2} << 20;
+
+// x [M, K] (already in the GEMM's dtype) times the weight whose rows `fill(n0, n1, out)`
+// writes, block by block: [M, N] in x's dtype.
+template <typename Fill>
+at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill& fill) {
+  const int64_t block =
+      std::max<int64_t>(16, kDenseBlockBytes / (K * static_cast<int64_t>(x.element_size())) /
+                                16 * 16);
+  const int64_t rows = std::min(block, N);
+  at::Tensor w = at::empty({rows, K}, x.options());
+  auto dequantize = [&](int64_t n0, int64_t nb) {
+    AT_DISPATCH_SWITCH(x.scalar_type(), "dequantize",
+        AT_DISPATCH_CASE(at::kFloat, [&] {
+          at::parallel_for(0, nb, 8, [&](int64_t lo, int64_t hi) {
+            fill(n0 + lo, n0 + hi, w.data_ptr<scalar_t>() + lo * K);
+          });
+        })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] {
+          at::parallel_for(0, nb, 8, [&](int64_t lo, int64_t hi) {
+            fill(n0 + lo, n0 + hi, w.data_ptr<scalar_t>() + lo * K);
+          });
+        }));
+  };
+  // each block's product goes straight into its columns of y (a GEMM with y's row stride)
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t nb = std::min(rows, N - n0);
+    const at::Tensor wb = w.narrow(0, 0, nb);
+    dequantize(n0, nb);
+    at::Tensor yb = y.narrow(1, n0, nb);
+    at::mm_out(yb, x, wb.t());
+  }
+  return y;
+}
 
 }  // namespace
 
@@ -294,10 +449,8 @@ at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d) {
   float* wp = w.data_ptr<float>();
   const int8_t* qp = qs.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
-  at::parallel_for(0, N * G, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i)
-      for (int64_t j = 0; j < kGroup; ++j)
-        wp[i * kGroup + j] = static_cast<float>(qp[i * kGroup + j]) * dp[i];
+  at::parallel_for(0, N, 8, [&](int64_t lo, int64_t hi) {
+    dequantize_q8_rows(qp, dp, lo, hi, G, wp + lo * K);
   });
   return w;
 }
@@ -305,23 +458,63 @@ at::Tensor q8_dequantize(const at::Tensor& qs, const at::Tensor& d) {
 at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == at::kByte,
               "qs must be uint8 [N, K/32, 16]");
-  const int64_t N = qs.size(0), G = qs.size(1);
-  at::Tensor w = at::empty({N, G * kGroup}, d.options());
+  const int64_t N = qs.size(0), G = qs.size(1), K = G * kGroup;
+  at::Tensor w = at::empty({N, K}, d.options());
   float* wp = w.data_ptr<float>();
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
-  at::parallel_for(0, N * G, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const uint8_t* q = qp + i * 16;
-      float* out = wp + i * kGroup;
-      for (int64_t j = 0; j < 16; ++j) {
-        out[j] = static_cast<float>(q[j] & 0x0F) * dp[i] + mp[i];
-        out[j + 16] = static_cast<float>(q[j] >> 4) * dp[i] + mp[i];
+  at::parallel_for(0, N, 8, [&](int64_t lo, int64_t hi) {
+    dequantize_q4_rows(qp, dp, mp, lo, hi, G, wp + lo * K);
+  });
+  return w;
+}
+
+at::Tensor q4_dense(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                    const at::Tensor& m, bool bf16) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == at::kByte &&
+                  qs.is_contiguous(),
+              "qs must be contiguous uint8 [N, K/32, 16]");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = qs.size(0), G = qs.size(1);
+  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
+  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat &&
+                  d.is_contiguous() && m.is_contiguous() && d.dim() == 2 && d.size(0) == N &&
+                  d.size(1) == G && m.sizes() == d.sizes(),
+              "d, m: contiguous fp32 [N, K/32]");
+  // the activations on q4_linear's int8 grid, in the GEMM's dtype
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor xa = at::empty({M, K}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      if (bf16) {
+        round_activations(xp + r * K, G, xa.data_ptr<at::BFloat16>() + r * K);
+      } else {
+        round_activations(xp + r * K, G, xa.data_ptr<float>() + r * K);
       }
     }
   });
-  return w;
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  return blocked_product(xa, N, K, [&](int64_t n0, int64_t n1, auto* out) {
+    dequantize_q4_rows(qp, dp, mp, n0, n1, G, out);
+  });
+}
+
+at::Tensor q8_dense(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                    bool bf16) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  check_q8(qs, d);
+  const int64_t K = x_in.size(1), N = qs.size(0), G = d.size(1);
+  TORCH_CHECK(K == qs.size(1), "x has ", K, " columns, the weight ", qs.size(1));
+  const at::Tensor x = x_in.to(bf16 ? at::kBFloat16 : at::kFloat).contiguous();
+  const int8_t* qp = qs.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  return blocked_product(x, N, K, [&](int64_t n0, int64_t n1, auto* out) {
+    dequantize_q8_rows(qp, dp, n0, n1, G, out);
+  });
 }
 
 }  // namespace radixserve
@@ -331,6 +524,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("q4_dequantize(Tensor qs, Tensor d, Tensor m) -> Tensor");
   lib.def("q8_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
   lib.def("q8_dequantize(Tensor qs, Tensor d) -> Tensor");
+  lib.def("q4_dense(Tensor x, Tensor qs, Tensor d, Tensor m, bool bf16) -> Tensor");
+  lib.def("q8_dense(Tensor x, Tensor qs, Tensor d, bool bf16) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
@@ -338,4 +533,6 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
   lib.impl("q4_dequantize", &radixserve::q4_dequantize);
   lib.impl("q8_linear", &radixserve::q8_linear);
   lib.impl("q8_dequantize", &radixserve::q8_dequantize);
+  lib.impl("q4_dense", &radixserve::q4_dense);
+  lib.impl("q8_dense", &radixserve::q8_dense);
 }
