@@ -24,10 +24,11 @@ The layers here keep their weights packed:
   the C++ kernels cannot be built, ATen's `_weight_int4pack_mm_for_cpu` (bf16 activations)
   takes over.
   The kernels' group scales cost a float multiply-add per 32 products, the dense GEMM none,
-  so the GEMM wins from a few rows on: from `DENSE_ROWS_BF16` (16) rows when it runs in bf16
-  (2 Zen 4 cores: q4 kernel 1.0 ms, dequantize + GEMM 0.65-1.0 ms over SmolLM2's four layer
-  weights at 16 rows; 4.1 against 1.4 ms at 64), from `DENSE_ROWS` (64) in fp32, whose GEMM
-  runs at a third of bf16's rate.
+  so the GEMM wins from a few rows on, even with its weight dequantized on every call: from
+  `DENSE_ROWS_BF16` (12) rows when it runs in bf16 (a SmolLM2-135M decode step on 2 Zen 4
+  cores, `bench one-batch`: the kernels ≈ 3 ms a row, from 11-16 ms at 4 rows; the dense
+  path ≈ 25-30 ms at 4-12 rows, ≈ 50 at 32, against the kernels' 75-117), from
+  `DENSE_ROWS` (64) in fp32, whose GEMM runs at a third of bf16's rate.
 
 - w8a8_int8 (SGLang's method of that name): int8 weights with a symmetric scale per output
   channel, and the activations quantized per row (token) to int8 on the fly, so the product
@@ -62,7 +63,7 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("int8", "int4", "w8a8_int8")
 W8A8 = "w8a8_int8"
 DENSE_ROWS = 64  # from here on dequantize + fp32 GEMM beats the q4 / q8 kernels (measured)
-DENSE_ROWS_BF16 = 16  # the same where that GEMM runs in bf16 (a bf16 model, native bf16)
+DENSE_ROWS_BF16 = 12  # the same where that GEMM runs in bf16 (a bf16 model, native bf16)
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; the ATen kernel takes 32, 64, 128 or 256
 KERNEL_DTYPE = torch.bfloat16
 _INT4_INNER_K_TILES = 2

@@ -94,7 +94,7 @@ def test_the_cpp_step_equals_the_python_layers_bitwise(
         # fp32: the q4 / q8 kernels below DENSE_ROWS (64) rows, their dense GEMMs from there on
         ("float32", "int4", (DENSE_ROWS - 1, DENSE_ROWS, 150)),
         ("float32", "int8", (DENSE_ROWS - 1, DENSE_ROWS)),
-        # bf16: from DENSE_ROWS_BF16 (16) where the GEMM runs in bf16, else 64
+        # bf16: from DENSE_ROWS_BF16 (12) where the GEMM runs in bf16, else 64
         ("bfloat16", "int4", (DENSE_ROWS_BF16 - 1, DENSE_ROWS_BF16, DENSE_ROWS)),
         ("bfloat16", "int8", (DENSE_ROWS_BF16, DENSE_ROWS)),
     ],
