@@ -7,13 +7,13 @@
 // minimum m; w = q * d + m); code layout per group as ggml's: byte j holds element j (low
 // nibble) and j + 16:
 //   q4_linear(x [M, K], qs [N, K/32, 16] uint8, d [N, K/32] fp32, m [N, K/32] fp32) -> [M, N] fp32
-//   q4_dequantize(qs, d, m) -> [N, K] fp32 (for large M, where a dense GEMM wins)
+//   q4_dequantize(qs, d, m) -> [N, K] fp32 (the weight q4_dense multiplies, for tests)
 // int8, GGUF's Q8_0 form (groups of 32 int8 codes and a float scale d; w = q * d), with the
 // activations kept in floats (q8_rows says why):
 //   q8_linear(x [M, K], qs [N, K] int8, d [N, K/32] fp32) -> [M, N] fp32
-//   q8_dequantize(qs, d) -> [N, K] fp32
+//   q8_dequantize(qs, d) -> [N, K] fp32 (likewise)
 //
-// From a few dozen rows on, a dense GEMM is faster than these kernels (their group scales
+// From a dozen rows on (64 in fp32), a dense GEMM is faster than these kernels (their group scales
 // cost a float multiply-add per 32 products, a GEMM none): q4_dense and q8_dense compute the
 // same products through ATen's GEMM, in bf16 (fp32 accumulation) where `bf16` is set (a bf16
 // model on a CPU with native bf16 matrix instructions) and in fp32 otherwise. The weight is
@@ -172,7 +172,7 @@ inline void put(at::BFloat16* out, float v) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr bool kVectorDequantize = true;
+constexpr bool kVector512 = true;
 inline void put16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
 inline void put16(at::BFloat16* out, __m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
@@ -182,7 +182,7 @@ inline void put16(at::BFloat16* out, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
 }
 #else
-constexpr bool kVectorDequantize = false;
+constexpr bool kVector512 = false;
 #endif
 
 template <typename T>
@@ -192,7 +192,7 @@ void dequantize_q4_rows(const uint8_t* qp, const float* dp, const float* mp, int
     const uint8_t* q = qp + i * 16;
     T* o = out + (i - n0 * G) * kGroup;
     const float d = dp[i], m = mp[i];
-    if constexpr (kVectorDequantize) {
+    if constexpr (kVector512) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
       const __m128i low4 = _mm_set1_epi8(0x0F);
@@ -219,7 +219,7 @@ void dequantize_q8_rows(const int8_t* qp, const float* dp, int64_t n0, int64_t n
     const int8_t* q = qp + i * kGroup;
     T* o = out + (i - n0 * G) * kGroup;
     const float d = dp[i];
-    if constexpr (kVectorDequantize) {
+    if constexpr (kVector512) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       const __m512 vd = _mm512_set1_ps(d);
       for (int h = 0; h < 2; ++h) {
@@ -240,7 +240,7 @@ void round_activations(const float* x, int64_t groups, T* out) {
   for (int64_t g = 0; g < groups; ++g) {
     const float* xg = x + g * kGroup;
     T* o = out + g * kGroup;
-    if constexpr (kVectorDequantize) {
+    if constexpr (kVector512) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
