@@ -13,6 +13,7 @@ from radixserve.layers.quantization import (
     DENSE_ROWS_BF16,
     INT4_GROUP_SIZE,
     KERNEL_DTYPE,
+    Q4_GEMM_ROWS,
     BlockParams,
     QuantizedLinear,
     dequantize_int4,
@@ -196,6 +197,69 @@ def test_q4_rows_do_not_depend_on_the_batch(outputs) -> None:
         assert torch.equal(batch, alone[:rows]), rows
 
 
+needs_q4_gemm = pytest.mark.skipif(
+    not quantization.cpu_kernels_available() or not torch.ops.radixserve.q4_gemm_supported(),
+    reason="q4_gemm is built for CPUs with AVX-512 VNNI only",
+)
+
+
+@needs_q4_gemm
+@pytest.mark.parametrize("n,k", [(16, 32), (96, 128), (1104, 576), (64, 4096)])
+def test_q4_gemm_against_the_reference(n, k) -> None:
+    """q4_gemm: the int4 weight times the activations on q4_linear's int8 grid, each group's
+    products summed exactly in integers and the groups in fp32, so within fp32 rounding of the
+    float64 product (and of q4_linear's rows, the same function in another order); every row
+    count from 1 to 19 (8-row passes and each tail), bf16 and non-contiguous inputs."""
+    gen = torch.Generator().manual_seed(n + k)
+    codes, scale, minimum = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
+    qs = pack_q4(codes)
+    w = torch.ops.radixserve.q4_dequantize(qs, scale, minimum).double()
+    x = torch.randn(19, k, generator=gen) * 2
+    x[3] = 0  # a zero row: scale 0, codes 0
+    x[5, :32] = 0  # and a zero group
+    ref = quantize_activations(x).double() @ w.t()
+    bound = 1e-6 * ref.abs().max().item() * (k // 32) ** 0.5
+    for rows in range(1, 20):
+        got = torch.ops.radixserve.q4_gemm(x[:rows], qs, scale, minimum)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert (got.double() - ref[:rows]).abs().max().item() <= bound, rows
+    assert torch.equal(got[3], torch.zeros(n))
+    kernel = torch.ops.radixserve.q4_linear(x, qs, scale, minimum)
+    torch.testing.assert_close(got, kernel, rtol=0, atol=4 * bound)
+    # a bad grid would show: the same product with the activations rounded to 6 bits
+    amax = x.abs().amax(1, keepdim=True).clamp_min(1e-9)
+    coarse = (x / amax * 31).round() * amax / 31
+    assert ((coarse.double() @ w.t()) - ref).abs().max().item() > 100 * bound
+    half = torch.ops.radixserve.q4_gemm(x.bfloat16(), qs, scale, minimum)
+    assert torch.equal(half, torch.ops.radixserve.q4_gemm(x.bfloat16().float(), qs, scale, minimum))
+    wide = torch.randn(19, 2 * k, generator=gen)
+    wide[:, ::2] = x
+    assert torch.equal(torch.ops.radixserve.q4_gemm(wide[:, ::2], qs, scale, minimum), got)
+
+
+@needs_q4_gemm
+def test_q4_gemm_rows_do_not_depend_on_the_batch() -> None:
+    """Each row of every batch size equals that row alone, bitwise (the 8-row passes and the
+    tails run the same operations per row), so a request's tokens do not depend on how many
+    others share its decode step; an empty batch and bad shapes are clear."""
+    gen = torch.Generator().manual_seed(7)
+    codes, scale, minimum = quantize_int4(torch.randn(48, 160, generator=gen) * 0.05)
+    qs = pack_q4(codes)
+    x = torch.randn(21, 160, generator=gen)
+    alone = torch.cat(
+        [torch.ops.radixserve.q4_gemm(x[i : i + 1], qs, scale, minimum) for i in range(21)]
+    )
+    for rows in range(1, 22):
+        assert torch.equal(torch.ops.radixserve.q4_gemm(x[:rows], qs, scale, minimum), alone[:rows])
+    assert torch.ops.radixserve.q4_gemm(x[:0], qs, scale, minimum).shape == (0, 48)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.radixserve.q4_gemm(x[:, :128], qs, scale, minimum)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.radixserve.q4_gemm(x, qs[:40].contiguous(), scale[:40], minimum[:40])
+    with pytest.raises(RuntimeError, match="d, m"):
+        torch.ops.radixserve.q4_gemm(x, qs, scale[:, :3].contiguous(), minimum)
+
+
 def test_q4_gemv_and_gemm_paths_agree_row_by_row() -> None:
     """A prompt's rows go through the GEMM at prefill and the kernel at decode (or after a
     cache hit): both see the same int8 activations, so they agree far inside the
@@ -204,7 +268,7 @@ def test_q4_gemv_and_gemm_paths_agree_row_by_row() -> None:
     w = torch.randn(576, 576, generator=gen) * 0.05
     layer = QuantizedLinear("int4", w)
     x = torch.randn(DENSE_ROWS, 576, generator=gen)
-    gemm = layer(x)  # 64 rows: the dequantized GEMM
+    gemm = layer(x)  # 64 rows: q4_gemm, or the dequantized GEMM
     gemv = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])  # one row each: the kernel
     assert (gemm - gemv).abs().max() <= 1e-5 * gemm.abs().max()
 
@@ -224,7 +288,10 @@ def test_bf16_prefill_gemm_agrees_with_the_kernel_rows(method, native_bf16, monk
     rows = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     err = (gemm.float() - rows.float()).abs().max() / rows.float().abs().max()
     assert err <= 2e-2, err
-    if method == "int4":  # the GEMM ran in the dtype the capability picks
+    if method == "int4" and quantization.q4_gemm_supported():  # integers, whatever the dtype
+        want = torch.ops.radixserve.q4_gemm(x, layer.qs, layer.d, layer.m)
+        assert torch.equal(gemm, want.to(torch.bfloat16))
+    elif method == "int4":  # the dense GEMM ran in the dtype the capability picks
         w = torch.ops.radixserve.q4_dequantize(layer.qs, layer.d, layer.m)
         xq = quantize_activations(x)
         want = F.linear(xq.bfloat16(), w.bfloat16()) if native_bf16 else F.linear(xq, w)
@@ -300,9 +367,14 @@ def test_dense_paths_against_the_reference(n, bf16) -> None:
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_the_dense_threshold_follows_the_gemm_dtype(native_bf16, monkeypatch) -> None:
+@pytest.mark.parametrize("has_q4_gemm", [True, False])
+def test_the_dense_threshold_follows_the_gemm_dtype(native_bf16, has_q4_gemm, monkeypatch) -> None:
     """A bf16 model on a CPU with native bf16 takes the dense GEMM from DENSE_ROWS_BF16 rows,
-    elsewhere from DENSE_ROWS (an fp32 model always from DENSE_ROWS)."""
+    elsewhere from DENSE_ROWS (an fp32 model always from DENSE_ROWS); int4 layers take
+    q4_gemm from Q4_GEMM_ROWS rows instead, in any dtype, where the CPU has it."""
+    if has_q4_gemm and not torch.ops.radixserve.q4_gemm_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI, so the build has no q4_gemm")
+    monkeypatch.setattr(quantization, "q4_gemm_supported", lambda: has_q4_gemm)
     monkeypatch.setattr(quantization, "cpu_has_bf16", lambda: native_bf16)
     assert quantization.gemm_in_bf16(torch.bfloat16) is native_bf16
     assert not quantization.gemm_in_bf16(torch.float32)
@@ -318,6 +390,8 @@ def test_the_dense_threshold_follows_the_gemm_dtype(native_bf16, monkeypatch) ->
         for dtype in (torch.bfloat16, torch.float32):
             bf16 = dtype == torch.bfloat16 and native_bf16
             threshold = DENSE_ROWS_BF16 if bf16 else DENSE_ROWS
+            if method == "int4" and has_q4_gemm:
+                threshold, dense = Q4_GEMM_ROWS, lambda x, *a: ops.q4_gemm(x, *a[:3])
             for rows in (threshold - 1, threshold):
                 x = torch.randn(rows, 128, generator=gen).to(dtype)
                 want = dense(x, *args, bf16) if rows == threshold else kernel(x, *args)
