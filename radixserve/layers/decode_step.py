@@ -26,17 +26,16 @@ from torch import nn
 
 from radixserve.layers.attention.cpu_paged_backend import PagedDecodeMetadata
 from radixserve.layers.linear import SMALL_M_ROWS, Linear
-from radixserve.layers.quantization import QuantizedLinear, dense_rows, gemm_in_bf16, q4_rows
+from radixserve.layers.quantization import QuantizedLinear, dense_rows, gemm_in_bf16
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
 # csrc/decode_step.cpp's linear kinds
-DENSE, Q4, Q8, W8A8, BIAS = 0, 1, 2, 3, 8
+DENSE, Q4, Q8, W8A8, Q4_TILED, BIAS = 0, 1, 2, 3, 4, 8
 # The C++ step mirrors the linear layers' forms at each size (it is given the thresholds):
-# QuantizedLinear's kernels below dense_rows() (q4: q4_rows()), and linear()'s (W · xᵀ)ᵀ up
-# to SMALL_M_ROWS.
+# QuantizedLinear's kernels below dense_rows(), and linear()'s (W · xᵀ)ᵀ up to SMALL_M_ROWS.
 
 
 class CpuDecodeStep:
@@ -68,7 +67,6 @@ class CpuDecodeStep:
             model.model.layers[0].input_layernorm.eps,
             SMALL_M_ROWS,
             dense_rows(bf16),
-            q4_rows(bf16),
             bf16,
         )
         return cls(step)
@@ -147,6 +145,8 @@ def _linear(lin: nn.Module, dtype: torch.dtype) -> tuple[int, list[torch.Tensor]
     bias = getattr(lin, "bias", None)
     if type(lin) is QuantizedLinear and lin.kernel == "q4":
         kind, tensors = Q4, [lin.qs, lin.d, lin.m]
+    elif type(lin) is QuantizedLinear and lin.kernel == "q4_tiled":
+        kind, tensors = Q4_TILED, [lin.qt, lin.dt, lin.mt]
     elif type(lin) is QuantizedLinear and lin.kernel == "q8":
         kind, tensors = Q8, [lin.qs, lin.d]
     elif type(lin) is QuantizedLinear and lin.kernel == "w8a8":

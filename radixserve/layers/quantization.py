@@ -17,13 +17,15 @@ The layers here keep their weights packed:
   (a weight is code * scale + minimum, code in [0, 15]: GGUF's Q4_1 form). Below
   `dense_rows()` rows, radixserve's own kernel (csrc/quant_linear.cpp) multiplies the 4-bit
   codes by the activations quantized to int8 per group of 32, in integers, as llama.cpp
-  does (2x ATen's int4 kernel at batch 1 on AVX2). That kernel is a GEMV; for a batch,
-  on a CPU with AVX-512 VNNI, `q4_gemm` computes the same function as a register-blocked
-  GEMM in integers, from `Q4_GEMM_ROWS` (2) rows (the transformer layers of SmolLM2-135M, 2
-  Zen 4 cores: 17-20 ms at 64 rows, as bf16's prepacked GEMM, against q4_dense's 33-35).
-  Without VNNI, from `dense_rows()` rows `q4_dense` rounds the activations to the same int8
-  grid and multiplies them by the weight, dequantized block by block into a dense GEMM
-  (in fp32; a bf16 model on a CPU with native bf16 matmuls runs this GEMM in bf16). Where
+  does (2x ATen's int4 kernel at batch 1 on AVX2). From `dense_rows()` rows `q4_dense`
+  rounds the activations to the same int8 grid and multiplies them by the weight,
+  dequantized block by block into a dense GEMM (in fp32; a bf16 model on a CPU with native
+  bf16 matmuls runs this GEMM in bf16). On a CPU with AVX-512 VNNI neither runs: the codes are
+  stored in tiles of 16 outputs (`pack_q4_tiles`, the same bytes reordered) and
+  `q4_tiled_linear` computes the q4 kernel's function at every row count, in integers, as a
+  register-blocked GEMM (llama.cpp's repacked-Q4 layout): one function for a request alone
+  and in any batch, and on SmolLM2-135M's layers (2 Zen 4 cores) as fast as q4_linear at one
+  row and as bf16's prepacked GEMM from 64 rows, where q4_dense took twice that. Where
   the C++ kernels cannot be built, ATen's `_weight_int4pack_mm_for_cpu` (bf16 activations)
   takes over.
   The kernels' group scales cost a float multiply-add per 32 products, the dense GEMM none,
@@ -67,7 +69,6 @@ QUANTIZATION_METHODS = ("int8", "int4", "w8a8_int8")
 W8A8 = "w8a8_int8"
 DENSE_ROWS = 64  # from here on dequantize + fp32 GEMM beats the q4 / q8 kernels (measured)
 DENSE_ROWS_BF16 = 12  # the same where that GEMM runs in bf16 (a bf16 model, native bf16)
-Q4_GEMM_ROWS = 2  # from here on q4_gemm (AVX-512 VNNI) beats q4_linear (measured)
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; the ATen kernel takes 32, 64, 128 or 256
 KERNEL_DTYPE = torch.bfloat16
 _INT4_INNER_K_TILES = 2
@@ -188,6 +189,13 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
 
     def _pack_int4(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        if q4_tiled_supported():
+            self.kernel = "q4_tiled"
+            qt, dt, mt = pack_q4_tiles(pack_q4(codes), scale, minimum)
+            self.register_buffer("qt", qt)
+            self.register_buffer("dt", dt)
+            self.register_buffer("mt", mt)
+            return
         if cpu_kernels_available():
             self.kernel = "q4"
             self.register_buffer("qs", pack_q4(codes))
@@ -208,14 +216,13 @@ class QuantizedLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x2.dtype)
             y = torch.ops.radixserve.w8a8_linear(x2.contiguous(), self.wq, self.w_scale, bias)
             return y.reshape(*lead, self.out_features)
-        if self.kernel in ("q4", "q8"):
+        if self.kernel == "q4_tiled":  # every row count; bf16 out for bf16 in
+            y = torch.ops.radixserve.q4_tiled_linear(x2, self.qt, self.dt, self.mt)
+        elif self.kernel in ("q4", "q8"):
             bf16 = gemm_in_bf16(x2.dtype)
-            rows = x2.shape[0]
-            small = rows < dense_rows(bf16)
-            if self.kernel == "q4" and rows < q4_rows(bf16):
+            small = x2.shape[0] < dense_rows(bf16)
+            if self.kernel == "q4" and small:
                 y = torch.ops.radixserve.q4_linear(x2, self.qs, self.d, self.m)
-            elif self.kernel == "q4" and q4_gemm_supported():
-                y = torch.ops.radixserve.q4_gemm(x2, self.qs, self.d, self.m)
             elif self.kernel == "q4":  # the kernel's int8 activations, through a dense GEMM
                 y = torch.ops.radixserve.q4_dense(x2, self.qs, self.d, self.m, bf16)
             elif small:
@@ -262,16 +269,10 @@ def dense_rows(bf16: bool) -> int:
     return DENSE_ROWS_BF16 if bf16 else DENSE_ROWS
 
 
-@functools.cache
-def q4_gemm_supported() -> bool:
-    """Whether the C++ kernels have q4_gemm (built for a CPU with AVX-512 VNNI)."""
-    return cpu_kernels_available() and bool(torch.ops.radixserve.q4_gemm_supported())
-
-
-def q4_rows(bf16: bool) -> int:
-    """From how many rows q4 layers leave q4_linear: for q4_gemm where there is one, else for
-    q4_dense (`dense_rows`)."""
-    return Q4_GEMM_ROWS if q4_gemm_supported() else dense_rows(bf16)
+def q4_tiled_supported() -> bool:
+    """Whether int4 layers take the tiled layout and kernel (C++ kernels built for a CPU with
+    AVX-512 VNNI)."""
+    return cpu_kernels_available() and bool(torch.ops.radixserve.q4_tiled_supported())
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -295,6 +296,20 @@ def pack_q4(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     groups = codes.view(n, k // INT4_GROUP_SIZE, INT4_GROUP_SIZE).to(torch.uint8)
     return (groups[..., :16] | (groups[..., 16:] << 4)).contiguous()
+
+
+def pack_q4_tiles(
+    qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q4 kernel's bytes [N, G, 16] and its scales and minimums [N, G] -> q4_tiled_linear's
+    tiles of 16 outputs: codes [N/16, G, 256] (per tile and group, 4 vectors of 64 bytes, lane t
+    of vector q holding bytes 4q .. 4q + 3 of output t's 16; csrc/quant_linear.cpp), scales
+    and minimums [N/16, G, 16]. The same bytes and floats, reordered."""
+    n, g, _ = qs.shape
+    qt = qs.view(n // 16, 16, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
+    dt = scale.view(n // 16, 16, g).transpose(1, 2)
+    mt = minimum.view(n // 16, 16, g).transpose(1, 2)
+    return qt.contiguous(), dt.contiguous(), mt.contiguous()
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,9 +11,10 @@ import torch
 from rs_testing import greedy_step_logits, make_tiny_model_dir, prefill_batch
 
 from radixserve.args import ServerArgs
+from radixserve.layers import quantization as quant
 from radixserve.layers.decode_step import CpuDecodeStep
 from radixserve.layers.fused_ops import set_fused_ops
-from radixserve.layers.quantization import DENSE_ROWS, DENSE_ROWS_BF16, Q4_GEMM_ROWS
+from radixserve.layers.quantization import DENSE_ROWS, DENSE_ROWS_BF16
 from radixserve.model_executor.model_runner import ModelRunner
 
 
@@ -89,23 +90,30 @@ def test_the_cpp_step_equals_the_python_layers_bitwise(
 
 
 @pytest.mark.parametrize(
-    "dtype,quantization,rows",
+    "dtype,quantization,tiled,rows",
     [
-        # int4: q4_linear below Q4_GEMM_ROWS (2) rows, q4_gemm from there on where the CPU has
-        # it; elsewhere q4_dense from dense_rows() (the rows cover both)
-        ("float32", "int4", (1, Q4_GEMM_ROWS, DENSE_ROWS - 1, DENSE_ROWS, 150)),
-        ("bfloat16", "int4", (1, Q4_GEMM_ROWS, DENSE_ROWS_BF16 - 1, DENSE_ROWS_BF16)),
-        # int8: the q8 kernel below DENSE_ROWS (64) rows, its dense GEMM from there on; in bf16
-        # from DENSE_ROWS_BF16 (12) where that GEMM runs in bf16, else 64
-        ("float32", "int8", (DENSE_ROWS - 1, DENSE_ROWS)),
-        ("bfloat16", "int8", (DENSE_ROWS_BF16, DENSE_ROWS)),
+        # fp32: the q4 / q8 kernels below DENSE_ROWS (64) rows, their dense GEMMs from there on
+        ("float32", "int4", False, (DENSE_ROWS - 1, DENSE_ROWS, 150)),
+        ("float32", "int8", False, (DENSE_ROWS - 1, DENSE_ROWS)),
+        # bf16: from DENSE_ROWS_BF16 (12) where the GEMM runs in bf16, else 64
+        ("bfloat16", "int4", False, (DENSE_ROWS_BF16 - 1, DENSE_ROWS_BF16, DENSE_ROWS)),
+        ("bfloat16", "int8", False, (DENSE_ROWS_BF16, DENSE_ROWS)),
+        # int4 in tiles (a CPU with AVX-512 VNNI): one kernel at every size
+        ("float32", "int4", True, (1, 9, DENSE_ROWS, 150)),
+        ("bfloat16", "int4", True, (1, 9, DENSE_ROWS)),
     ],
 )
 def test_quantized_models_take_the_step_on_both_sides_of_the_dense_threshold(
-    tiny_llama_dir, dtype, quantization, rows
+    tiny_llama_dir, dtype, quantization, tiled, rows, monkeypatch
 ):
-    """The step runs the same kernel or GEMM as the layers at every size, bitwise."""
+    """The step runs the same kernel or dense GEMM as the layers at every size, bitwise."""
+    if tiled and not quant.q4_tiled_supported():
+        pytest.skip("q4_tiled_linear is built for CPUs with AVX-512 VNNI only")
+    monkeypatch.setattr(quant, "q4_tiled_supported", lambda: tiled)
     runner = _runner(tiny_llama_dir, dtype=dtype, quantization=quantization)
+    kind = "q4_tiled" if tiled else "q4"
+    if quantization == "int4":
+        assert runner.model.model.layers[0].mlp.down_proj.kernel == kind
     for i, n in enumerate(rows):
         assert _compare(runner, _prompts(n, seed=i + 1), steps=2) == 2, n
 
@@ -166,8 +174,6 @@ def test_the_step_refuses_mismatched_inputs(tiny_llama_dir):
             torch.ones(1, dtype=torch.long),
         )
     with pytest.raises(RuntimeError, match="4 linear kinds per layer"):
-        torch.classes.radixserve.DecodeStep([], [0], 4, 2, 16, 0.25, 1e-6, 64, 64, 2, False)
+        torch.classes.radixserve.DecodeStep([], [0], 4, 2, 16, 0.25, 1e-6, 64, 64, False)
     with pytest.raises(RuntimeError, match="fewer parameters"):
-        torch.classes.radixserve.DecodeStep(
-            [], [0, 0, 0, 0], 4, 2, 16, 0.25, 1e-6, 64, 64, 2, False
-        )
+        torch.classes.radixserve.DecodeStep([], [0, 0, 0, 0], 4, 2, 16, 0.25, 1e-6, 64, 64, False)

@@ -13,7 +13,6 @@ from radixserve.layers.quantization import (
     DENSE_ROWS_BF16,
     INT4_GROUP_SIZE,
     KERNEL_DTYPE,
-    Q4_GEMM_ROWS,
     BlockParams,
     QuantizedLinear,
     dequantize_int4,
@@ -67,9 +66,29 @@ def test_int8_linear_matches_its_dequantized_weight(shape, rows, dtype, int8_ker
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(params=["q4", "aten"])
+def _tiled_supported() -> bool:
+    return quantization.cpu_kernels_available() and torch.ops.radixserve.q4_tiled_supported()
+
+
+needs_tiled = pytest.mark.skipif(
+    not _tiled_supported(), reason="q4_tiled_linear is built for CPUs with AVX-512 VNNI only"
+)
+
+
+@pytest.fixture
+def untiled(monkeypatch):
+    """int4 layers as on a CPU without AVX-512 VNNI: q4_linear, then q4_dense."""
+    monkeypatch.setattr(quantization, "q4_tiled_supported", lambda: False)
+
+
+@pytest.fixture(params=["q4_tiled", "q4", "aten"])
 def int4_kernel(request, monkeypatch):
-    """Both int4 paths: radixserve's kernel, and ATen's where the C++ kernels cannot build."""
+    """Every int4 path: the tiled kernel (AVX-512 VNNI), radixserve's q4 kernels elsewhere, and
+    ATen's where the C++ kernels cannot build."""
+    if request.param == "q4_tiled" and not _tiled_supported():
+        pytest.skip("q4_tiled_linear is built for CPUs with AVX-512 VNNI only")
+    if request.param == "q4":
+        monkeypatch.setattr(quantization, "q4_tiled_supported", lambda: False)
     if request.param == "aten":
         monkeypatch.setattr(quantization, "cpu_kernels_available", lambda: False)
     return request.param
@@ -113,7 +132,7 @@ def test_int4_blocks_keep_the_files_codes_where_min_max_would_not() -> None:
     assert not torch.equal(free[8:24], codes[8:24])
 
 
-def test_int4_zero_scale_groups_and_bad_shapes() -> None:
+def test_int4_zero_scale_groups_and_bad_shapes(int4_kernel) -> None:
     w = torch.zeros(16, 64)
     w[:, 32:] = 0.5  # constant groups: scale 0
     layer = QuantizedLinear("int4", w)
@@ -149,11 +168,14 @@ def test_quantize_model_replaces_every_linear_and_survives_dtype_casts() -> None
     assert isinstance(model.b, QuantizedLinear) and model.b.method == "int8"
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.method == "int8"
     assert isinstance(model.embed, nn.Embedding)  # the lookup stays dense
-    assert model.a.kernel == "q4"  # radixserve's kernels (built for the test session)
+    # radixserve's kernels (built for the test session): tiled int4 where the CPU has VNNI
+    assert model.a.kernel == ("q4_tiled" if _tiled_supported() else "q4")
     assert model.lm_head.kernel == "q8" and model.b.kernel == "aten"  # 48 columns: per channel
+    codes, scale = ("qt", "dt") if _tiled_supported() else ("qs", "d")
     for dtype in (torch.float32, torch.bfloat16):
         model.to(dtype)
-        assert model.a.d.dtype == torch.float32 and model.a.qs.dtype == torch.uint8
+        assert getattr(model.a, scale).dtype == torch.float32
+        assert getattr(model.a, codes).dtype == torch.uint8
         assert model.b.scales.dtype == KERNEL_DTYPE and model.b.packed.dtype == torch.int8
         assert model.a.bias.dtype == dtype
         out = model(torch.randn(3, 64, dtype=dtype))
@@ -197,22 +219,41 @@ def test_q4_rows_do_not_depend_on_the_batch(outputs) -> None:
         assert torch.equal(batch, alone[:rows]), rows
 
 
-needs_q4_gemm = pytest.mark.skipif(
-    not quantization.cpu_kernels_available() or not torch.ops.radixserve.q4_gemm_supported(),
-    reason="q4_gemm is built for CPUs with AVX-512 VNNI only",
-)
+def test_q4_tiles_hold_the_kernels_bytes_reordered() -> None:
+    """pack_q4_tiles: tile i, group g, vector q, lane t holds bytes 4q .. 4q + 3 of output
+    16i + t's group g (so its codes 4q .. 4q + 3 in the low nibbles, 16 + 4q .. in the high);
+    the scales and minimums of the tile's 16 outputs, per group."""
+    gen = torch.Generator().manual_seed(11)
+    codes, scale, minimum = quantize_int4(torch.randn(48, 96, generator=gen) * 0.05)
+    qs = pack_q4(codes)
+    qt, dt, mt = quantization.pack_q4_tiles(qs, scale, minimum)
+    assert qt.shape == (3, 3, 256) and dt.shape == mt.shape == (3, 3, 16)
+    for i, g, q, t in ((0, 0, 0, 0), (1, 2, 3, 15), (2, 1, 2, 7)):
+        lane = qt[i, g, q * 64 + t * 4 : q * 64 + t * 4 + 4]
+        assert torch.equal(lane, qs[16 * i + t, g, 4 * q : 4 * q + 4])
+        low, high = lane & 0x0F, lane >> 4
+        k = 32 * g + 4 * q
+        assert torch.equal(low.int(), codes[16 * i + t, k : k + 4])
+        assert torch.equal(high.int(), codes[16 * i + t, k + 16 : k + 20])
+        assert dt[i, g, t] == scale[16 * i + t, g] and mt[i, g, t] == minimum[16 * i + t, g]
 
 
-@needs_q4_gemm
-@pytest.mark.parametrize("n,k", [(16, 32), (96, 128), (1104, 576), (64, 4096)])
-def test_q4_gemm_against_the_reference(n, k) -> None:
-    """q4_gemm: the int4 weight times the activations on q4_linear's int8 grid, each group's
-    products summed exactly in integers and the groups in fp32, so within fp32 rounding of the
-    float64 product (and of q4_linear's rows, the same function in another order); every row
-    count from 1 to 19 (8-row passes and each tail), bf16 and non-contiguous inputs."""
-    gen = torch.Generator().manual_seed(n + k)
+def _tiled(n: int, k: int, gen: torch.Generator):
     codes, scale, minimum = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
     qs = pack_q4(codes)
+    return qs, scale, minimum, quantization.pack_q4_tiles(qs, scale, minimum)
+
+
+@needs_tiled
+@pytest.mark.parametrize("n,k", [(16, 32), (96, 128), (1104, 576), (64, 4096)])
+def test_q4_tiled_against_the_reference(n, k) -> None:
+    """q4_tiled_linear: the int4 weight times the activations on q4_linear's int8 grid, each
+    group's products summed exactly in integers and the groups in fp32, so within fp32
+    rounding of the float64 product (and of q4_linear's rows, the same function in another
+    order); every row count from 1 to 19 (8-row passes and each tail), zero rows and groups,
+    bf16 and non-contiguous inputs."""
+    gen = torch.Generator().manual_seed(n + k)
+    qs, scale, minimum, tiles = _tiled(n, k, gen)
     w = torch.ops.radixserve.q4_dequantize(qs, scale, minimum).double()
     x = torch.randn(19, k, generator=gen) * 2
     x[3] = 0  # a zero row: scale 0, codes 0
@@ -220,47 +261,52 @@ def test_q4_gemm_against_the_reference(n, k) -> None:
     ref = quantize_activations(x).double() @ w.t()
     bound = 1e-6 * ref.abs().max().item() * (k // 32) ** 0.5
     for rows in range(1, 20):
-        got = torch.ops.radixserve.q4_gemm(x[:rows], qs, scale, minimum)
+        got = torch.ops.radixserve.q4_tiled_linear(x[:rows], *tiles)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
         assert (got.double() - ref[:rows]).abs().max().item() <= bound, rows
     assert torch.equal(got[3], torch.zeros(n))
     kernel = torch.ops.radixserve.q4_linear(x, qs, scale, minimum)
     torch.testing.assert_close(got, kernel, rtol=0, atol=4 * bound)
-    # a bad grid would show: the same product with the activations rounded to 6 bits
+    # a coarser grid would show: the same product with the activations rounded to 6 bits
     amax = x.abs().amax(1, keepdim=True).clamp_min(1e-9)
     coarse = (x / amax * 31).round() * amax / 31
     assert ((coarse.double() @ w.t()) - ref).abs().max().item() > 100 * bound
-    half = torch.ops.radixserve.q4_gemm(x.bfloat16(), qs, scale, minimum)
-    assert torch.equal(half, torch.ops.radixserve.q4_gemm(x.bfloat16().float(), qs, scale, minimum))
+    # bf16 in, bf16 out: the fp32 result of the same (widened) input, rounded
+    half = torch.ops.radixserve.q4_tiled_linear(x.bfloat16(), *tiles)
+    widened = torch.ops.radixserve.q4_tiled_linear(x.bfloat16().float(), *tiles)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, widened.bfloat16())
     wide = torch.randn(19, 2 * k, generator=gen)
     wide[:, ::2] = x
-    assert torch.equal(torch.ops.radixserve.q4_gemm(wide[:, ::2], qs, scale, minimum), got)
+    assert torch.equal(torch.ops.radixserve.q4_tiled_linear(wide[:, ::2], *tiles), got)
 
 
-@needs_q4_gemm
-def test_q4_gemm_rows_do_not_depend_on_the_batch() -> None:
-    """Each row of every batch size equals that row alone, bitwise (the 8-row passes and the
-    tails run the same operations per row), so a request's tokens do not depend on how many
-    others share its decode step; an empty batch and bad shapes are clear."""
+@needs_tiled
+def test_q4_tiled_rows_do_not_depend_on_the_batch() -> None:
+    """Each row of every batch size equals that row alone, bitwise (the 8-row passes, the
+    tails and the 256-row blocks run the same operations per row), so a request's tokens do
+    not depend on how many others share its step; an empty batch and bad shapes are clear."""
     gen = torch.Generator().manual_seed(7)
-    codes, scale, minimum = quantize_int4(torch.randn(48, 160, generator=gen) * 0.05)
-    qs = pack_q4(codes)
+    _, _, _, tiles = _tiled(48, 160, gen)
     x = torch.randn(21, 160, generator=gen)
-    alone = torch.cat(
-        [torch.ops.radixserve.q4_gemm(x[i : i + 1], qs, scale, minimum) for i in range(21)]
-    )
+    op = torch.ops.radixserve.q4_tiled_linear
+    alone = torch.cat([op(x[i : i + 1], *tiles) for i in range(21)])
     for rows in range(1, 22):
-        assert torch.equal(torch.ops.radixserve.q4_gemm(x[:rows], qs, scale, minimum), alone[:rows])
-    assert torch.ops.radixserve.q4_gemm(x[:0], qs, scale, minimum).shape == (0, 48)
+        assert torch.equal(op(x[:rows], *tiles), alone[:rows]), rows
+    many = torch.randn(600, 160, generator=gen).bfloat16()  # a prefill: blocks of 256 rows
+    got = op(many, *tiles)
+    for i in (0, 7, 255, 256, 263, 511, 512, 599):
+        assert torch.equal(got[i], op(many[i : i + 1], *tiles)[0]), i
+    assert op(x[:0], *tiles).shape == (0, 48)
+    qt, dt, mt = tiles
     with pytest.raises(RuntimeError, match="columns"):
-        torch.ops.radixserve.q4_gemm(x[:, :128], qs, scale, minimum)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.radixserve.q4_gemm(x, qs[:40].contiguous(), scale[:40], minimum[:40])
-    with pytest.raises(RuntimeError, match="d, m"):
-        torch.ops.radixserve.q4_gemm(x, qs, scale[:, :3].contiguous(), minimum)
+        op(x[:, :128], *tiles)
+    with pytest.raises(RuntimeError, match="qt must be"):
+        op(x, qt[..., :128].contiguous(), dt, mt)
+    with pytest.raises(RuntimeError, match="dt, mt"):
+        op(x, qt, dt[:, :3].contiguous(), mt)
 
 
-def test_q4_gemv_and_gemm_paths_agree_row_by_row() -> None:
+def test_q4_gemv_and_gemm_paths_agree_row_by_row(untiled) -> None:
     """A prompt's rows go through the GEMM at prefill and the kernel at decode (or after a
     cache hit): both see the same int8 activations, so they agree far inside the
     quantization error, and the same prompt gives the same tokens either way."""
@@ -268,14 +314,16 @@ def test_q4_gemv_and_gemm_paths_agree_row_by_row() -> None:
     w = torch.randn(576, 576, generator=gen) * 0.05
     layer = QuantizedLinear("int4", w)
     x = torch.randn(DENSE_ROWS, 576, generator=gen)
-    gemm = layer(x)  # 64 rows: q4_gemm, or the dequantized GEMM
+    gemm = layer(x)  # 64 rows: the dequantized GEMM
     gemv = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])  # one row each: the kernel
     assert (gemm - gemv).abs().max() <= 1e-5 * gemm.abs().max()
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_bf16_prefill_gemm_agrees_with_the_kernel_rows(method, native_bf16, monkeypatch) -> None:
+def test_bf16_prefill_gemm_agrees_with_the_kernel_rows(
+    method, native_bf16, untiled, monkeypatch
+) -> None:
     """A bf16 model's prefill-sized products: in bf16 on a CPU with native bf16 matmuls, in
     fp32 elsewhere. Either way each row agrees with the kernel's own row (the decode path)
     to bf16's tolerance, and the output keeps the model's dtype."""
@@ -288,10 +336,7 @@ def test_bf16_prefill_gemm_agrees_with_the_kernel_rows(method, native_bf16, monk
     rows = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     err = (gemm.float() - rows.float()).abs().max() / rows.float().abs().max()
     assert err <= 2e-2, err
-    if method == "int4" and quantization.q4_gemm_supported():  # integers, whatever the dtype
-        want = torch.ops.radixserve.q4_gemm(x, layer.qs, layer.d, layer.m)
-        assert torch.equal(gemm, want.to(torch.bfloat16))
-    elif method == "int4":  # the dense GEMM ran in the dtype the capability picks
+    if method == "int4":  # the GEMM ran in the dtype the capability picks
         w = torch.ops.radixserve.q4_dequantize(layer.qs, layer.d, layer.m)
         xq = quantize_activations(x)
         want = F.linear(xq.bfloat16(), w.bfloat16()) if native_bf16 else F.linear(xq, w)
@@ -367,14 +412,9 @@ def test_dense_paths_against_the_reference(n, bf16) -> None:
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
-@pytest.mark.parametrize("has_q4_gemm", [True, False])
-def test_the_dense_threshold_follows_the_gemm_dtype(native_bf16, has_q4_gemm, monkeypatch) -> None:
+def test_the_dense_threshold_follows_the_gemm_dtype(native_bf16, untiled, monkeypatch) -> None:
     """A bf16 model on a CPU with native bf16 takes the dense GEMM from DENSE_ROWS_BF16 rows,
-    elsewhere from DENSE_ROWS (an fp32 model always from DENSE_ROWS); int4 layers take
-    q4_gemm from Q4_GEMM_ROWS rows instead, in any dtype, where the CPU has it."""
-    if has_q4_gemm and not torch.ops.radixserve.q4_gemm_supported():
-        pytest.skip("this CPU has no AVX-512 VNNI, so the build has no q4_gemm")
-    monkeypatch.setattr(quantization, "q4_gemm_supported", lambda: has_q4_gemm)
+    elsewhere from DENSE_ROWS (an fp32 model always from DENSE_ROWS)."""
     monkeypatch.setattr(quantization, "cpu_has_bf16", lambda: native_bf16)
     assert quantization.gemm_in_bf16(torch.bfloat16) is native_bf16
     assert not quantization.gemm_in_bf16(torch.float32)
@@ -390,8 +430,6 @@ def test_the_dense_threshold_follows_the_gemm_dtype(native_bf16, has_q4_gemm, mo
         for dtype in (torch.bfloat16, torch.float32):
             bf16 = dtype == torch.bfloat16 and native_bf16
             threshold = DENSE_ROWS_BF16 if bf16 else DENSE_ROWS
-            if method == "int4" and has_q4_gemm:
-                threshold, dense = Q4_GEMM_ROWS, lambda x, *a: ops.q4_gemm(x, *a[:3])
             for rows in (threshold - 1, threshold):
                 x = torch.randn(rows, 128, generator=gen).to(dtype)
                 want = dense(x, *args, bf16) if rows == threshold else kernel(x, *args)

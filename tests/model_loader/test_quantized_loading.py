@@ -78,9 +78,9 @@ def test_quantization_flag_validation() -> None:
 def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monkeypatch) -> None:
     """The quality check: mean NLL of the same text through each configuration's ModelRunner
     (int4 layers keep the file's Q4_1 codes; the int8 head is the only new rounding). The
-    windows are prefills, so int4 runs its GEMM (q4_gemm, or q4_dense without AVX-512 VNNI);
-    "int4-gemv" sends every row through the decode kernel instead; all quantize the
-    activations to int8 per group."""
+    windows are prefills, so int4 runs its GEMM (the tiled kernel on a CPU with AVX-512 VNNI,
+    else the dequantized GEMM); "int4-gemv" sends every row through q4_linear instead; all
+    quantize the activations to int8 per group."""
     from radixserve.bench.perplexity import default_text, score
     from radixserve.layers import quantization
     from radixserve.managers.tokenizer_utils import load_tokenizer_for
@@ -95,7 +95,7 @@ def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monke
         if name == "int4-gemv":
             monkeypatch.setattr(quantization, "DENSE_ROWS", 10**9)
             monkeypatch.setattr(quantization, "DENSE_ROWS_BF16", 10**9)
-            monkeypatch.setattr(quantization, "Q4_GEMM_ROWS", 10**9)
+            monkeypatch.setattr(quantization, "q4_tiled_supported", lambda: False)
         runner = ModelRunner(ServerArgs(**{**base.__dict__, "quantization": method}).resolve())
         total, count = score(runner, ids, 256)
         assert count == 510

@@ -10,17 +10,17 @@
 // may take it.
 //
 // DecodeStep(params, kinds, num_heads, num_kv_heads, head_dim, scaling, eps, small_rows,
-//            kernel_rows, q4_rows, dense_bf16)
+//            kernel_rows, dense_bf16)
 //   params: per layer, input_layernorm.weight, post_attention_layernorm.weight, then the
 //     tensors of qkv_proj, o_proj, gate_up_proj and down_proj in that order, each linear's by
-//     its kind: dense (weight), q4 (qs, d, m), q8 (qs, d), w8a8 (wq, w_scale), then its bias
-//     if it has one.
-//   kinds: per layer and linear, kDense / kQ4 / kQ8 / kW8A8, plus kBias when it has a bias.
+//     its kind: dense (weight), q4 (qs, d, m), q8 (qs, d), w8a8 (wq, w_scale), q4 in tiles
+//     (qt, dt, mt), then its bias if it has one.
+//   kinds: per layer and linear, kDense / kQ4 / kQ8 / kW8A8 / kQ4Tiled, plus kBias when it has
+//     a bias.
 //   small_rows: layers/linear.py's SMALL_M_ROWS (up to it a dense fp32 product is (W · xᵀ)ᵀ);
 //   kernel_rows: layers/quantization.py's dense_rows() for the model's dtype (below it the
-//     q4 / q8 kernels run, from it q4_dense / q8_dense), q4_rows its q4_rows() (below it
-//     q4_linear runs, from it q4_gemm where the CPU has it, else q4_dense), and dense_bf16
-//     its gemm_in_bf16(): whether the dense forms run their GEMM in bf16.
+//     q4 / q8 kernels run, from it q4_dense / q8_dense), and dense_bf16 its gemm_in_bf16():
+//     whether those run their GEMM in bf16.
 // run(x [B, hidden], cos [B, D], sin [B, D], k_bufs, v_bufs, out_cache_loc [B], kv_rows [B, L],
 //     kv_start [B], kv_end [B]) -> (x, residual)
 //   x: the embeddings; returns the last layer's MLP output and the residual stream before it
@@ -40,7 +40,7 @@
 
 namespace {
 
-constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kW8A8 = 3, kBias = 8;
+constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kW8A8 = 3, kQ4Tiled = 4, kBias = 8;
 constexpr int64_t kKindMask = 7;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 
@@ -83,7 +83,7 @@ at::Tensor dense(const at::Tensor& x, const Linear& lin, int64_t small_rows) {
 // What the rows of a step run through: QuantizedLinear.forward (layers/quantization.py) or
 // linear().
 struct Sizes {
-  int64_t small_rows, kernel_rows, q4_rows;
+  int64_t small_rows, kernel_rows;
   bool dense_bf16;
 };
 
@@ -92,16 +92,10 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
   const bool kernel = x.size(0) < sizes.kernel_rows;
   switch (lin.kind) {
     case kQ4: {
-      if (x.size(0) < sizes.q4_rows) {
-        RECORD_FUNCTION("radixserve::q4_linear", std::vector<c10::IValue>());
-        y = radixserve::q4_linear(x, lin.qs, lin.d, lin.m);
-      } else if (radixserve::q4_gemm_supported()) {
-        RECORD_FUNCTION("radixserve::q4_gemm", std::vector<c10::IValue>());
-        y = radixserve::q4_gemm(x, lin.qs, lin.d, lin.m);
-      } else {
-        RECORD_FUNCTION("radixserve::q4_dense", std::vector<c10::IValue>());
-        y = radixserve::q4_dense(x, lin.qs, lin.d, lin.m, sizes.dense_bf16);
-      }
+      RECORD_FUNCTION(kernel ? "radixserve::q4_linear" : "radixserve::q4_dense",
+                      std::vector<c10::IValue>());
+      y = kernel ? radixserve::q4_linear(x, lin.qs, lin.d, lin.m)
+                 : radixserve::q4_dense(x, lin.qs, lin.d, lin.m, sizes.dense_bf16);
       break;
     }
     case kQ8: {
@@ -109,6 +103,11 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
                       std::vector<c10::IValue>());
       y = kernel ? radixserve::q8_linear(x, lin.qs, lin.d)
                  : radixserve::q8_dense(x, lin.qs, lin.d, sizes.dense_bf16);
+      break;
+    }
+    case kQ4Tiled: {  // every row count; bf16 out for bf16 in
+      RECORD_FUNCTION("radixserve::q4_tiled_linear", std::vector<c10::IValue>());
+      y = radixserve::q4_tiled_linear(x, lin.qs, lin.d, lin.m);
       break;
     }
     case kW8A8: {  // in x's dtype, its bias added inside
@@ -128,13 +127,13 @@ class DecodeStep : public torch::CustomClassHolder {
  public:
   DecodeStep(std::vector<at::Tensor> params, std::vector<int64_t> kinds, int64_t num_heads,
              int64_t num_kv_heads, int64_t head_dim, double scaling, double eps,
-             int64_t small_rows, int64_t kernel_rows, int64_t q4_rows, bool dense_bf16)
+             int64_t small_rows, int64_t kernel_rows, bool dense_bf16)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         scaling_(scaling),
         eps_(eps),
-        sizes_{small_rows, kernel_rows, q4_rows, dense_bf16} {
+        sizes_{small_rows, kernel_rows, dense_bf16} {
     TORCH_CHECK(kinds.size() % kLinearsPerLayer == 0, "DecodeStep: 4 linear kinds per layer");
     TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
                 "DecodeStep: the query heads must group under the KV heads");
@@ -152,7 +151,7 @@ class DecodeStep : public torch::CustomClassHolder {
       for (int64_t i = 0; i < kLinearsPerLayer; ++i) {
         Linear& lin = *linears[i];
         lin.kind = kinds[l * kLinearsPerLayer + i] & kKindMask;
-        if (lin.kind == kQ4) {
+        if (lin.kind == kQ4 || lin.kind == kQ4Tiled) {  // (qt, dt, mt) in tiles
           lin.qs = take();
           lin.d = take();
           lin.m = take();
@@ -231,7 +230,7 @@ class DecodeStep : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.class_<DecodeStep>("DecodeStep")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t,
-                       double, double, int64_t, int64_t, int64_t, bool>())
+                       double, double, int64_t, int64_t, bool>())
       .def("num_layers", &DecodeStep::num_layers)
       .def("run", &DecodeStep::run);
 }

@@ -25,9 +25,13 @@
 //   q8_dense(x, qs, d, bf16) -> [M, N]: the activations as they are, w = q * d;
 //   both in bf16 when `bf16`, else fp32.
 // On CPUs with AVX-512 VNNI, int4 has a faster form for those rows, in integers throughout:
-//   q4_gemm(x, qs, d, m) -> [M, N] fp32: q4_linear's function as a register-blocked GEMM (16
-//     outputs by 8 rows per pass; q4_gemm_rows says how), as fast as bf16's prepacked GEMM at
-//     64 rows and faster from there on; q4_gemm_supported() says whether this build has it.
+//
+// On CPUs with AVX-512 VNNI the int4 weight is stored in tiles of 16 outputs instead (layers/
+// quantization.py's pack_q4_tiles), and one kernel serves every row count:
+//   q4_tiled_linear(x [M, K], qt [N/16, K/32, 256] uint8, dt [N/16, K/32, 16] fp32,
+//                   mt [N/16, K/32, 16] fp32) -> [M, N], bf16 for a bf16 x, else fp32:
+//     q4_linear's function as a register-blocked GEMM (q4_tiled_rows says how);
+//   q4_tiled_supported() says whether this build has it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -306,27 +310,41 @@ at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill
 }
 
 
-// The int4 GEMM for many rows, in integers (q4_gemm below). llama.cpp's trick for its repacked
-// Q4 weights, on AVX-512 VNNI: 16 outputs in the 16 lanes of a vector, each lane four adjacent
+// The tiled int4 kernel (q4_tiled_linear below): llama.cpp's layout for its repacked Q4
+// weights, on AVX-512 VNNI. 16 outputs sit in the 16 lanes of a vector, each lane four adjacent
 // codes, so that one vpdpbusd adds four code * activation products to each of 16 outputs and
-// one activation dword, broadcast, serves all 16. A tile of 16 outputs has its codes gathered
-// into that layout once per call (G groups of 8 vectors, L1-sized) and then multiplies every
-// row of the batch. Per group of 32 the dot product is exact in int32, then scaled in fp32 as
-// q4_linear scales it (d * sx, plus m * xsum): the function q4_linear and q4_dense compute, its
-// per-group sums exact, its groups summed in one fixed order (so a row's result does not depend
-// on the other rows), fp32 throughout where q4_dense's bf16 GEMM rounds the weight.
+// one activation dword, broadcast, serves all 16. A tile (16 outputs) is unpacked once per call
+// (and per 256-row block) into G groups of 8 such vectors, L1-sized, and multiplies every row.
+// Per group of 32 the dot product is exact in int32, then scaled in fp32 as q4_linear scales it
+// (d * sx, plus m * xsum): q4_linear's function, its per-group sums exact and its groups summed
+// in one fixed order, so a row's result does not depend on the other rows or their number.
+//
+// The layout, per tile and group: 4 vectors of 64 bytes; vector q's lane t (bytes 4t .. 4t + 3)
+// holds elements 4q .. 4q + 3 of output t in its low nibbles and 16 + 4q .. 16 + 4q + 3 in its
+// high ones, i.e. dword q of that output's 16 bytes in qs's layout; then the tile's scales and
+// minimums per group, [16] floats each, in dt and mt.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr bool kQ4Gemm = true;
+constexpr bool kQ4Tiled = true;
 constexpr int kTile = 16;   // outputs per tile: a vector's lanes
 constexpr int kRowsMax = 8;  // activation rows per pass over a tile (accumulators in registers)
+constexpr int64_t kRowBlock = 256;  // rows multiplied by every tile before the next rows
+constexpr int64_t kTileGroupBytes = 256;  // codes of one tile's group: 16 outputs x 32 nibbles
 
 // Activation rows [lo, hi) on quantize_row's grid, with its float operations (so its codes,
 // scales and sums): |x| max, scale = max / 127, codes = x / scale rounded to nearest even.
-void quantize_rows_512(const float* x, int64_t lo, int64_t hi, int64_t G, int8_t* xq, float* sx,
+// The input is fp32 or bf16 (widened exactly, as .to(float) would).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T>
+void quantize_rows_512(const T* x, int64_t lo, int64_t hi, int64_t G, int8_t* xq, float* sx,
                        float* xsum) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t rg = lo * G; rg < hi * G; ++rg) {
-    const __m512 a = _mm512_loadu_ps(x + rg * kGroup), b = _mm512_loadu_ps(x + rg * kGroup + 16);
+    const __m512 a = load16(x + rg * kGroup), b = load16(x + rg * kGroup + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const float scale = amax / 127.f;
     const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
@@ -339,40 +357,38 @@ void quantize_rows_512(const float* x, int64_t lo, int64_t hi, int64_t G, int8_t
   }
 }
 
-// The codes of outputs n0 .. n0 + 15 in the GEMM's layout: per group, vector q (0-7) holds in
-// lane t the codes of elements 4q .. 4q + 3 of output n0 + t, one per byte. In qs's layout
-// (byte j of a group: element j in the low nibble, j + 16 in the high one) these are dword q % 4
-// of the output's 16 bytes, low nibbles for q < 4, high ones from q = 4. Also the tile's scales
-// and minimums per group, [G][16].
-void pack_q4_tile(const uint8_t* qp, const float* dp, const float* mp, int64_t n0, int64_t G,
-                  __m512i* codes, float* dt, float* mt) {
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                            5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(static_cast<int>(G)));
+// One tile's codes unpacked, per group, into 8 vectors: q < 4 the low nibbles of packed vector
+// q, q >= 4 the high nibbles of vector q - 4 (elements 4q .. 4q + 3 of each output).
+void unpack_q4_tile(const uint8_t* tile, int64_t G, __m512i* codes) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const int32_t* base = reinterpret_cast<const int32_t*>(qp + n0 * G * 16);
   for (int64_t g = 0; g < G; ++g) {
-    // lane t: output n0 + t's group g starts at dword (t * G + g) * 4
-    const __m512i at = _mm512_slli_epi32(
-        _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(g))), 2);
     for (int q = 0; q < 4; ++q) {
-      const __m512i raw =
-          _mm512_i32gather_epi32(_mm512_add_epi32(at, _mm512_set1_epi32(q)), base, 4);
+      const __m512i raw = _mm512_loadu_si512(tile + g * kTileGroupBytes + q * 64);
       codes[g * 8 + q] = _mm512_and_si512(raw, low4);
       codes[g * 8 + q + 4] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), low4);
-    }
-    for (int t = 0; t < kTile; ++t) {
-      dt[g * kTile + t] = dp[(n0 + t) * G + g];
-      mt[g * kTile + t] = mp[(n0 + t) * G + g];
     }
   }
 }
 
-// Rows r0 .. r0 + R - 1 of the tile's 16 outputs.
-template <int R>
-void q4_gemm_rows(const __m512i* codes, const float* dt, const float* mt, const int8_t* xq,
-                  const float* sx, const float* xsum, int64_t r0, int64_t G, float* y, int64_t N,
-                  int64_t n0) {
+// A tile's codes, scales and minimums are contiguous: fetch the next tile's into cache while
+// this one computes (at a few rows, a tile's products take less time than its bytes take to
+// arrive from memory).
+void prefetch_q4_tile(const uint8_t* tile, const float* dt, const float* mt, int64_t G) {
+  const char* q = reinterpret_cast<const char*>(tile);
+  for (int64_t off = 0; off < G * kTileGroupBytes; off += 64) _mm_prefetch(q + off, _MM_HINT_T0);
+  const char* dq = reinterpret_cast<const char*>(dt);
+  const char* mq = reinterpret_cast<const char*>(mt);
+  for (int64_t off = 0; off < G * kTile * 4; off += 64) {
+    _mm_prefetch(dq + off, _MM_HINT_T0);
+    _mm_prefetch(mq + off, _MM_HINT_T0);
+  }
+}
+
+// Rows r0 .. r0 + R - 1 of the tile's 16 outputs, stored as fp32 or rounded to bf16.
+template <int R, typename T>
+void q4_tiled_rows(const __m512i* codes, const float* dt, const float* mt, const int8_t* xq,
+                   const float* sx, const float* xsum, int64_t r0, int64_t G, T* y, int64_t N,
+                   int64_t n0) {
   const int64_t K = G * kGroup;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -395,20 +411,20 @@ void q4_gemm_rows(const __m512i* codes, const float* dt, const float* mt, const 
       acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[rg]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N + n0, acc[r]);
+  for (int r = 0; r < R; ++r) put16(y + (r0 + r) * N + n0, acc[r]);
 }
 
-template <int R>
-void q4_gemm_tail(const __m512i* codes, const float* dt, const float* mt, const int8_t* xq,
-                  const float* sx, const float* xsum, int64_t r0, int64_t rows, int64_t G,
-                  float* y, int64_t N, int64_t n0) {
+template <int R, typename T>
+void q4_tiled_tail(const __m512i* codes, const float* dt, const float* mt, const int8_t* xq,
+                   const float* sx, const float* xsum, int64_t r0, int64_t rows, int64_t G, T* y,
+                   int64_t N, int64_t n0) {
   if constexpr (R > 0) {
-    if (rows == R) return q4_gemm_rows<R>(codes, dt, mt, xq, sx, xsum, r0, G, y, N, n0);
-    q4_gemm_tail<R - 1>(codes, dt, mt, xq, sx, xsum, r0, rows, G, y, N, n0);
+    if (rows == R) return q4_tiled_rows<R>(codes, dt, mt, xq, sx, xsum, r0, G, y, N, n0);
+    q4_tiled_tail<R - 1>(codes, dt, mt, xq, sx, xsum, r0, rows, G, y, N, n0);
   }
 }
 #else
-constexpr bool kQ4Gemm = false;
+constexpr bool kQ4Tiled = false;
 #endif
 }  // namespace
 
@@ -579,51 +595,75 @@ at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Te
   return w;
 }
 
-bool q4_gemm_supported() { return kQ4Gemm; }
+bool q4_tiled_supported() { return kQ4Tiled; }
 
-at::Tensor q4_gemm(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
-                   const at::Tensor& m) {
-  TORCH_CHECK(kQ4Gemm, "q4_gemm needs a CPU with AVX-512 VNNI (q4_gemm_supported())");
+at::Tensor q4_tiled_linear(const at::Tensor& x_in, const at::Tensor& qt, const at::Tensor& dt,
+                           const at::Tensor& mt) {
+  TORCH_CHECK(kQ4Tiled, "q4_tiled_linear needs a CPU with AVX-512 VNNI (q4_tiled_supported())");
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
-  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == at::kByte &&
-                  qs.is_contiguous(),
-              "qs must be contiguous uint8 [N, K/32, 16]");
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = qs.size(0), G = qs.size(1);
+  TORCH_CHECK(qt.dim() == 3 && qt.size(2) == 256 && qt.scalar_type() == at::kByte &&
+                  qt.is_contiguous(),
+              "qt must be contiguous uint8 [N/16, K/32, 256]");
+  const int64_t M = x_in.size(0), K = x_in.size(1), tiles = qt.size(0), G = qt.size(1);
+  const int64_t N = tiles * 16;
   TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
-  TORCH_CHECK(N % 16 == 0, "q4_gemm needs a multiple of 16 outputs, got ", N);
-  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat &&
-                  d.is_contiguous() && m.is_contiguous() && d.dim() == 2 && d.size(0) == N &&
-                  d.size(1) == G && m.sizes() == d.sizes(),
-              "d, m: contiguous fp32 [N, K/32]");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && mt.scalar_type() == at::kFloat &&
+                  dt.is_contiguous() && mt.is_contiguous() && dt.dim() == 3 &&
+                  dt.size(0) == tiles && dt.size(1) == G && dt.size(2) == 16 &&
+                  mt.sizes() == dt.sizes(),
+              "dt, mt: contiguous fp32 [N/16, K/32, 16]");
+  // bf16 in, bf16 out (the fp32 result rounded to nearest even, as .to(bf16) rounds it): a
+  // prefill's [M, N] in fp32 is tens of megabytes written and read again to convert it
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  const at::Tensor x = bf16 ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   if (M == 0) return y;
   std::vector<int8_t> xq(M * K);
   std::vector<float> sx(M * G), xsum(M * G);
-  const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
-    quantize_rows_512(xp, lo, hi, G, xq.data(), sx.data(), xsum.data());
-  });
-  const uint8_t* qp = qs.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / kTile, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<__m512i> codes(G * 8);
-    std::vector<float> dt(G * kTile), mt(G * kTile);
-    for (int64_t tile = lo; tile < hi; ++tile) {
-      const int64_t n0 = tile * kTile;
-      pack_q4_tile(qp, dp, mp, n0, G, codes.data(), dt.data(), mt.data());
-      int64_t r = 0;
-      for (; r + kRowsMax <= M; r += kRowsMax) {
-        q4_gemm_rows<kRowsMax>(codes.data(), dt.data(), mt.data(), xq.data(), sx.data(),
-                               xsum.data(), r, G, yp, N, n0);
-      }
-      q4_gemm_tail<kRowsMax - 1>(codes.data(), dt.data(), mt.data(), xq.data(), sx.data(),
-                                 xsum.data(), r, M - r, G, yp, N, n0);
+    if (bf16) {
+      quantize_rows_512(x.data_ptr<at::BFloat16>(), lo, hi, G, xq.data(), sx.data(), xsum.data());
+    } else {
+      quantize_rows_512(x.data_ptr<float>(), lo, hi, G, xq.data(), sx.data(), xsum.data());
     }
   });
+  const uint8_t* qp = qt.data_ptr<uint8_t>();
+  const float* dp = dt.data_ptr<float>();
+  const float* mp = mt.data_ptr<float>();
+  auto run = [&](auto* yp) {
+    // Rows in blocks whose int8 activations stay in L2 while every tile multiplies them (a
+    // 4,096-row prefill's are megabytes); each block unpacks the tiles again, a few percent
+    // of its work.
+    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+      const int64_t r1 = std::min(M, r0 + kRowBlock);
+      at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+        std::vector<__m512i> codes(G * 8);
+        for (int64_t tile = lo; tile < hi; ++tile) {
+          const uint8_t* tq = qp + tile * G * kTileGroupBytes;
+          const float* td = dp + tile * G * kTile;
+          const float* tm = mp + tile * G * kTile;
+          if (tile + 1 < hi) {
+            prefetch_q4_tile(tq + G * kTileGroupBytes, td + G * kTile, tm + G * kTile, G);
+          }
+          unpack_q4_tile(tq, G, codes.data());
+          const int64_t n0 = tile * kTile;
+          int64_t r = r0;
+          for (; r + kRowsMax <= r1; r += kRowsMax) {
+            q4_tiled_rows<kRowsMax>(codes.data(), td, tm, xq.data(), sx.data(), xsum.data(), r,
+                                    G, yp, N, n0);
+          }
+          q4_tiled_tail<kRowsMax - 1>(codes.data(), td, tm, xq.data(), sx.data(), xsum.data(), r,
+                                      r1 - r, G, yp, N, n0);
+        }
+      });
+    }
+  };
+  if (bf16) {
+    run(y.data_ptr<at::BFloat16>());
+  } else {
+    run(y.data_ptr<float>());
+  }
 #endif
   return y;
 }
@@ -684,8 +724,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("q8_dequantize(Tensor qs, Tensor d) -> Tensor");
   lib.def("q4_dense(Tensor x, Tensor qs, Tensor d, Tensor m, bool bf16) -> Tensor");
   lib.def("q8_dense(Tensor x, Tensor qs, Tensor d, bool bf16) -> Tensor");
-  lib.def("q4_gemm(Tensor x, Tensor qs, Tensor d, Tensor m) -> Tensor");
-  lib.def("q4_gemm_supported", &radixserve::q4_gemm_supported);
+  lib.def("q4_tiled_linear(Tensor x, Tensor qt, Tensor dt, Tensor mt) -> Tensor");
+  lib.def("q4_tiled_supported", &radixserve::q4_tiled_supported);
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
@@ -695,5 +735,5 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
   lib.impl("q8_dequantize", &radixserve::q8_dequantize);
   lib.impl("q4_dense", &radixserve::q4_dense);
   lib.impl("q8_dense", &radixserve::q8_dense);
-  lib.impl("q4_gemm", &radixserve::q4_gemm);
+  lib.impl("q4_tiled_linear", &radixserve::q4_tiled_linear);
 }
