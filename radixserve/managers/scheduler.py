@@ -60,9 +60,12 @@ def cpus_for_overlap(device: str) -> bool:
     """Whether the overlap loop can run here without slowing the forward down. On CUDA the
     forward runs on the GPU. On CPU the scheduler's Python and the forward's intra-op threads
     share the cores, and the forward thread runs an OpenMP team of its own next to the main
-    thread's: measured on 2 cores, overlapping was 7–13% slower at every concurrency
-    (docs/performance.md). So on CPU it needs a CPU for each thread of both teams (e.g. SMT
-    siblings, or --num-threads at most half the CPUs); else the normal loop runs."""
+    thread's (which loading the model created): T threads each, so 2T - 1 threads libgomp
+    manages. With more of those than CPUs, libgomp stops spin-waiting and every parallel
+    region hands over through futexes: measured on 2 cores, the forward thread's small ops
+    ran 1.6-2x slower and overlapping lost 7-49% at every concurrency (docs/performance.md).
+    So on CPU it needs a CPU for each thread of both teams (e.g. SMT siblings, or
+    --num-threads at most half the CPUs); else the normal loop runs."""
     if device != "cpu":
         return True
     try:

@@ -24,7 +24,6 @@
 //     q4_linear (quantize_row's float operations), then w = q * d + m;
 //   q8_dense(x, qs, d, bf16) -> [M, N]: the activations as they are, w = q * d;
 //   both in bf16 when `bf16`, else fp32.
-// On CPUs with AVX-512 VNNI, int4 has a faster form for those rows, in integers throughout:
 //
 // On CPUs with AVX-512 VNNI the int4 weight is stored in tiles of 16 outputs instead (layers/
 // quantization.py's pack_q4_tiles), and one kernel serves every row count:
@@ -308,7 +307,6 @@ at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill
   }
   return y;
 }
-
 
 // The tiled int4 kernel (q4_tiled_linear below): llama.cpp's layout for its repacked Q4
 // weights, on AVX-512 VNNI. 16 outputs sit in the 16 lanes of a vector, each lane four adjacent
