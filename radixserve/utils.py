@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,6 +70,20 @@ def torch_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(prev)
+
+
+def progress_bar(*args: Any, **kwargs: Any) -> Any:
+    """tqdm(*args, **kwargs) with a thread lock. tqdm's default lock includes a
+    multiprocessing semaphore; made in a scheduler process, which the server stops with
+    SIGTERM, it was never released, and Python's resource tracker printed a "leaked semaphore"
+    warning at every shutdown. The bars here run in one process, so a thread lock is enough."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(_PROGRESS_LOCK)
+    return tqdm(*args, **kwargs)
+
+
+_PROGRESS_LOCK = threading.RLock()
 
 
 def configure_logging(level: str = "info", prefix: str = "") -> None:

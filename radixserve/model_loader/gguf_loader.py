@@ -147,14 +147,15 @@ def iter_gguf_weights(
     under its HF name (see ``q4_block_params``), so int4 quantization can keep its codes.
     """
     import torch
-    from tqdm import tqdm
+
+    from radixserve.utils import progress_bar
 
     reader = path if isinstance(path, GGUFReader) else open_gguf(path)
     config = gguf_to_hf_config(reader)
     unpermute = config["model_type"] == "llama"
     start = time.perf_counter()
     logger.info("dequantizing %d GGUF tensors", len(reader.tensors))
-    bar = tqdm(
+    bar = progress_bar(
         reader.tensors,
         desc="Dequantizing GGUF",
         unit="tensor",

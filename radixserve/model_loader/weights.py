@@ -86,13 +86,14 @@ def _iter_safetensors(shards: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     import sys
 
     from safetensors import safe_open
-    from tqdm import tqdm
+
+    from radixserve.utils import progress_bar
 
     total = 0
     for shard in shards:
         with safe_open(shard, framework="pt", device="cpu") as f:
             total += len(f.keys())
-    with tqdm(
+    with progress_bar(
         total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=None
     ) as bar:
         for shard in shards:

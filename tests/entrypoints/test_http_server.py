@@ -583,7 +583,8 @@ class TestServing:
         assert len(children) >= 2
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0
-        _assert_gone(children)
+        _assert_gone(children)  # the resource tracker too: it reports leaks as it exits
+        assert "leaked" not in server.log(), server.log()[-2000:]
 
 
 def _assert_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
