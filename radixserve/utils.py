@@ -72,6 +72,9 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(prev)
 
 
+_PROGRESS_LOCK = threading.RLock()
+
+
 def progress_bar(*args: Any, **kwargs: Any) -> Any:
     """tqdm(*args, **kwargs) with a thread lock. tqdm's default lock includes a
     multiprocessing semaphore; made in a scheduler process, which the server stops with
@@ -81,9 +84,6 @@ def progress_bar(*args: Any, **kwargs: Any) -> Any:
 
     tqdm.set_lock(_PROGRESS_LOCK)
     return tqdm(*args, **kwargs)
-
-
-_PROGRESS_LOCK = threading.RLock()
 
 
 def configure_logging(level: str = "info", prefix: str = "") -> None:

@@ -188,6 +188,19 @@ inline void put16(at::BFloat16* out, __m512 v) {
       _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
 }
+
+// One group of 32 activations (a, b) on quantize_row's int8 grid, with its float operations:
+// scale = |x| max / 127, codes = x / scale rounded to nearest even (returned in *ca, *cb as
+// integer-valued floats); returns the scale.
+inline float round_group_512(__m512 a, __m512 b, __m512* ca, __m512* cb) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float scale = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+  *ca = _mm512_roundscale_ps(_mm512_mul_ps(a, inv), kNearest);
+  *cb = _mm512_roundscale_ps(_mm512_mul_ps(b, inv), kNearest);
+  return scale;
+}
 #else
 constexpr bool kVector512 = false;
 #endif
@@ -249,14 +262,11 @@ void round_activations(const float* x, int64_t groups, T* out) {
     T* o = out + g * kGroup;
     if constexpr (kVector512) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float scale = amax / 127.f;
-      const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
-      const __m512 vs = _mm512_set1_ps(scale);
-      constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-      put16(o, _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), kNearest), vs));
-      put16(o + 16, _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(b, inv), kNearest), vs));
+      __m512 ca, cb;
+      const __m512 vs =
+          _mm512_set1_ps(round_group_512(_mm512_loadu_ps(xg), _mm512_loadu_ps(xg + 16), &ca, &cb));
+      put16(o, _mm512_mul_ps(ca, vs));
+      put16(o + 16, _mm512_mul_ps(cb, vs));
 #endif
     } else {
       int8_t codes[kGroup];
@@ -328,9 +338,8 @@ constexpr int kRowsMax = 8;  // activation rows per pass over a tile (accumulato
 constexpr int64_t kRowBlock = 256;  // rows multiplied by every tile before the next rows
 constexpr int64_t kTileGroupBytes = 256;  // codes of one tile's group: 16 outputs x 32 nibbles
 
-// Activation rows [lo, hi) on quantize_row's grid, with its float operations (so its codes,
-// scales and sums): |x| max, scale = max / 127, codes = x / scale rounded to nearest even.
-// The input is fp32 or bf16 (widened exactly, as .to(float) would).
+// Activation rows [lo, hi) on quantize_row's grid (round_group_512: its codes, scales and
+// sums). The input is fp32 or bf16 (widened exactly, as .to(float) would).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -340,14 +349,11 @@ inline __m512 load16(const at::BFloat16* p) {
 template <typename T>
 void quantize_rows_512(const T* x, int64_t lo, int64_t hi, int64_t G, int8_t* xq, float* sx,
                        float* xsum) {
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t rg = lo * G; rg < hi * G; ++rg) {
-    const __m512 a = load16(x + rg * kGroup), b = load16(x + rg * kGroup + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float scale = amax / 127.f;
-    const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
-    const __m512i ca = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), kNearest));
-    const __m512i cb = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(b, inv), kNearest));
+    __m512 fa, fb;
+    const float scale =
+        round_group_512(load16(x + rg * kGroup), load16(x + rg * kGroup + 16), &fa, &fb);
+    const __m512i ca = _mm512_cvtps_epi32(fa), cb = _mm512_cvtps_epi32(fb);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + rg * kGroup), _mm512_cvtepi32_epi8(ca));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + rg * kGroup + 16), _mm512_cvtepi32_epi8(cb));
     sx[rg] = scale;
