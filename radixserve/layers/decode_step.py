@@ -33,7 +33,7 @@ from radixserve.model_executor.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 
 # csrc/decode_step.cpp's linear kinds
-DENSE, Q4, Q8, W8A8, Q4_TILED, BIAS = 0, 1, 2, 3, 4, 8
+DENSE, Q4, Q8, W8A8, Q4_TILED, Q8_TILED, BIAS = 0, 1, 2, 3, 4, 5, 8
 # The C++ step mirrors the linear layers' forms at each size (it is given the thresholds):
 # QuantizedLinear's kernels below dense_rows(), and linear()'s (W · xᵀ)ᵀ up to SMALL_M_ROWS.
 
@@ -147,6 +147,8 @@ def _linear(lin: nn.Module, dtype: torch.dtype) -> tuple[int, list[torch.Tensor]
         kind, tensors = Q4, [lin.qs, lin.d, lin.m]
     elif type(lin) is QuantizedLinear and lin.kernel == "q4_tiled":
         kind, tensors = Q4_TILED, [lin.qt, lin.dt, lin.mt]
+    elif type(lin) is QuantizedLinear and lin.kernel == "q8_tiled":
+        kind, tensors = Q8_TILED, [lin.qt, lin.dt]
     elif type(lin) is QuantizedLinear and lin.kernel == "q8":
         kind, tensors = Q8, [lin.qs, lin.d]
     elif type(lin) is QuantizedLinear and lin.kernel == "w8a8":

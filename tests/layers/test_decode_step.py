@@ -98,22 +98,26 @@ def test_the_cpp_step_equals_the_python_layers_bitwise(
         # bf16: from DENSE_ROWS_BF16 (12) where the GEMM runs in bf16, else 64
         ("bfloat16", "int4", False, (DENSE_ROWS_BF16 - 1, DENSE_ROWS_BF16, DENSE_ROWS)),
         ("bfloat16", "int8", False, (DENSE_ROWS_BF16, DENSE_ROWS)),
-        # int4 in tiles (a CPU with AVX-512 VNNI): one kernel at every size
+        # int4 and int8 in tiles (a CPU with AVX-512 VNNI): one kernel at every size
         ("float32", "int4", True, (1, 9, DENSE_ROWS, 150)),
         ("bfloat16", "int4", True, (1, 9, DENSE_ROWS)),
+        ("float32", "int8", True, (1, 9, DENSE_ROWS)),
+        ("bfloat16", "int8", True, (1, 9, DENSE_ROWS, 150)),
     ],
 )
 def test_quantized_models_take_the_step_on_both_sides_of_the_dense_threshold(
     tiny_llama_dir, dtype, quantization, tiled, rows, monkeypatch
 ):
     """The step runs the same kernel or dense GEMM as the layers at every size, bitwise."""
-    if tiled and not quant.q4_tiled_supported():
-        pytest.skip("q4_tiled_linear is built for CPUs with AVX-512 VNNI only")
-    monkeypatch.setattr(quant, "q4_tiled_supported", lambda: tiled)
+    if tiled and not quant.tiled_supported():
+        pytest.skip("the tiled kernels are built for CPUs with AVX-512 VNNI only")
+    monkeypatch.setattr(quant, "tiled_supported", lambda: tiled)
     runner = _runner(tiny_llama_dir, dtype=dtype, quantization=quantization)
-    kind = "q4_tiled" if tiled else "q4"
-    if quantization == "int4":
-        assert runner.model.model.layers[0].mlp.down_proj.kernel == kind
+    kind = ("q4" if quantization == "int4" else "q8") + ("_tiled" if tiled else "")
+    for layer in runner.model.model.layers:
+        mlp, attn = layer.mlp, layer.self_attn
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            assert lin.kernel == kind
     for i, n in enumerate(rows):
         assert _compare(runner, _prompts(n, seed=i + 1), steps=2) == 2, n
 

@@ -31,9 +31,28 @@ def _bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert (actual.float() - expected).abs().max().item() <= 2e-2 * scale
 
 
-@pytest.fixture(params=["q8", "aten"])
+_tiled_supported = quantization.tiled_supported  # the real one: fixtures patch the module's
+
+needs_tiled = pytest.mark.skipif(
+    not _tiled_supported(), reason="the tiled kernels are built for CPUs with AVX-512 VNNI only"
+)
+
+
+@pytest.fixture
+def untiled(monkeypatch):
+    """int4 and int8 layers as on a CPU without AVX-512 VNNI: q4_linear / q8_linear, then
+    q4_dense / q8_dense."""
+    monkeypatch.setattr(quantization, "tiled_supported", lambda: False)
+
+
+@pytest.fixture(params=["q8_tiled", "q8", "aten"])
 def int8_kernel(request, monkeypatch):
-    """Both int8 paths: radixserve's kernel, and ATen's where the C++ kernels cannot build."""
+    """Every int8 path: the tiled kernel (AVX-512 VNNI), radixserve's q8 kernels elsewhere, and
+    ATen's where the C++ kernels cannot build."""
+    if request.param == "q8_tiled" and not _tiled_supported():
+        pytest.skip("q8_tiled_linear is built for CPUs with AVX-512 VNNI only")
+    if request.param == "q8":
+        monkeypatch.setattr(quantization, "tiled_supported", lambda: False)
     if request.param == "aten":
         monkeypatch.setattr(quantization, "cpu_kernels_available", lambda: False)
     return request.param
@@ -48,7 +67,7 @@ def test_int8_linear_matches_its_dequantized_weight(shape, rows, dtype, int8_ker
     bias = torch.randn(shape[0], generator=gen)
     layer = QuantizedLinear("int8", w, bias).to(dtype)  # the bias follows the model dtype
     assert layer.kernel == int8_kernel
-    if int8_kernel == "q8":  # Q8_0: a scale per group of 32 columns
+    if int8_kernel != "aten":  # Q8_0: a scale per group of 32 columns
         codes, scale = quantize_q8(w)
         step = scale.repeat_interleave(INT4_GROUP_SIZE, dim=1)
     else:  # a scale per output channel
@@ -61,22 +80,11 @@ def test_int8_linear_matches_its_dequantized_weight(shape, rows, dtype, int8_ker
     ref = x @ deq.t() + bias
     out = layer(x.to(dtype))
     assert out.dtype == dtype and out.shape == (rows, shape[0])
-    _bf16_close(out, ref)  # bf16 activations (ATen) or fp32 ones (q8)
+    _bf16_close(out, ref)  # bf16 activations (ATen), int8 ones (q8_tiled) or fp32 ones (q8)
     if int8_kernel == "q8" and dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-_tiled_supported = quantization.q4_tiled_supported  # the real one: fixtures patch the module's
-
-needs_tiled = pytest.mark.skipif(
-    not _tiled_supported(), reason="q4_tiled_linear is built for CPUs with AVX-512 VNNI only"
-)
-
-
-@pytest.fixture
-def untiled(monkeypatch):
-    """int4 layers as on a CPU without AVX-512 VNNI: q4_linear, then q4_dense."""
-    monkeypatch.setattr(quantization, "q4_tiled_supported", lambda: False)
+    if int8_kernel == "q8_tiled" and dtype == torch.float32:  # activations on the int8 grid
+        torch.testing.assert_close(out, quantize_activations(x) @ deq.t() + bias, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(params=["q4_tiled", "q4", "aten"])
@@ -86,7 +94,7 @@ def int4_kernel(request, monkeypatch):
     if request.param == "q4_tiled" and not _tiled_supported():
         pytest.skip("q4_tiled_linear is built for CPUs with AVX-512 VNNI only")
     if request.param == "q4":
-        monkeypatch.setattr(quantization, "q4_tiled_supported", lambda: False)
+        monkeypatch.setattr(quantization, "tiled_supported", lambda: False)
     if request.param == "aten":
         monkeypatch.setattr(quantization, "cpu_kernels_available", lambda: False)
     return request.param
@@ -168,7 +176,8 @@ def test_quantize_model_replaces_every_linear_and_survives_dtype_casts() -> None
     assert isinstance(model.embed, nn.Embedding)  # the lookup stays dense
     # radixserve's kernels (built for the test session): tiled int4 where the CPU has VNNI
     assert model.a.kernel == ("q4_tiled" if _tiled_supported() else "q4")
-    assert model.lm_head.kernel == "q8" and model.b.kernel == "aten"  # 48 columns: per channel
+    assert model.lm_head.kernel == ("q8_tiled" if _tiled_supported() else "q8")
+    assert model.b.kernel == "aten"  # 48 columns: per channel
     codes, scale = ("qt", "dt") if _tiled_supported() else ("qs", "d")
     for dtype in (torch.float32, torch.bfloat16):
         model.to(dtype)
@@ -236,57 +245,90 @@ def test_q4_tiles_hold_the_kernels_bytes_reordered() -> None:
         assert dt[i, g, t] == scale[16 * i + t, g] and mt[i, g, t] == minimum[16 * i + t, g]
 
 
-def _tiled(n: int, k: int, gen: torch.Generator):
-    codes, scale, minimum = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
-    qs = pack_q4(codes)
-    return qs, scale, minimum, quantization.pack_q4_tiles(qs, scale, minimum)
+def test_q8_tiles_hold_the_codes_offset_and_reordered() -> None:
+    """pack_q8_tiles: tile i, group g, vector q, lane t holds codes 4q .. 4q + 3 of output
+    16i + t's group g, each plus 128 (unsigned, for vpdpbusd); the scales of the tile's 16
+    outputs, per group."""
+    gen = torch.Generator().manual_seed(12)
+    codes, scale = quantize_q8(torch.randn(48, 96, generator=gen) * 0.05)
+    codes[5, 40] = -127  # both ends of the range
+    qt, dt = quantization.pack_q8_tiles(codes, scale)
+    assert qt.shape == (3, 3, 512) and qt.dtype == torch.uint8 and dt.shape == (3, 3, 16)
+    for i, g, q, t in ((0, 0, 0, 0), (1, 2, 7, 15), (2, 1, 4, 7), (0, 1, 2, 5)):
+        lane = qt[i, g, q * 64 + t * 4 : q * 64 + t * 4 + 4]
+        k = 32 * g + 4 * q
+        assert torch.equal(lane.int() - 128, codes[16 * i + t, k : k + 4].int())
+        assert dt[i, g, t] == scale[16 * i + t, g]
+    assert qt.min() == 1 and qt.max() == 255
+
+
+def _tiled(method: str, n: int, k: int, gen: torch.Generator):
+    """A random tiled weight: the op, its tensors, the dequantized weight (float64), and the
+    untiled kernel computing the same function (int4: q4_linear), or None (int8: q8_linear
+    keeps float activations)."""
+    ops = torch.ops.radixserve
+    if method == "int4":
+        codes, scale, minimum = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
+        qs = pack_q4(codes)
+        tiles = quantization.pack_q4_tiles(qs, scale, minimum)
+        w = ops.q4_dequantize(qs, scale, minimum)
+        return (
+            ops.q4_tiled_linear,
+            tiles,
+            w.double(),
+            lambda x: ops.q4_linear(x, qs, scale, minimum),
+        )
+    codes, scale = quantize_q8(torch.randn(n, k, generator=gen) * 0.05)
+    tiles = quantization.pack_q8_tiles(codes, scale)
+    return ops.q8_tiled_linear, tiles, ops.q8_dequantize(codes, scale).double(), None
 
 
 @needs_tiled
+@pytest.mark.parametrize("method", ["int4", "int8"])
 @pytest.mark.parametrize("n,k", [(16, 32), (96, 128), (1104, 576), (64, 4096)])
-def test_q4_tiled_against_the_reference(n, k) -> None:
-    """q4_tiled_linear: the int4 weight times the activations on q4_linear's int8 grid, each
-    group's products summed exactly in integers and the groups in fp32, so within fp32
-    rounding of the float64 product (and of q4_linear's rows, the same function in another
-    order); every row count from 1 to 19 (8-row passes and each tail), zero rows and groups,
-    bf16 and non-contiguous inputs."""
+def test_tiled_against_the_reference(method, n, k) -> None:
+    """q4_tiled_linear and q8_tiled_linear: the weight times the activations on q4_linear's
+    int8 grid, each group's products summed exactly in integers and the groups in fp32, so
+    within fp32 rounding of the float64 product (and for int4 of q4_linear's rows, the same
+    function in another order); every row count from 1 to 19 (8-row passes and each tail),
+    zero rows and groups, bf16 and non-contiguous inputs."""
     gen = torch.Generator().manual_seed(n + k)
-    qs, scale, minimum, tiles = _tiled(n, k, gen)
-    w = torch.ops.radixserve.q4_dequantize(qs, scale, minimum).double()
+    op, tiles, w, same = _tiled(method, n, k, gen)
     x = torch.randn(19, k, generator=gen) * 2
     x[3] = 0  # a zero row: scale 0, codes 0
     x[5, :32] = 0  # and a zero group
+    x[6, 32:64] = -x[6, 32:64].abs()  # a group of negative codes only (int8's offset: -128 each)
     ref = quantize_activations(x).double() @ w.t()
     bound = 1e-6 * ref.abs().max().item() * (k // 32) ** 0.5
     for rows in range(1, 20):
-        got = torch.ops.radixserve.q4_tiled_linear(x[:rows], *tiles)
+        got = op(x[:rows], *tiles)
         assert got.dtype == torch.float32 and got.shape == (rows, n)
         assert (got.double() - ref[:rows]).abs().max().item() <= bound, rows
     assert torch.equal(got[3], torch.zeros(n))
-    kernel = torch.ops.radixserve.q4_linear(x, qs, scale, minimum)
-    torch.testing.assert_close(got, kernel, rtol=0, atol=4 * bound)
+    if same is not None:
+        torch.testing.assert_close(got, same(x), rtol=0, atol=4 * bound)
     # a coarser grid would show: the same product with the activations rounded to 6 bits
     amax = x.abs().amax(1, keepdim=True).clamp_min(1e-9)
     coarse = (x / amax * 31).round() * amax / 31
     assert ((coarse.double() @ w.t()) - ref).abs().max().item() > 100 * bound
     # bf16 in, bf16 out: the fp32 result of the same (widened) input, rounded
-    half = torch.ops.radixserve.q4_tiled_linear(x.bfloat16(), *tiles)
-    widened = torch.ops.radixserve.q4_tiled_linear(x.bfloat16().float(), *tiles)
+    half = op(x.bfloat16(), *tiles)
+    widened = op(x.bfloat16().float(), *tiles)
     assert half.dtype == torch.bfloat16 and torch.equal(half, widened.bfloat16())
     wide = torch.randn(19, 2 * k, generator=gen)
     wide[:, ::2] = x
-    assert torch.equal(torch.ops.radixserve.q4_tiled_linear(wide[:, ::2], *tiles), got)
+    assert torch.equal(op(wide[:, ::2], *tiles), got)
 
 
 @needs_tiled
-def test_q4_tiled_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_tiled_rows_do_not_depend_on_the_batch(method) -> None:
     """Each row of every batch size equals that row alone, bitwise (the 8-row passes, the
     tails and the 256-row blocks run the same operations per row), so a request's tokens do
     not depend on how many others share its step; an empty batch and bad shapes are clear."""
     gen = torch.Generator().manual_seed(7)
-    _, _, _, tiles = _tiled(48, 160, gen)
+    op, tiles, _, _ = _tiled(method, 48, 160, gen)
     x = torch.randn(21, 160, generator=gen)
-    op = torch.ops.radixserve.q4_tiled_linear
     alone = torch.cat([op(x[i : i + 1], *tiles) for i in range(21)])
     for rows in range(1, 22):
         assert torch.equal(op(x[:rows], *tiles), alone[:rows]), rows
@@ -295,13 +337,16 @@ def test_q4_tiled_rows_do_not_depend_on_the_batch() -> None:
     for i in (0, 7, 255, 256, 263, 511, 512, 599):
         assert torch.equal(got[i], op(many[i : i + 1], *tiles)[0]), i
     assert op(x[:0], *tiles).shape == (0, 48)
-    qt, dt, mt = tiles
+    qt, dt = tiles[:2]
     with pytest.raises(RuntimeError, match="columns"):
         op(x[:, :128], *tiles)
     with pytest.raises(RuntimeError, match="qt must be"):
-        op(x, qt[..., :128].contiguous(), dt, mt)
-    with pytest.raises(RuntimeError, match="dt, mt"):
-        op(x, qt, dt[:, :3].contiguous(), mt)
+        op(x, qt[..., :128].contiguous(), *tiles[1:])
+    with pytest.raises(RuntimeError, match="dt"):
+        op(x, qt, dt[:, :3].contiguous(), *tiles[2:])
+    with pytest.raises(RuntimeError, match="qt must be"):  # the other method's tiles
+        other = torch.zeros(3, 5, 256 if method == "int8" else 512, dtype=torch.uint8)
+        op(x, other, *tiles[1:])
 
 
 def test_q4_gemv_and_gemm_paths_agree_row_by_row(untiled) -> None:
@@ -341,7 +386,7 @@ def test_bf16_prefill_gemm_agrees_with_the_kernel_rows(
         assert torch.equal(gemm, want.to(torch.bfloat16))
 
 
-def test_q8_kernels_against_the_reference() -> None:
+def test_q8_kernels_against_the_reference(untiled) -> None:
     """q8_dequantize is codes * scale; q8_linear equals the dequantized weight's product up to
     float order (the activations stay fp32); each row's result does not depend on the other
     rows; the kernel's GEMV and the dequantized GEMM agree row by row; bad shapes are clear

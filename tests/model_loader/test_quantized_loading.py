@@ -78,9 +78,10 @@ def test_quantization_flag_validation() -> None:
 def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monkeypatch) -> None:
     """The quality check: mean NLL of the same text through each configuration's ModelRunner
     (int4 layers keep the file's Q4_1 codes; the int8 head is the only new rounding). The
-    windows are prefills, so int4 runs its GEMM (the tiled kernel on a CPU with AVX-512 VNNI,
-    else the dequantized GEMM); "int4-gemv" sends every row through q4_linear instead; all
-    quantize the activations to int8 per group."""
+    windows are prefills, so int4 and int8 run their GEMMs (the tiled kernels on a CPU with
+    AVX-512 VNNI, else the dequantized GEMMs); "int8-untiled" is int8 as on a CPU without VNNI
+    (its activations stay in floats), "int4-gemv" sends every row through q4_linear; all other
+    int4 and int8 paths quantize the activations to int8 per group."""
     from radixserve.bench.perplexity import default_text, score
     from radixserve.layers import quantization
     from radixserve.managers.tokenizer_utils import load_tokenizer_for
@@ -90,12 +91,14 @@ def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monke
     text = default_text()[:8000]
     ids = load_tokenizer_for(base)(text, add_special_tokens=False)["input_ids"][:512]
     ppl = {}
-    for name in (None, "int8", "int4", "int4-gemv", "w8a8_int8"):
-        method = name.removesuffix("-gemv") if name else None
+    for name in (None, "int8", "int4", "int8-untiled", "int4-gemv", "w8a8_int8"):
+        method = name.split("-")[0] if name else None
+        if name == "int8-untiled":
+            monkeypatch.setattr(quantization, "tiled_supported", lambda: False)
         if name == "int4-gemv":
             monkeypatch.setattr(quantization, "DENSE_ROWS", 10**9)
             monkeypatch.setattr(quantization, "DENSE_ROWS_BF16", 10**9)
-            monkeypatch.setattr(quantization, "q4_tiled_supported", lambda: False)
+            monkeypatch.setattr(quantization, "tiled_supported", lambda: False)
         runner = ModelRunner(ServerArgs(**{**base.__dict__, "quantization": method}).resolve())
         total, count = score(runner, ids, 256)
         assert count == 510
@@ -103,6 +106,7 @@ def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monke
         assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
     assert 5 < ppl[None] < 40, ppl  # the model reads Python's docs well
     assert ppl["int8"] / ppl[None] < 1.02, ppl
+    assert ppl["int8-untiled"] / ppl[None] < 1.02, ppl
     assert ppl["int4"] / ppl[None] < 1.02, ppl
     assert ppl["int4-gemv"] / ppl[None] < 1.02, ppl
     # Activations rounded to int8 per token cost more: +3.5% on these 510 tokens, +0.7% on

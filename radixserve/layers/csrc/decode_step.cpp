@@ -14,9 +14,9 @@
 //   params: per layer, input_layernorm.weight, post_attention_layernorm.weight, then the
 //     tensors of qkv_proj, o_proj, gate_up_proj and down_proj in that order, each linear's by
 //     its kind: dense (weight), q4 (qs, d, m), q8 (qs, d), w8a8 (wq, w_scale), q4 in tiles
-//     (qt, dt, mt), then its bias if it has one.
-//   kinds: per layer and linear, kDense / kQ4 / kQ8 / kW8A8 / kQ4Tiled, plus kBias when it has
-//     a bias.
+//     (qt, dt, mt), q8 in tiles (qt, dt), then its bias if it has one.
+//   kinds: per layer and linear, kDense / kQ4 / kQ8 / kW8A8 / kQ4Tiled / kQ8Tiled, plus kBias
+//     when it has a bias.
 //   small_rows: layers/linear.py's SMALL_M_ROWS (up to it a dense fp32 product is (W · xᵀ)ᵀ);
 //   kernel_rows: layers/quantization.py's dense_rows() for the model's dtype (below it the
 //     q4 / q8 kernels run, from it q4_dense / q8_dense), and dense_bf16 its gemm_in_bf16():
@@ -40,7 +40,7 @@
 
 namespace {
 
-constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kW8A8 = 3, kQ4Tiled = 4, kBias = 8;
+constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kW8A8 = 3, kQ4Tiled = 4, kQ8Tiled = 5, kBias = 8;
 constexpr int64_t kKindMask = 7;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 
@@ -110,6 +110,11 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
       y = radixserve::q4_tiled_linear(x, lin.qs, lin.d, lin.m);
       break;
     }
+    case kQ8Tiled: {  // likewise
+      RECORD_FUNCTION("radixserve::q8_tiled_linear", std::vector<c10::IValue>());
+      y = radixserve::q8_tiled_linear(x, lin.qs, lin.d);
+      break;
+    }
     case kW8A8: {  // in x's dtype, its bias added inside
       RECORD_FUNCTION("radixserve::w8a8_linear", std::vector<c10::IValue>());
       return radixserve::w8a8_linear(x.contiguous(), lin.qs, lin.d,
@@ -155,7 +160,8 @@ class DecodeStep : public torch::CustomClassHolder {
           lin.qs = take();
           lin.d = take();
           lin.m = take();
-        } else if (lin.kind == kQ8 || lin.kind == kW8A8) {  // (wq, w_scale) for w8a8
+        } else if (lin.kind == kQ8 || lin.kind == kW8A8 || lin.kind == kQ8Tiled) {
+          // (wq, w_scale) for w8a8, (qt, dt) in tiles
           lin.qs = take();
           lin.d = take();
         } else {

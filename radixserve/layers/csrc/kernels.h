@@ -24,7 +24,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d);
 at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
                            const at::Tensor& mt);
-bool q4_tiled_supported();
+at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt);
+bool tiled_supported();
 at::Tensor q4_dense(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                     const at::Tensor& m, bool bf16);
 at::Tensor q8_dense(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, bool bf16);

@@ -25,12 +25,17 @@
 //   q8_dense(x, qs, d, bf16) -> [M, N]: the activations as they are, w = q * d;
 //   both in bf16 when `bf16`, else fp32.
 //
-// On CPUs with AVX-512 VNNI the int4 weight is stored in tiles of 16 outputs instead (layers/
-// quantization.py's pack_q4_tiles), and one kernel serves every row count:
+// On CPUs with AVX-512 VNNI both weights are stored in tiles of 16 outputs instead (layers/
+// quantization.py's pack_q4_tiles and pack_q8_tiles), and one kernel each serves every row
+// count, as a register-blocked GEMM in integers (tiled_rows says how); bf16 out for a bf16 x,
+// else fp32:
 //   q4_tiled_linear(x [M, K], qt [N/16, K/32, 256] uint8, dt [N/16, K/32, 16] fp32,
-//                   mt [N/16, K/32, 16] fp32) -> [M, N], bf16 for a bf16 x, else fp32:
-//     q4_linear's function as a register-blocked GEMM (q4_tiled_rows says how);
-//   q4_tiled_supported() says whether this build has it.
+//                   mt [N/16, K/32, 16] fp32) -> [M, N]: q4_linear's function;
+//   q8_tiled_linear(x [M, K], qt [N/16, K/32, 512] uint8, dt [N/16, K/32, 16] fp32) -> [M, N]:
+//     the int8 weight times the activations on q4_linear's int8 grid (llama.cpp's Q8_0 x Q8_0
+//     product), not q8_linear's float activations: a group's 32 products are then one exact
+//     integer sum, which is what makes it fast (bf16's GEMM rate from 64 rows, twice q8_dense);
+//   tiled_supported() says whether this build has them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -318,81 +323,91 @@ at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill
   return y;
 }
 
-// The tiled int4 kernel (q4_tiled_linear below): llama.cpp's layout for its repacked Q4
-// weights, on AVX-512 VNNI. 16 outputs sit in the 16 lanes of a vector, each lane four adjacent
-// codes, so that one vpdpbusd adds four code * activation products to each of 16 outputs and
-// one activation dword, broadcast, serves all 16. A tile (16 outputs) is unpacked once per call
-// (and per 256-row block) into G groups of 8 such vectors, L1-sized, and multiplies every row.
-// Per group of 32 the dot product is exact in int32, then scaled in fp32 as q4_linear scales it
-// (d * sx, plus m * xsum): q4_linear's function, its per-group sums exact and its groups summed
-// in one fixed order, so a row's result does not depend on the other rows or their number.
+// The tiled kernels (q4_tiled_linear and q8_tiled_linear below): llama.cpp's layout for its
+// repacked Q4 weights, on AVX-512 VNNI. 16 outputs sit in the 16 lanes of a vector, each lane four
+// adjacent codes, so that one vpdpbusd adds four code * activation products to each of 16
+// outputs and one activation dword, broadcast, serves all 16. A tile (16 outputs) holds, per
+// group of 32, 8 such vectors of unsigned codes: int4's codes (packed two to a byte in memory and
+// unpacked once per call, and per 256-row block, into an L1-sized buffer), or int8's codes plus
+// 128 (read in place). The tile multiplies every row, 8 rows per pass. Per group of 32 the dot
+// product is exact in int32, then scaled in fp32: int4 as q4_linear scales it (d * sx, plus
+// m * xsum), int8 after taking 128 times the activation codes' sum back off in integers
+// (d * sx times the exact sum of code * activation code). So each is one function, its per-group
+// sums exact and its groups summed in one fixed order, and a row's result does not depend on the
+// other rows or their number.
 //
-// The layout, per tile and group: 4 vectors of 64 bytes; vector q's lane t (bytes 4t .. 4t + 3)
+// int4's layout, per tile and group: 4 vectors of 64 bytes; vector q's lane t (bytes 4t .. 4t + 3)
 // holds elements 4q .. 4q + 3 of output t in its low nibbles and 16 + 4q .. 16 + 4q + 3 in its
 // high ones, i.e. dword q of that output's 16 bytes in qs's layout; then the tile's scales and
-// minimums per group, [16] floats each, in dt and mt.
+// minimums per group, [16] floats each, in dt and mt. int8's, per tile and group: 8 vectors of 64
+// bytes, vector q's lane t holding elements 4q .. 4q + 3 of output t, each code + 128 (unpacked
+// int4's order); the scales in dt.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr bool kQ4Tiled = true;
+constexpr bool kTiled = true;
 constexpr int kTile = 16;   // outputs per tile: a vector's lanes
 constexpr int kRowsMax = 8;  // activation rows per pass over a tile (accumulators in registers)
 constexpr int64_t kRowBlock = 256;  // rows multiplied by every tile before the next rows
-constexpr int64_t kTileGroupBytes = 256;  // codes of one tile's group: 16 outputs x 32 nibbles
+constexpr int64_t kGroupBytes = 512;  // one tile's group of codes as bytes: 16 outputs x 32
+constexpr int64_t kQ4GroupBytes = 256;  // the same packed as nibbles
 
-// Activation rows [lo, hi) on quantize_row's grid (round_group_512: its codes, scales and
-// sums). The input is fp32 or bf16 (widened exactly, as .to(float) would).
+// Activation rows [lo, hi) on quantize_row's grid (round_group_512: its codes, scales, sums, and
+// the codes' integer sums). The input is fp32 or bf16 (widened exactly, as .to(float) would).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+struct Activations {
+  std::vector<int8_t> xq;     // [M, K] codes
+  std::vector<float> sx;      // [M, G] scales
+  std::vector<float> xsum;    // [M, G] scale * the codes' sum (int4's minimum term)
+  std::vector<int32_t> csum;  // [M, G] the codes' sum (int8's offset)
+};
+
 template <typename T>
-void quantize_rows_512(const T* x, int64_t lo, int64_t hi, int64_t G, int8_t* xq, float* sx,
-                       float* xsum) {
+void quantize_rows_512(const T* x, int64_t lo, int64_t hi, int64_t G, Activations* a) {
   for (int64_t rg = lo * G; rg < hi * G; ++rg) {
     __m512 fa, fb;
     const float scale =
         round_group_512(load16(x + rg * kGroup), load16(x + rg * kGroup + 16), &fa, &fb);
     const __m512i ca = _mm512_cvtps_epi32(fa), cb = _mm512_cvtps_epi32(fb);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + rg * kGroup), _mm512_cvtepi32_epi8(ca));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + rg * kGroup + 16), _mm512_cvtepi32_epi8(cb));
-    sx[rg] = scale;
-    xsum[rg] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb)));
+    int8_t* xq = a->xq.data() + rg * kGroup;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtepi32_epi8(ca));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtepi32_epi8(cb));
+    const int32_t codes = _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
+    a->sx[rg] = scale;
+    a->xsum[rg] = scale * static_cast<float>(codes);
+    a->csum[rg] = codes;
   }
 }
 
-// One tile's codes unpacked, per group, into 8 vectors: q < 4 the low nibbles of packed vector
-// q, q >= 4 the high nibbles of vector q - 4 (elements 4q .. 4q + 3 of each output).
+// One int4 tile's codes unpacked, per group, into 8 vectors: q < 4 the low nibbles of packed
+// vector q, q >= 4 the high nibbles of vector q - 4 (elements 4q .. 4q + 3 of each output).
 void unpack_q4_tile(const uint8_t* tile, int64_t G, __m512i* codes) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     for (int q = 0; q < 4; ++q) {
-      const __m512i raw = _mm512_loadu_si512(tile + g * kTileGroupBytes + q * 64);
+      const __m512i raw = _mm512_loadu_si512(tile + g * kQ4GroupBytes + q * 64);
       codes[g * 8 + q] = _mm512_and_si512(raw, low4);
       codes[g * 8 + q + 4] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), low4);
     }
   }
 }
 
-// A tile's codes, scales and minimums are contiguous: fetch the next tile's into cache while
-// this one computes (at a few rows, a tile's products take less time than its bytes take to
-// arrive from memory).
-void prefetch_q4_tile(const uint8_t* tile, const float* dt, const float* mt, int64_t G) {
-  const char* q = reinterpret_cast<const char*>(tile);
-  for (int64_t off = 0; off < G * kTileGroupBytes; off += 64) _mm_prefetch(q + off, _MM_HINT_T0);
-  const char* dq = reinterpret_cast<const char*>(dt);
-  const char* mq = reinterpret_cast<const char*>(mt);
-  for (int64_t off = 0; off < G * kTile * 4; off += 64) {
-    _mm_prefetch(dq + off, _MM_HINT_T0);
-    _mm_prefetch(mq + off, _MM_HINT_T0);
-  }
+// A tile's codes and scales (and minimums) are contiguous: fetch the next tile's into cache
+// while this one computes (at a few rows, a tile's products take less time than its bytes take
+// to arrive from memory).
+void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// Rows r0 .. r0 + R - 1 of the tile's 16 outputs, stored as fp32 or rounded to bf16.
-template <int R, typename T>
-void q4_tiled_rows(const __m512i* codes, const float* dt, const float* mt, const int8_t* xq,
-                   const float* sx, const float* xsum, int64_t r0, int64_t G, T* y, int64_t N,
-                   int64_t n0) {
+// Rows r0 .. r0 + R - 1 of the tile's 16 outputs, stored as fp32 or rounded to bf16. codes: the
+// tile's 8 vectors per group; mt: int4's minimums, nullptr for int8 (kInt8).
+template <int R, bool kInt8, typename T>
+void tiled_rows(const uint8_t* codes, const float* dt, const float* mt, const Activations& a,
+                int64_t r0, int64_t G, T* y, int64_t N, int64_t n0) {
   const int64_t K = G * kGroup;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -400,35 +415,106 @@ void q4_tiled_rows(const __m512i* codes, const float* dt, const float* mt, const
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int q = 0; q < 8; ++q) {
-      const __m512i w = codes[g * 8 + q];
+      const __m512i w = _mm512_loadu_si512(codes + g * kGroupBytes + q * 64);
       for (int r = 0; r < R; ++r) {
         int32_t four;
-        std::memcpy(&four, xq + (r0 + r) * K + g * kGroup + 4 * q, sizeof(four));
+        std::memcpy(&four, a.xq.data() + (r0 + r) * K + g * kGroup + 4 * q, sizeof(four));
         dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(four));
       }
     }
-    const __m512 dv = _mm512_loadu_ps(dt + g * kTile), mv = _mm512_loadu_ps(mt + g * kTile);
+    const __m512 dv = _mm512_loadu_ps(dt + g * kTile);
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (r0 + r) * G + g;
-      const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[rg]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
-      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[rg]), acc[r]);
+      const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[rg]));
+      if constexpr (kInt8) {  // sum (c + 128) * x - 128 * sum x = sum c * x, |.| < 2^24: exact
+        dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(a.csum[rg] * 128));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mt + g * kTile), _mm512_set1_ps(a.xsum[rg]),
+                                 acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) put16(y + (r0 + r) * N + n0, acc[r]);
 }
 
-template <int R, typename T>
-void q4_tiled_tail(const __m512i* codes, const float* dt, const float* mt, const int8_t* xq,
-                   const float* sx, const float* xsum, int64_t r0, int64_t rows, int64_t G, T* y,
-                   int64_t N, int64_t n0) {
+// Rows r0 .. r0 + rows - 1 (rows < R) of one tile: the pass after the 8-row ones.
+template <int R, bool kInt8, typename T>
+void tiled_tail(const uint8_t* codes, const float* dt, const float* mt, const Activations& a,
+                int64_t r0, int64_t rows, int64_t G, T* y, int64_t N, int64_t n0) {
   if constexpr (R > 0) {
-    if (rows == R) return q4_tiled_rows<R>(codes, dt, mt, xq, sx, xsum, r0, G, y, N, n0);
-    q4_tiled_tail<R - 1>(codes, dt, mt, xq, sx, xsum, r0, rows, G, y, N, n0);
+    if (rows == R) return tiled_rows<R, kInt8>(codes, dt, mt, a, r0, G, y, N, n0);
+    tiled_tail<R - 1, kInt8>(codes, dt, mt, a, r0, rows, G, y, N, n0);
   }
 }
+
+// x [M, K] times a tiled weight (kInt8: q8_tiled_linear's, else q4_tiled_linear's), checked by
+// the callers; bf16 in, bf16 out (the fp32 result rounded to nearest even, as .to(bf16) rounds
+// it): a prefill's [M, N] in fp32 is tens of megabytes written and read again to convert it.
+template <bool kInt8>
+at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at::Tensor& dt,
+                         const at::Tensor& mt) {
+  const int64_t M = x_in.size(0), tiles = qt.size(0), G = qt.size(1), K = G * kGroup;
+  const int64_t N = tiles * kTile;
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  const at::Tensor x = bf16 ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * G),
+                std::vector<float>(M * G), std::vector<int32_t>(M * G)};
+  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+    if (bf16) {
+      quantize_rows_512(x.data_ptr<at::BFloat16>(), lo, hi, G, &a);
+    } else {
+      quantize_rows_512(x.data_ptr<float>(), lo, hi, G, &a);
+    }
+  });
+  const int64_t tile_bytes = G * (kInt8 ? kGroupBytes : kQ4GroupBytes);
+  const uint8_t* qp = qt.data_ptr<uint8_t>();
+  const float* dp = dt.data_ptr<float>();
+  const float* mp = kInt8 ? nullptr : mt.data_ptr<float>();
+  auto run = [&](auto* yp) {
+    // Rows in blocks whose int8 activations stay in L2 while every tile multiplies them (a
+    // 4,096-row prefill's are megabytes); for int4 each block unpacks the tiles again, a few
+    // percent of its work.
+    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+      const int64_t r1 = std::min(M, r0 + kRowBlock);
+      at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+        std::vector<__m512i> unpacked(kInt8 ? 0 : G * 8);
+        for (int64_t tile = lo; tile < hi; ++tile) {
+          const uint8_t* tq = qp + tile * tile_bytes;
+          const float* td = dp + tile * G * kTile;
+          const float* tm = kInt8 ? nullptr : mp + tile * G * kTile;
+          if (tile + 1 < hi) {
+            prefetch(tq + tile_bytes, tile_bytes);
+            prefetch(td + G * kTile, G * kTile * sizeof(float));
+            if (!kInt8) prefetch(tm + G * kTile, G * kTile * sizeof(float));
+          }
+          const uint8_t* codes = tq;
+          if (!kInt8) {
+            unpack_q4_tile(tq, G, unpacked.data());
+            codes = reinterpret_cast<const uint8_t*>(unpacked.data());
+          }
+          const int64_t n0 = tile * kTile;
+          int64_t r = r0;
+          for (; r + kRowsMax <= r1; r += kRowsMax) {
+            tiled_rows<kRowsMax, kInt8>(codes, td, tm, a, r, G, yp, N, n0);
+          }
+          tiled_tail<kRowsMax - 1, kInt8>(codes, td, tm, a, r, r1 - r, G, yp, N, n0);
+        }
+      });
+    }
+  };
+  if (bf16) {
+    run(y.data_ptr<at::BFloat16>());
+  } else {
+    run(y.data_ptr<float>());
+  }
+  return y;
+}
 #else
-constexpr bool kQ4Tiled = false;
+constexpr bool kTiled = false;
 #endif
 }  // namespace
 
@@ -599,77 +685,45 @@ at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Te
   return w;
 }
 
-bool q4_tiled_supported() { return kQ4Tiled; }
+bool tiled_supported() { return kTiled; }
 
-at::Tensor q4_tiled_linear(const at::Tensor& x_in, const at::Tensor& qt, const at::Tensor& dt,
+at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
                            const at::Tensor& mt) {
-  TORCH_CHECK(kQ4Tiled, "q4_tiled_linear needs a CPU with AVX-512 VNNI (q4_tiled_supported())");
-  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(kTiled, "q4_tiled_linear needs a CPU with AVX-512 VNNI (tiled_supported())");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(qt.dim() == 3 && qt.size(2) == 256 && qt.scalar_type() == at::kByte &&
                   qt.is_contiguous(),
               "qt must be contiguous uint8 [N/16, K/32, 256]");
-  const int64_t M = x_in.size(0), K = x_in.size(1), tiles = qt.size(0), G = qt.size(1);
-  const int64_t N = tiles * 16;
+  const int64_t K = x.size(1), tiles = qt.size(0), G = qt.size(1);
   TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
   TORCH_CHECK(dt.scalar_type() == at::kFloat && mt.scalar_type() == at::kFloat &&
                   dt.is_contiguous() && mt.is_contiguous() && dt.dim() == 3 &&
                   dt.size(0) == tiles && dt.size(1) == G && dt.size(2) == 16 &&
                   mt.sizes() == dt.sizes(),
               "dt, mt: contiguous fp32 [N/16, K/32, 16]");
-  // bf16 in, bf16 out (the fp32 result rounded to nearest even, as .to(bf16) rounds it): a
-  // prefill's [M, N] in fp32 is tens of megabytes written and read again to convert it
-  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
-  const at::Tensor x = bf16 ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  if (M == 0) return y;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> sx(M * G), xsum(M * G);
-  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
-    if (bf16) {
-      quantize_rows_512(x.data_ptr<at::BFloat16>(), lo, hi, G, xq.data(), sx.data(), xsum.data());
-    } else {
-      quantize_rows_512(x.data_ptr<float>(), lo, hi, G, xq.data(), sx.data(), xsum.data());
-    }
-  });
-  const uint8_t* qp = qt.data_ptr<uint8_t>();
-  const float* dp = dt.data_ptr<float>();
-  const float* mp = mt.data_ptr<float>();
-  auto run = [&](auto* yp) {
-    // Rows in blocks whose int8 activations stay in L2 while every tile multiplies them (a
-    // 4,096-row prefill's are megabytes); each block unpacks the tiles again, a few percent
-    // of its work.
-    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
-      const int64_t r1 = std::min(M, r0 + kRowBlock);
-      at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-        std::vector<__m512i> codes(G * 8);
-        for (int64_t tile = lo; tile < hi; ++tile) {
-          const uint8_t* tq = qp + tile * G * kTileGroupBytes;
-          const float* td = dp + tile * G * kTile;
-          const float* tm = mp + tile * G * kTile;
-          if (tile + 1 < hi) {
-            prefetch_q4_tile(tq + G * kTileGroupBytes, td + G * kTile, tm + G * kTile, G);
-          }
-          unpack_q4_tile(tq, G, codes.data());
-          const int64_t n0 = tile * kTile;
-          int64_t r = r0;
-          for (; r + kRowsMax <= r1; r += kRowsMax) {
-            q4_tiled_rows<kRowsMax>(codes.data(), td, tm, xq.data(), sx.data(), xsum.data(), r,
-                                    G, yp, N, n0);
-          }
-          q4_tiled_tail<kRowsMax - 1>(codes.data(), td, tm, xq.data(), sx.data(), xsum.data(), r,
-                                      r1 - r, G, yp, N, n0);
-        }
-      });
-    }
-  };
-  if (bf16) {
-    run(y.data_ptr<at::BFloat16>());
-  } else {
-    run(y.data_ptr<float>());
-  }
+  return tiled_product<false>(x, qt, dt, mt);
+#else
+  return at::Tensor();
 #endif
-  return y;
+}
+
+at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt) {
+  TORCH_CHECK(kTiled, "q8_tiled_linear needs a CPU with AVX-512 VNNI (tiled_supported())");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(qt.dim() == 3 && qt.size(2) == 512 && qt.scalar_type() == at::kByte &&
+                  qt.is_contiguous(),
+              "qt must be contiguous uint8 [N/16, K/32, 512]");
+  const int64_t K = x.size(1), tiles = qt.size(0), G = qt.size(1);
+  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.dim() == 3 &&
+                  dt.size(0) == tiles && dt.size(1) == G && dt.size(2) == 16,
+              "dt: contiguous fp32 [N/16, K/32, 16]");
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return tiled_product<true>(x, qt, dt, at::Tensor());
+#else
+  return at::Tensor();
+#endif
 }
 
 at::Tensor q4_dense(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
@@ -729,7 +783,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("q4_dense(Tensor x, Tensor qs, Tensor d, Tensor m, bool bf16) -> Tensor");
   lib.def("q8_dense(Tensor x, Tensor qs, Tensor d, bool bf16) -> Tensor");
   lib.def("q4_tiled_linear(Tensor x, Tensor qt, Tensor dt, Tensor mt) -> Tensor");
-  lib.def("q4_tiled_supported", &radixserve::q4_tiled_supported);
+  lib.def("q8_tiled_linear(Tensor x, Tensor qt, Tensor dt) -> Tensor");
+  lib.def("tiled_supported", &radixserve::tiled_supported);
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
@@ -740,4 +795,5 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
   lib.impl("q4_dense", &radixserve::q4_dense);
   lib.impl("q8_dense", &radixserve::q8_dense);
   lib.impl("q4_tiled_linear", &radixserve::q4_tiled_linear);
+  lib.impl("q8_tiled_linear", &radixserve::q8_tiled_linear);
 }
