@@ -67,7 +67,7 @@ def test_rms_norm_takes_strided_rows_and_leaves_three_dims_to_the_reference(ops)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (3, 1, 80)])  # 80: a tail
 def test_rotary_in_place_on_the_qkv_views_equals_the_reference(ops, dtype, rows, heads):
     hq, hk, d = heads
     rope = RotaryEmbedding(d, 4096, 10000.0)

@@ -110,6 +110,24 @@ void rotate_heads(scalar_t* base, int64_t heads, int64_t head_stride, int64_t ha
                   const scalar_t* cos, const scalar_t* sin) {
   for (int64_t h = 0; h < heads; ++h) {
     scalar_t* x = base + h * head_stride;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if constexpr (radixserve_vec::kVector16<scalar_t>) {  // the loop below, 16 pairs at a time
+      using radixserve_vec::load16, radixserve_vec::store16, radixserve_vec::round16;
+      const __m512 sign = _mm512_set1_ps(-0.f);
+      for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = radixserve_vec::first(half - i);
+        const __m512 x1 = load16(x + i, m), x2 = load16(x + i + half, m);
+        const __m512 a = round16<scalar_t>(_mm512_mul_ps(x1, load16(cos + i, m)));
+        const __m512 b =
+            round16<scalar_t>(_mm512_mul_ps(_mm512_xor_ps(x2, sign), load16(sin + i, m)));
+        const __m512 c = round16<scalar_t>(_mm512_mul_ps(x2, load16(cos + i + half, m)));
+        const __m512 d = round16<scalar_t>(_mm512_mul_ps(x1, load16(sin + i + half, m)));
+        store16(x + i, _mm512_add_ps(a, b), m);
+        store16(x + i + half, _mm512_add_ps(c, d), m);
+      }
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < half; ++i) {
       const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
       // out = x * cos + rotate_half(x) * sin, each product rounded as the reference does.

@@ -183,16 +183,10 @@ inline void put(at::BFloat16* out, float v) {
   std::memcpy(out, &bits, sizeof(bits));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kVector512 = true;
-inline void put16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-inline void put16(at::BFloat16* out, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
-}
+using radixserve_vec::load16;
+using radixserve_vec::store16;
 
 // One group of 32 activations (a, b) on quantize_row's int8 grid, with its float operations:
 // scale = |x| max / 127, codes = x / scale rounded to nearest even (returned in *ca, *cb as
@@ -225,8 +219,8 @@ void dequantize_q4_rows(const uint8_t* qp, const float* dp, const float* mp, int
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
       const __m512 hi =
           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
-      put16(o, _mm512_add_ps(_mm512_mul_ps(lo, vd), vm));
-      put16(o + 16, _mm512_add_ps(_mm512_mul_ps(hi, vd), vm));
+      store16(o, _mm512_add_ps(_mm512_mul_ps(lo, vd), vm));
+      store16(o + 16, _mm512_add_ps(_mm512_mul_ps(hi, vd), vm));
 #endif
     } else {
       for (int64_t j = 0; j < 16; ++j) {
@@ -249,7 +243,7 @@ void dequantize_q8_rows(const int8_t* qp, const float* dp, int64_t n0, int64_t n
       const __m512 vd = _mm512_set1_ps(d);
       for (int h = 0; h < 2; ++h) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
-        put16(o + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), vd));
+        store16(o + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), vd));
       }
 #endif
     } else {
@@ -270,8 +264,8 @@ void round_activations(const float* x, int64_t groups, T* out) {
       __m512 ca, cb;
       const __m512 vs =
           _mm512_set1_ps(round_group_512(_mm512_loadu_ps(xg), _mm512_loadu_ps(xg + 16), &ca, &cb));
-      put16(o, _mm512_mul_ps(ca, vs));
-      put16(o + 16, _mm512_mul_ps(cb, vs));
+      store16(o, _mm512_mul_ps(ca, vs));
+      store16(o + 16, _mm512_mul_ps(cb, vs));
 #endif
     } else {
       int8_t codes[kGroup];
@@ -342,7 +336,8 @@ at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill
 // minimums per group, [16] floats each, in dt and mt. int8's, per tile and group: 8 vectors of 64
 // bytes, vector q's lane t holding elements 4q .. 4q + 3 of output t, each code + 128 (unpacked
 // int4's order); the scales in dt.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
 constexpr bool kTiled = true;
 constexpr int kTile = 16;   // outputs per tile: a vector's lanes
 constexpr int kRowsMax = 8;  // activation rows per pass over a tile (accumulators in registers)
@@ -352,12 +347,6 @@ constexpr int64_t kQ4GroupBytes = 256;  // the same packed as nibbles
 
 // Activation rows [lo, hi) on quantize_row's grid (round_group_512: its codes, scales, sums, and
 // the codes' integer sums). The input is fp32 or bf16 (widened exactly, as .to(float) would).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 struct Activations {
   std::vector<int8_t> xq;     // [M, K] codes
   std::vector<float> sx;      // [M, G] scales
@@ -382,15 +371,17 @@ void quantize_rows_512(const T* x, int64_t lo, int64_t hi, int64_t G, Activation
   }
 }
 
-// One int4 tile's codes unpacked, per group, into 8 vectors: q < 4 the low nibbles of packed
-// vector q, q >= 4 the high nibbles of vector q - 4 (elements 4q .. 4q + 3 of each output).
-void unpack_q4_tile(const uint8_t* tile, int64_t G, __m512i* codes) {
+// One int4 tile's codes unpacked, per group, into 8 vectors of 64 bytes: q < 4 the low nibbles
+// of packed vector q, q >= 4 the high nibbles of vector q - 4 (elements 4q .. 4q + 3 of each
+// output).
+void unpack_q4_tile(const uint8_t* tile, int64_t G, uint8_t* codes) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     for (int q = 0; q < 4; ++q) {
       const __m512i raw = _mm512_loadu_si512(tile + g * kQ4GroupBytes + q * 64);
-      codes[g * 8 + q] = _mm512_and_si512(raw, low4);
-      codes[g * 8 + q + 4] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), low4);
+      uint8_t* out = codes + g * kGroupBytes;
+      _mm512_storeu_si512(out + q * 64, _mm512_and_si512(raw, low4));
+      _mm512_storeu_si512(out + (q + 4) * 64, _mm512_and_si512(_mm512_srli_epi32(raw, 4), low4));
     }
   }
 }
@@ -436,7 +427,7 @@ void tiled_rows(const uint8_t* codes, const float* dt, const float* mt, const Ac
       }
     }
   }
-  for (int r = 0; r < R; ++r) put16(y + (r0 + r) * N + n0, acc[r]);
+  for (int r = 0; r < R; ++r) store16(y + (r0 + r) * N + n0, acc[r]);
 }
 
 // Rows r0 .. r0 + rows - 1 (rows < R) of one tile: the pass after the 8-row ones.
@@ -481,7 +472,7 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at:
     for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
       const int64_t r1 = std::min(M, r0 + kRowBlock);
       at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-        std::vector<__m512i> unpacked(kInt8 ? 0 : G * 8);
+        std::vector<uint8_t> unpacked(kInt8 ? 0 : G * kGroupBytes);
         for (int64_t tile = lo; tile < hi; ++tile) {
           const uint8_t* tq = qp + tile * tile_bytes;
           const float* td = dp + tile * G * kTile;
@@ -494,7 +485,7 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at:
           const uint8_t* codes = tq;
           if (!kInt8) {
             unpack_q4_tile(tq, G, unpacked.data());
-            codes = reinterpret_cast<const uint8_t*>(unpacked.data());
+            codes = unpacked.data();
           }
           const int64_t n0 = tile * kTile;
           int64_t r = r0;
@@ -701,7 +692,8 @@ at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::
                   dt.size(0) == tiles && dt.size(1) == G && dt.size(2) == 16 &&
                   mt.sizes() == dt.sizes(),
               "dt, mt: contiguous fp32 [N/16, K/32, 16]");
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
   return tiled_product<false>(x, qt, dt, mt);
 #else
   return at::Tensor();
@@ -719,7 +711,8 @@ at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::
   TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.dim() == 3 &&
                   dt.size(0) == tiles && dt.size(1) == G && dt.size(2) == 16,
               "dt: contiguous fp32 [N/16, K/32, 16]");
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
   return tiled_product<true>(x, qt, dt, at::Tensor());
 #else
   return at::Tensor();

@@ -1,8 +1,14 @@
-// Vector math shared by the CPU kernels (AVX2 builds only; exp16 with AVX-512 too).
+// Vector math shared by the CPU kernels (AVX2 builds only; exp16 and the 16-element loads and
+// stores with AVX-512 too).
 #pragma once
 
 #if defined(__AVX2__)
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
+
+#include <cstdint>
+#include <type_traits>
 
 namespace radixserve_vec {
 
@@ -61,6 +67,69 @@ inline __m512 exp16(__m512 x) {
 }
 #endif  // __AVX512F__
 #endif  // __FMA__
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The element types load16 / store16 / round16 take.
+template <typename T>
+constexpr bool kVector16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
+                           std::is_same_v<T, c10::Half>;
+
+// The first `count` lanes (all 16 from 16 on).
+inline __mmask16 first(int64_t count) {
+  return count >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// 16 elements widened to fp32, exactly as static_cast<float> widens them (bf16: the bits
+// shifted up; fp16: vcvtph2ps); the lanes outside `mask` read nothing and are 0.
+inline __m512 load16(const float* p, __mmask16 mask = 0xFFFF) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+inline __m512 load16(const c10::BFloat16* p, __mmask16 mask = 0xFFFF) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p, __mmask16 mask = 0xFFFF) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+// 16 floats narrowed to the element type as c10's conversions narrow them: bf16 rounded to
+// nearest even by integer rounding of the bits, NaN as 0x7FC0; fp16 by vcvtps2ph (nearest
+// even). Only the lanes of `mask` are written.
+inline __m512i bf16_bits(__m512 v) {  // in the low 16 bits of each lane
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7FC0));
+}
+inline void store16(float* p, __m512 v, __mmask16 mask = 0xFFFF) {
+  _mm512_mask_storeu_ps(p, mask, v);
+}
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 mask = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+inline void store16(c10::Half* p, __m512 v, __mmask16 mask = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, mask,
+                           _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// v rounded to T and widened back: static_cast<float>(static_cast<T>(v)) per lane.
+template <typename T>
+inline __m512 round16(__m512 v);
+template <>
+inline __m512 round16<float>(__m512 v) {
+  return v;
+}
+template <>
+inline __m512 round16<c10::BFloat16>(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+template <>
+inline __m512 round16<c10::Half>(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif  // __AVX512F__ && __AVX512BW__ && __AVX512VL__
 
 }  // namespace radixserve_vec
 

@@ -31,6 +31,7 @@
 #endif
 
 #include "kernels.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -40,35 +41,9 @@ namespace {
 constexpr int64_t kRowsPerProduct = 512;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// 16 elements as fp32 (bf16: the bits shifted up; fp16: vcvtph2ps), the first `count`.
-inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 mask) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const at::Half* p, __mmask16 mask) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
-}
-
-// fp32 → x's dtype, rounded to nearest even as c10's conversions do (bf16 by integer rounding
-// of the bits; NaN stays NaN).
-inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(r));
-}
-inline void store16(at::Half* p, __m512 v, __mmask16 mask) {
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-inline __mmask16 first(int64_t count) {
-  return count >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-}
+using radixserve_vec::first;
+using radixserve_vec::load16;
+using radixserve_vec::store16;
 
 template <typename T>
 void quantize_row(const T* row, int64_t K, int8_t* out, float* sx) {
