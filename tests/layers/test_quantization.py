@@ -479,6 +479,19 @@ def test_the_dense_threshold_follows_the_gemm_dtype(native_bf16, untiled, monkey
                 assert torch.equal(layer(x), want.to(dtype)), (method, dtype, rows)
 
 
+def test_int8_outputs_not_in_whole_tiles_keep_the_q8_kernels() -> None:
+    """A weight whose outputs do not fill tiles of 16 (here 40) stays in the q8 layout on
+    every CPU, with its float activations, and still matches its dequantized weight."""
+    gen = torch.Generator().manual_seed(13)
+    w = torch.randn(40, 64, generator=gen) * 0.05
+    layer = QuantizedLinear("int8", w)
+    assert layer.kernel == "q8"
+    x = torch.randn(3, 64, generator=gen)
+    codes, scale = quantize_q8(w)
+    deq = codes.float() * scale.repeat_interleave(INT4_GROUP_SIZE, dim=1)
+    torch.testing.assert_close(layer(x), x @ deq.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_q8_requantizing_a_q8_0_tensor_keeps_its_codes() -> None:
     """A GGUF Q8_0 tensor (the default model's embedding, which is its output head) is
     dequantized at load; int8 quantizes it again onto the file's own grid: same codes, and
