@@ -342,8 +342,11 @@ def test_tiled_rows_do_not_depend_on_the_batch(method) -> None:
         op(x[:, :128], *tiles)
     with pytest.raises(RuntimeError, match="qt must be"):
         op(x, qt[..., :128].contiguous(), *tiles[1:])
-    with pytest.raises(RuntimeError, match="dt"):
+    with pytest.raises(RuntimeError, match="dt must be"):
         op(x, qt, dt[:, :3].contiguous(), *tiles[2:])
+    if method == "int4":
+        with pytest.raises(RuntimeError, match="mt must be"):
+            op(x, qt, dt, tiles[2][:, :3].contiguous())
     with pytest.raises(RuntimeError, match="qt must be"):  # the other method's tiles
         other = torch.zeros(3, 5, 256 if method == "int8" else 512, dtype=torch.uint8)
         op(x, other, *tiles[1:])

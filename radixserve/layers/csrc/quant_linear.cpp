@@ -678,20 +678,27 @@ at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Te
 
 bool tiled_supported() { return kTiled; }
 
+// The checks both tiled ops share: x [M, K], qt [N/16, K/32, group_bytes] uint8, dt [N/16,
+// K/32, 16] fp32, all contiguous but x.
+static void check_tiled(const char* op, const at::Tensor& x, const at::Tensor& qt,
+                        int64_t group_bytes, const at::Tensor& dt) {
+  TORCH_CHECK(kTiled, op, " needs a CPU with AVX-512 VNNI (tiled_supported())");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(qt.dim() == 3 && qt.size(2) == group_bytes && qt.scalar_type() == at::kByte &&
+                  qt.is_contiguous(),
+              "qt must be contiguous uint8 [N/16, K/32, ", group_bytes, "]");
+  const int64_t K = x.size(1), G = qt.size(1);
+  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.dim() == 3 &&
+                  dt.size(0) == qt.size(0) && dt.size(1) == G && dt.size(2) == 16,
+              "dt must be contiguous fp32 [N/16, K/32, 16]");
+}
+
 at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
                            const at::Tensor& mt) {
-  TORCH_CHECK(kTiled, "q4_tiled_linear needs a CPU with AVX-512 VNNI (tiled_supported())");
-  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  TORCH_CHECK(qt.dim() == 3 && qt.size(2) == 256 && qt.scalar_type() == at::kByte &&
-                  qt.is_contiguous(),
-              "qt must be contiguous uint8 [N/16, K/32, 256]");
-  const int64_t K = x.size(1), tiles = qt.size(0), G = qt.size(1);
-  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
-  TORCH_CHECK(dt.scalar_type() == at::kFloat && mt.scalar_type() == at::kFloat &&
-                  dt.is_contiguous() && mt.is_contiguous() && dt.dim() == 3 &&
-                  dt.size(0) == tiles && dt.size(1) == G && dt.size(2) == 16 &&
-                  mt.sizes() == dt.sizes(),
-              "dt, mt: contiguous fp32 [N/16, K/32, 16]");
+  check_tiled("q4_tiled_linear", x, qt, 256, dt);
+  TORCH_CHECK(mt.scalar_type() == at::kFloat && mt.is_contiguous() && mt.sizes() == dt.sizes(),
+              "mt must be contiguous fp32 [N/16, K/32, 16]");
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
   return tiled_product<false>(x, qt, dt, mt);
@@ -701,16 +708,7 @@ at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::
 }
 
 at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt) {
-  TORCH_CHECK(kTiled, "q8_tiled_linear needs a CPU with AVX-512 VNNI (tiled_supported())");
-  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  TORCH_CHECK(qt.dim() == 3 && qt.size(2) == 512 && qt.scalar_type() == at::kByte &&
-                  qt.is_contiguous(),
-              "qt must be contiguous uint8 [N/16, K/32, 512]");
-  const int64_t K = x.size(1), tiles = qt.size(0), G = qt.size(1);
-  TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
-  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.dim() == 3 &&
-                  dt.size(0) == tiles && dt.size(1) == G && dt.size(2) == 16,
-              "dt: contiguous fp32 [N/16, K/32, 16]");
+  check_tiled("q8_tiled_linear", x, qt, 512, dt);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
   return tiled_product<true>(x, qt, dt, at::Tensor());
