@@ -182,9 +182,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("wq", codes.contiguous())
             self.register_buffer("w_scale", scale.contiguous())
         elif (
-            method == "int8"
-            and self.in_features % INT4_GROUP_SIZE == 0
-            and (cpu_kernels_available())
+            method == "int8" and self.in_features % INT4_GROUP_SIZE == 0 and cpu_kernels_available()
         ):
             codes, scale = quantize_q8(weight)
             if self.out_features % 16 == 0 and tiled_supported():
