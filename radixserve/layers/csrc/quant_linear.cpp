@@ -212,7 +212,7 @@ void dequantize_q4_rows(const uint8_t* qp, const float* dp, const float* mp, int
     T* o = out + (i - n0 * G) * kGroup;
     const float d = dp[i], m = mp[i];
     if constexpr (kVector512) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
       const __m128i low4 = _mm_set1_epi8(0x0F);
       const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
@@ -239,7 +239,7 @@ void dequantize_q8_rows(const int8_t* qp, const float* dp, int64_t n0, int64_t n
     T* o = out + (i - n0 * G) * kGroup;
     const float d = dp[i];
     if constexpr (kVector512) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       const __m512 vd = _mm512_set1_ps(d);
       for (int h = 0; h < 2; ++h) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
@@ -260,7 +260,7 @@ void round_activations(const float* x, int64_t groups, T* out) {
     const float* xg = x + g * kGroup;
     T* o = out + g * kGroup;
     if constexpr (kVector512) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       __m512 ca, cb;
       const __m512 vs =
           _mm512_set1_ps(round_group_512(_mm512_loadu_ps(xg), _mm512_loadu_ps(xg + 16), &ca, &cb));
