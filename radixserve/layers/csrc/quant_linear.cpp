@@ -340,7 +340,8 @@ at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill
     defined(__AVX512VNNI__)
 constexpr bool kTiled = true;
 constexpr int kTile = 16;   // outputs per tile: a vector's lanes
-constexpr int kRowsMax = 8;  // activation rows per pass over a tile (accumulators in registers)
+constexpr int kRowsMax = 8;   // activation rows per pass over one tile (accumulators in registers)
+constexpr int kRowsPair = 5;  // the same over a pair of tiles
 constexpr int64_t kRowBlock = 256;  // rows multiplied by every tile before the next rows
 constexpr int64_t kGroupBytes = 512;  // one tile's group of codes as bytes: 16 outputs x 32
 constexpr int64_t kQ4GroupBytes = 256;  // the same packed as nibbles
@@ -351,7 +352,7 @@ struct Activations {
   std::vector<int8_t> xq;     // [M, K] codes
   std::vector<float> sx;      // [M, G] scales
   std::vector<float> xsum;    // [M, G] scale * the codes' sum (int4's minimum term)
-  std::vector<int32_t> csum;  // [M, G] the codes' sum (int8's offset)
+  std::vector<int32_t> offset;  // [M, G] -128 x the codes' sum (int8's offset, taken off)
 };
 
 template <typename T>
@@ -367,7 +368,7 @@ void quantize_rows_512(const T* x, int64_t lo, int64_t hi, int64_t G, Activation
     const int32_t codes = _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
     a->sx[rg] = scale;
     a->xsum[rg] = scale * static_cast<float>(codes);
-    a->csum[rg] = codes;
+    a->offset[rg] = -128 * codes;
   }
 }
 
@@ -394,50 +395,81 @@ void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// Rows r0 .. r0 + R - 1 of the tile's 16 outputs, stored as fp32 or rounded to bf16. codes: the
-// tile's 8 vectors per group; mt: int4's minimums, nullptr for int8 (kInt8).
-template <int R, bool kInt8, typename T>
-void tiled_rows(const uint8_t* codes, const float* dt, const float* mt, const Activations& a,
-                int64_t r0, int64_t G, T* y, int64_t N, int64_t n0) {
+// NT adjacent tiles (outputs n0 .. n0 + 16 NT - 1) as the row passes read them: per tile, its
+// 8 vectors of codes per group, its scales and (int4) minimums.
+template <int NT>
+struct Tiles {
+  const uint8_t* codes[NT];
+  const float* dt[NT];
+  const float* mt[NT];  // nullptr for int8
+};
+
+// Rows r0 .. r0 + R - 1 of NT tiles' outputs, stored as fp32 or rounded to bf16. Two tiles at
+// a time share each activation broadcast (half the loads per product); each output's sums are
+// the same operations in the same order whichever pass computes it.
+// (Not inlined: inside the driver's loops GCC spilled the accumulators of int4's passes, which
+// then ran at half the rate.)
+template <int R, int NT, bool kInt8, typename T>
+__attribute__((noinline)) void tiled_rows(const Tiles<NT>& w, const Activations& a, int64_t r0,
+                                          int64_t G, T* y, int64_t N, int64_t n0) {
   const int64_t K = G * kGroup;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    // int8: each group's sum starts at -128 x the activation codes' sum, so that the sum of
+    // (c + 128) * x over the group ends at exactly sum c * x (|.| < 2^24).
+    __m512i dot[R][NT];
+    for (int r = 0; r < R; ++r) {
+      const __m512i init =
+          kInt8 ? _mm512_set1_epi32(a.offset[(r0 + r) * G + g]) : _mm512_setzero_si512();
+      for (int t = 0; t < NT; ++t) dot[r][t] = init;
+    }
     for (int q = 0; q < 8; ++q) {
-      const __m512i w = _mm512_loadu_si512(codes + g * kGroupBytes + q * 64);
+      __m512i wv[NT];
+      for (int t = 0; t < NT; ++t)
+        wv[t] = _mm512_loadu_si512(w.codes[t] + g * kGroupBytes + q * 64);
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, a.xq.data() + (r0 + r) * K + g * kGroup + 4 * q, sizeof(four));
-        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(four));
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int t = 0; t < NT; ++t) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wv[t], xb);
       }
     }
-    const __m512 dv = _mm512_loadu_ps(dt + g * kTile);
-    for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + r) * G + g;
-      const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[rg]));
-      if constexpr (kInt8) {  // sum (c + 128) * x - 128 * sum x = sum c * x, |.| < 2^24: exact
-        dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(a.csum[rg] * 128));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mt + g * kTile), _mm512_set1_ps(a.xsum[rg]),
-                                 acc[r]);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 dv = _mm512_loadu_ps(w.dt[t] + g * kTile);
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (r0 + r) * G + g;
+        const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[rg]));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), scale, acc[r][t]);
+        if constexpr (!kInt8) {
+          acc[r][t] = _mm512_fmadd_ps(_mm512_loadu_ps(w.mt[t] + g * kTile),
+                                      _mm512_set1_ps(a.xsum[rg]), acc[r][t]);
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) store16(y + (r0 + r) * N + n0, acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) store16(y + (r0 + r) * N + n0 + t * kTile, acc[r][t]);
 }
 
-// Rows r0 .. r0 + rows - 1 (rows < R) of one tile: the pass after the 8-row ones.
-template <int R, bool kInt8, typename T>
-void tiled_tail(const uint8_t* codes, const float* dt, const float* mt, const Activations& a,
-                int64_t r0, int64_t rows, int64_t G, T* y, int64_t N, int64_t n0) {
+// Rows r0 .. r0 + rows - 1 (rows < R) of NT tiles: the pass after the R-row ones.
+template <int R, int NT, bool kInt8, typename T>
+void tiled_tail(const Tiles<NT>& w, const Activations& a, int64_t r0, int64_t rows, int64_t G,
+                T* y, int64_t N, int64_t n0) {
   if constexpr (R > 0) {
-    if (rows == R) return tiled_rows<R, kInt8>(codes, dt, mt, a, r0, G, y, N, n0);
-    tiled_tail<R - 1, kInt8>(codes, dt, mt, a, r0, rows, G, y, N, n0);
+    if (rows == R) return tiled_rows<R, NT, kInt8>(w, a, r0, G, y, N, n0);
+    tiled_tail<R - 1, NT, kInt8>(w, a, r0, rows, G, y, N, n0);
   }
+}
+
+// Rows r0 .. r1 - 1 of NT tiles: passes of R rows, then one of the rows left.
+template <int R, int NT, bool kInt8, typename T>
+void tiled_block(const Tiles<NT>& w, const Activations& a, int64_t r0, int64_t r1, int64_t G,
+                 T* y, int64_t N, int64_t n0) {
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) tiled_rows<R, NT, kInt8>(w, a, r, G, y, N, n0);
+  tiled_tail<R - 1, NT, kInt8>(w, a, r, r1 - r, G, y, N, n0);
 }
 
 // x [M, K] times a tiled weight (kInt8: q8_tiled_linear's, else q4_tiled_linear's), checked by
@@ -466,36 +498,46 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at:
   const float* dp = dt.data_ptr<float>();
   const float* mp = kInt8 ? nullptr : mt.data_ptr<float>();
   auto run = [&](auto* yp) {
-    // Rows in blocks whose int8 activations stay in L2 while every tile multiplies them (a
-    // 4,096-row prefill's are megabytes); for int4 each block unpacks the tiles again, a few
-    // percent of its work.
-    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
-      const int64_t r1 = std::min(M, r0 + kRowBlock);
-      at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
-        std::vector<uint8_t> unpacked(kInt8 ? 0 : G * kGroupBytes);
-        for (int64_t tile = lo; tile < hi; ++tile) {
-          const uint8_t* tq = qp + tile * tile_bytes;
-          const float* td = dp + tile * G * kTile;
-          const float* tm = kInt8 ? nullptr : mp + tile * G * kTile;
-          if (tile + 1 < hi) {
-            prefetch(tq + tile_bytes, tile_bytes);
-            prefetch(td + G * kTile, G * kTile * sizeof(float));
-            if (!kInt8) prefetch(tm + G * kTile, G * kTile * sizeof(float));
-          }
-          const uint8_t* codes = tq;
-          if (!kInt8) {
-            unpack_q4_tile(tq, G, unpacked.data());
-            codes = unpacked.data();
-          }
-          const int64_t n0 = tile * kTile;
-          int64_t r = r0;
-          for (; r + kRowsMax <= r1; r += kRowsMax) {
-            tiled_rows<kRowsMax, kInt8>(codes, td, tm, a, r, G, yp, N, n0);
-          }
-          tiled_tail<kRowsMax - 1, kInt8>(codes, td, tm, a, r, r1 - r, G, yp, N, n0);
+    // One parallel region: each thread keeps its tiles for every block of rows (the blocks'
+    // int8 activations stay in L2 while the thread's tiles multiply them: a 4,096-row
+    // prefill's are megabytes); for int4 each block unpacks the tiles again, a few percent of
+    // its work.
+    at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<uint8_t> unpacked(kInt8 ? 0 : 2 * G * kGroupBytes);
+      // Tile `tile`'s codes, scales and minimums (int4's codes unpacked into buffer `slot`).
+      auto take = [&](int64_t tile, int slot, const uint8_t** codes, const float** td,
+                      const float** tm) {
+        const uint8_t* tq = qp + tile * tile_bytes;
+        if (tile + 2 < hi) {  // the next pair's tile comes into cache while this pair computes
+          prefetch(tq + 2 * tile_bytes, tile_bytes);
+          prefetch(dp + (tile + 2) * G * kTile, G * kTile * sizeof(float));
+          if (!kInt8) prefetch(mp + (tile + 2) * G * kTile, G * kTile * sizeof(float));
         }
-      });
-    }
+        *td = dp + tile * G * kTile;
+        *tm = kInt8 ? nullptr : mp + tile * G * kTile;
+        *codes = tq;
+        if (!kInt8) {
+          uint8_t* buf = unpacked.data() + slot * G * kGroupBytes;
+          unpack_q4_tile(tq, G, buf);
+          *codes = buf;
+        }
+      };
+      for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+        const int64_t r1 = std::min(M, r0 + kRowBlock);
+        int64_t tile = lo;
+        for (; tile + 2 <= hi; tile += 2) {
+          Tiles<2> w;
+          take(tile, 0, &w.codes[0], &w.dt[0], &w.mt[0]);
+          take(tile + 1, 1, &w.codes[1], &w.dt[1], &w.mt[1]);
+          tiled_block<kRowsPair, 2, kInt8>(w, a, r0, r1, G, yp, N, tile * kTile);
+        }
+        for (; tile < hi; ++tile) {
+          Tiles<1> w;
+          take(tile, 0, &w.codes[0], &w.dt[0], &w.mt[0]);
+          tiled_block<kRowsMax, 1, kInt8>(w, a, r0, r1, G, yp, N, tile * kTile);
+        }
+      }
+    });
   };
   if (bf16) {
     run(y.data_ptr<at::BFloat16>());
