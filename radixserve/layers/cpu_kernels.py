@@ -3,7 +3,8 @@ cached, and loaded as torch ops (`torch.ops.radixserve.*`): `decode_attention` (
 attention backend), `extend_attention` and `cascade_prefix_attention` (its bf16 tile kernels
 for prompts and shared prefixes, built on CPUs with AVX512-BF16), `q4_linear`, `q4_dense`,
 `q8_linear`, `q8_dense` and, on CPUs with AVX-512 VNNI, `q4_tiled_linear` / `q8_tiled_linear`
-(int4 and int8 weights, `--quantization`; quant_linear.cpp) and the fused element-wise steps of a layer
+and the MLP's `q4_tiled_silu_mul` / `q8_tiled_silu_mul` (int4 and int8 weights,
+`--quantization`; quant_linear.cpp) and the fused element-wise steps of a layer
 (`rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul`; fused_ops.py), and
 `torch.classes.radixserve.DecodeStep`, which runs a decode step's layers through them in one
 call (decode_step.py).

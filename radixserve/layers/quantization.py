@@ -256,6 +256,25 @@ class QuantizedLinear(nn.Module):
         y = y.to(x.dtype).reshape(*lead, self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu_and_mul(self(x)) for a [gate; up] projection in tiles, in one kernel that
+        applies the SiLU and the product to each pair of tiles as it finishes them (bitwise
+        the same result, without the [M, 2I] product in memory); None where this layer cannot
+        (other kernels, a bias, fp16, a gate that does not fill tiles of 16)."""
+        if (
+            self.kernel not in ("q4_tiled", "q8_tiled")
+            or self.bias is not None
+            or x.dtype not in (torch.bfloat16, torch.float32)
+            or self.out_features % 32
+        ):
+            return None
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "q4_tiled":
+            y = torch.ops.radixserve.q4_tiled_silu_mul(x2, self.qt, self.dt, self.mt)
+        else:
+            y = torch.ops.radixserve.q8_tiled_silu_mul(x2, self.qt, self.dt)
+        return y.reshape(*x.shape[:-1], self.out_features // 2)
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # model.to(dtype) casts every floating buffer; the packed weight keeps its own dtypes
         # (bf16 scales for ATen, fp32 for the q4 kernel) and follows device moves only.

@@ -33,6 +33,7 @@ from radixserve.layers.parallel_layers import (
     gather_logits,
     vocab_shard,
 )
+from radixserve.layers.quantization import QuantizedLinear
 from radixserve.layers.rotary_embedding import RotaryEmbedding
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_loader.model_config import ModelConfig
@@ -100,6 +101,10 @@ class LlamaMLP(FusedOp, nn.Module):
         self.down_proj = _row(inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.can_fuse(x) and x.dim() == 2 and isinstance(self.gate_up_proj, QuantizedLinear):
+            fused = self.gate_up_proj.silu_and_mul(x)  # the product and the SiLU in one kernel
+            if fused is not None:
+                return self.down_proj(fused)
         gate_up = self.gate_up_proj(x)
         if self.can_fuse(gate_up) and gate_up.dim() == 2:
             return self.down_proj(torch.ops.radixserve.silu_and_mul(gate_up))

@@ -122,6 +122,34 @@ def test_quantized_models_take_the_step_on_both_sides_of_the_dense_threshold(
         assert _compare(runner, _prompts(n, seed=i + 1), steps=2) == 2, n
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_tiled_mlps_fuse_the_silu_into_the_gate_up_kernel(
+    tiny_llama_dir, dtype, quantization, monkeypatch
+):
+    """With [gate; up] in tiles, the MLP's product, SiLU and multiply are one kernel in
+    prefill (the layers) and in decode (the C++ step), and the logits are bitwise those of
+    the product followed by silu_and_mul."""
+    if not quant.tiled_supported():
+        pytest.skip("the tiled kernels are built for CPUs with AVX-512 VNNI only")
+    runner = _runner(tiny_llama_dir, dtype=dtype, quantization=quantization)
+    fused_op = f"radixserve::q{4 if quantization == 'int4' else 8}_tiled_silu_mul"
+    prompts = _prompts(4, seed=3)
+    with torch.profiler.profile() as prof:
+        fused = greedy_step_logits(runner, prompts, 2)
+    names = [e.name for e in prof.events()]
+    layers = len(runner.model.model.layers)
+    assert names.count(fused_op) == 3 * layers  # the prefill and both decode steps
+    assert "radixserve::silu_and_mul" not in names
+    runner.model.model.decode_step = None
+    monkeypatch.setattr(quant.QuantizedLinear, "silu_and_mul", lambda self, x: None)
+    with torch.profiler.profile() as prof:
+        apart = greedy_step_logits(runner, prompts, 2)
+    assert fused_op not in [e.name for e in prof.events()]
+    for got, want in zip(fused, apart, strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     "dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "w8a8_int8")]
 )

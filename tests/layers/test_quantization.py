@@ -352,6 +352,50 @@ def test_tiled_rows_do_not_depend_on_the_batch(method) -> None:
         op(x, other, *tiles[1:])
 
 
+@needs_tiled
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("n,k", [(3072, 576), (64, 32), (96, 160)])  # 96: 3 gate tiles
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiled_silu_mul_is_the_product_then_silu_and_mul(method, n, k, dtype) -> None:
+    """The fused MLP kernel (a [gate; up] weight in tiles, SiLU and product applied as each
+    gate tile and its up tile finish) gives silu_and_mul(product) bitwise, with the same
+    roundings to bf16 in between: at every row count of the passes and tails (1-19), across
+    256-row blocks, for gate widths that share out unevenly between the threads."""
+    gen = torch.Generator().manual_seed(11)
+    op, tiles, _, _ = _tiled(method, n, k, gen)
+    fused = getattr(torch.ops.radixserve, f"q{4 if method == 'int4' else 8}_tiled_silu_mul")
+    for rows in [*range(1, 20), 600]:
+        x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
+        want = torch.ops.radixserve.silu_and_mul(op(x, *tiles))
+        got = fused(x, *tiles)
+        assert got.dtype == dtype and got.shape == (rows, n // 2)
+        assert torch.equal(got, want), rows
+    assert fused(x[:0], *tiles).shape == (0, n // 2)
+    with pytest.raises(RuntimeError, match="whole tiles"):  # 3 tiles: no [gate; up] split
+        fused(x, *(t[:3].contiguous() for t in tiles))
+    with pytest.raises(RuntimeError, match="columns"):
+        fused(x[:, :-32], *tiles)
+
+
+def test_quantized_silu_and_mul_only_where_the_fused_kernel_applies() -> None:
+    """QuantizedLinear.silu_and_mul: the fused kernel's result for a tiled bias-free layer in
+    bf16 or fp32 (equal to the layer then silu_and_mul), None for everything it cannot do."""
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(128, 64, generator=gen) * 0.05
+    x = torch.randn(3, 5, 64, generator=gen)
+    for method in ("int4", "int8"):
+        layer = QuantizedLinear(method, w)
+        if layer.kernel.endswith("_tiled"):
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x.to(dtype)
+                want = torch.ops.radixserve.silu_and_mul(layer(xd).reshape(15, 128))
+                assert torch.equal(layer.silu_and_mul(xd), want.reshape(3, 5, 64))
+        assert layer.silu_and_mul(x.half()) is None
+        assert QuantizedLinear(method, w, bias=torch.ones(128)).silu_and_mul(x) is None
+    assert QuantizedLinear("int8", w[:48]).silu_and_mul(x) is None  # 48 = 3 tiles
+    assert QuantizedLinear("w8a8_int8", w).silu_and_mul(x) is None
+
+
 def test_q4_gemv_and_gemm_paths_agree_row_by_row(untiled) -> None:
     """A prompt's rows go through the GEMM at prefill and the kernel at decode (or after a
     cache hit): both see the same int8 activations, so they agree far inside the

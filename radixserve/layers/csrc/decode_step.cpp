@@ -128,6 +128,21 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
   return lin.bias.defined() ? y + lin.bias : y;
 }
 
+// LlamaMLP.forward's silu_and_mul(gate_up_proj(x)): one kernel where the projection is in
+// tiles (QuantizedLinear.silu_and_mul; bitwise the same), else the two.
+at::Tensor gate_up_silu(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
+  const bool tiled = (lin.kind == kQ4Tiled || lin.kind == kQ8Tiled) && !lin.bias.defined() &&
+                     lin.qs.size(0) % 2 == 0 &&
+                     (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat);
+  if (!tiled) return radixserve::silu_and_mul(apply(x, lin, sizes));
+  if (lin.kind == kQ4Tiled) {
+    RECORD_FUNCTION("radixserve::q4_tiled_silu_mul", std::vector<c10::IValue>());
+    return radixserve::q4_tiled_silu_mul(x, lin.qs, lin.d, lin.m);
+  }
+  RECORD_FUNCTION("radixserve::q8_tiled_silu_mul", std::vector<c10::IValue>());
+  return radixserve::q8_tiled_silu_mul(x, lin.qs, lin.d);
+}
+
 class DecodeStep : public torch::CustomClassHolder {
  public:
   DecodeStep(std::vector<at::Tensor> params, std::vector<int64_t> kinds, int64_t num_heads,
@@ -218,8 +233,7 @@ class DecodeStep : public torch::CustomClassHolder {
       x = apply(attn.to(q.scalar_type()).reshape({B, q_size}), layer.o, sizes_);
       radixserve::add_rms_norm(x, residual, layer.post_norm, eps_);
       // LlamaMLP.forward.
-      const at::Tensor gate_up = apply(x, layer.gate_up, sizes_);
-      x = apply(radixserve::silu_and_mul(gate_up), layer.down, sizes_);
+      x = apply(gate_up_silu(x, layer.gate_up, sizes_), layer.down, sizes_);
     }
     return {x, residual};
   }

@@ -25,6 +25,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
                            const at::Tensor& mt);
 at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt);
+// silu_and_mul of the product with a tiled [gate; up] weight: [M, N / 2].
+at::Tensor q4_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
+                             const at::Tensor& mt);
+at::Tensor q8_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt);
 bool tiled_supported();
 at::Tensor q4_dense(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                     const at::Tensor& m, bool bf16);

@@ -187,6 +187,8 @@ inline void put(at::BFloat16* out, float v) {
 constexpr bool kVector512 = true;
 using radixserve_vec::load16;
 using radixserve_vec::store16;
+using radixserve_vec::round16;
+using radixserve_vec::silu16;
 
 // One group of 32 activations (a, b) on quantize_row's int8 grid, with its float operations:
 // scale = |x| max / 127, codes = x / scale rounded to nearest even (returned in *ca, *cb as
@@ -409,9 +411,13 @@ struct Tiles {
 // the same operations in the same order whichever pass computes it.
 // (Not inlined: inside the driver's loops GCC spilled the accumulators of int4's passes, which
 // then ran at half the rate.)
-template <int R, int NT, bool kInt8, typename T>
+// kSiluMul (NT = 2, a gate tile and its up tile): stores silu(gate) * up instead, each
+// rounded to T where silu_and_mul would find them rounded (so the result is bitwise that of
+// the product followed by silu_and_mul); N is then y's row stride.
+template <int R, int NT, bool kInt8, bool kSiluMul, typename T>
 __attribute__((noinline)) void tiled_rows(const Tiles<NT>& w, const Activations& a, int64_t r0,
                                           int64_t G, T* y, int64_t N, int64_t n0) {
+  static_assert(!kSiluMul || NT == 2);
   const int64_t K = G * kGroup;
   __m512 acc[R][NT];
   for (int r = 0; r < R; ++r)
@@ -449,40 +455,49 @@ __attribute__((noinline)) void tiled_rows(const Tiles<NT>& w, const Activations&
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) store16(y + (r0 + r) * N + n0 + t * kTile, acc[r][t]);
+  if constexpr (kSiluMul) {
+    for (int r = 0; r < R; ++r) {
+      const __m512 silu = round16<T>(silu16(round16<T>(acc[r][0])));
+      store16(y + (r0 + r) * N + n0, _mm512_mul_ps(silu, round16<T>(acc[r][1])));
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) store16(y + (r0 + r) * N + n0 + t * kTile, acc[r][t]);
+  }
 }
 
 // Rows r0 .. r0 + rows - 1 (rows < R) of NT tiles: the pass after the R-row ones.
-template <int R, int NT, bool kInt8, typename T>
+template <int R, int NT, bool kInt8, bool kSiluMul, typename T>
 void tiled_tail(const Tiles<NT>& w, const Activations& a, int64_t r0, int64_t rows, int64_t G,
                 T* y, int64_t N, int64_t n0) {
   if constexpr (R > 0) {
-    if (rows == R) return tiled_rows<R, NT, kInt8>(w, a, r0, G, y, N, n0);
-    tiled_tail<R - 1, NT, kInt8>(w, a, r0, rows, G, y, N, n0);
+    if (rows == R) return tiled_rows<R, NT, kInt8, kSiluMul>(w, a, r0, G, y, N, n0);
+    tiled_tail<R - 1, NT, kInt8, kSiluMul>(w, a, r0, rows, G, y, N, n0);
   }
 }
 
 // Rows r0 .. r1 - 1 of NT tiles: passes of R rows, then one of the rows left.
-template <int R, int NT, bool kInt8, typename T>
+template <int R, int NT, bool kInt8, bool kSiluMul, typename T>
 void tiled_block(const Tiles<NT>& w, const Activations& a, int64_t r0, int64_t r1, int64_t G,
                  T* y, int64_t N, int64_t n0) {
   int64_t r = r0;
-  for (; r + R <= r1; r += R) tiled_rows<R, NT, kInt8>(w, a, r, G, y, N, n0);
-  tiled_tail<R - 1, NT, kInt8>(w, a, r, r1 - r, G, y, N, n0);
+  for (; r + R <= r1; r += R) tiled_rows<R, NT, kInt8, kSiluMul>(w, a, r, G, y, N, n0);
+  tiled_tail<R - 1, NT, kInt8, kSiluMul>(w, a, r, r1 - r, G, y, N, n0);
 }
 
 // x [M, K] times a tiled weight (kInt8: q8_tiled_linear's, else q4_tiled_linear's), checked by
 // the callers; bf16 in, bf16 out (the fp32 result rounded to nearest even, as .to(bf16) rounds
 // it): a prefill's [M, N] in fp32 is tens of megabytes written and read again to convert it.
-template <bool kInt8>
+// kSiluMul: the weight is an MLP's gate and up projections stacked ([gate; up], N = 2I), and
+// the result is silu_and_mul's [M, I] of the product (the *_tiled_silu_mul ops).
+template <bool kInt8, bool kSiluMul = false>
 at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at::Tensor& dt,
                          const at::Tensor& mt) {
   const int64_t M = x_in.size(0), tiles = qt.size(0), G = qt.size(1), K = G * kGroup;
-  const int64_t N = tiles * kTile;
+  const int64_t N = tiles * kTile, n_out = kSiluMul ? N / 2 : N;
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
   const at::Tensor x = bf16 ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, n_out}, x.options());
   if (M == 0) return y;
   Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * G),
                 std::vector<float>(M * G), std::vector<int32_t>(M * G)};
@@ -497,44 +512,56 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at:
   const uint8_t* qp = qt.data_ptr<uint8_t>();
   const float* dp = dt.data_ptr<float>();
   const float* mp = kInt8 ? nullptr : mt.data_ptr<float>();
+  // The threads share out the tiles (kSiluMul: the gate tiles, each with its up tile).
+  const int64_t items = kSiluMul ? tiles / 2 : tiles;
   auto run = [&](auto* yp) {
     // One parallel region: each thread keeps its tiles for every block of rows (the blocks'
     // int8 activations stay in L2 while the thread's tiles multiply them: a 4,096-row
     // prefill's are megabytes); for int4 each block unpacks the tiles again, a few percent of
     // its work.
-    at::parallel_for(0, tiles, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
       std::vector<uint8_t> unpacked(kInt8 ? 0 : 2 * G * kGroupBytes);
-      // Tile `tile`'s codes, scales and minimums (int4's codes unpacked into buffer `slot`).
-      auto take = [&](int64_t tile, int slot, const uint8_t** codes, const float** td,
-                      const float** tm) {
-        const uint8_t* tq = qp + tile * tile_bytes;
-        if (tile + 2 < hi) {  // the next pair's tile comes into cache while this pair computes
-          prefetch(tq + 2 * tile_bytes, tile_bytes);
-          prefetch(dp + (tile + 2) * G * kTile, G * kTile * sizeof(float));
-          if (!kInt8) prefetch(mp + (tile + 2) * G * kTile, G * kTile * sizeof(float));
+      // Tile `tile` as tile `t` of a pass (int4's codes unpacked into buffer t), with tile
+      // `next`'s bytes fetched into cache meanwhile (none if next < 0).
+      auto take = [&](auto& w, int t, int64_t tile, int64_t next) {
+        if (next >= 0) {
+          prefetch(qp + next * tile_bytes, tile_bytes);
+          prefetch(dp + next * G * kTile, G * kTile * sizeof(float));
+          if (!kInt8) prefetch(mp + next * G * kTile, G * kTile * sizeof(float));
         }
-        *td = dp + tile * G * kTile;
-        *tm = kInt8 ? nullptr : mp + tile * G * kTile;
-        *codes = tq;
+        const uint8_t* tq = qp + tile * tile_bytes;
+        w.dt[t] = dp + tile * G * kTile;
+        w.mt[t] = kInt8 ? nullptr : mp + tile * G * kTile;
+        w.codes[t] = tq;
         if (!kInt8) {
-          uint8_t* buf = unpacked.data() + slot * G * kGroupBytes;
+          uint8_t* buf = unpacked.data() + t * G * kGroupBytes;
           unpack_q4_tile(tq, G, buf);
-          *codes = buf;
+          w.codes[t] = buf;
         }
       };
       for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
         const int64_t r1 = std::min(M, r0 + kRowBlock);
-        int64_t tile = lo;
-        for (; tile + 2 <= hi; tile += 2) {
-          Tiles<2> w;
-          take(tile, 0, &w.codes[0], &w.dt[0], &w.mt[0]);
-          take(tile + 1, 1, &w.codes[1], &w.dt[1], &w.mt[1]);
-          tiled_block<kRowsPair, 2, kInt8>(w, a, r0, r1, G, yp, N, tile * kTile);
-        }
-        for (; tile < hi; ++tile) {
-          Tiles<1> w;
-          take(tile, 0, &w.codes[0], &w.dt[0], &w.mt[0]);
-          tiled_block<kRowsMax, 1, kInt8>(w, a, r0, r1, G, yp, N, tile * kTile);
+        if constexpr (kSiluMul) {
+          for (int64_t i = lo; i < hi; ++i) {
+            Tiles<2> w;
+            const bool more = i + 1 < hi;
+            take(w, 0, i, more ? i + 1 : -1);
+            take(w, 1, i + items, more ? i + 1 + items : -1);
+            tiled_block<kRowsPair, 2, kInt8, true>(w, a, r0, r1, G, yp, n_out, i * kTile);
+          }
+        } else {
+          int64_t tile = lo;
+          for (; tile + 2 <= hi; tile += 2) {  // pairs of adjacent tiles
+            Tiles<2> w;
+            take(w, 0, tile, tile + 2 < hi ? tile + 2 : -1);
+            take(w, 1, tile + 1, tile + 3 < hi ? tile + 3 : -1);
+            tiled_block<kRowsPair, 2, kInt8, false>(w, a, r0, r1, G, yp, N, tile * kTile);
+          }
+          if (tile < hi) {  // an odd one out
+            Tiles<1> w;
+            take(w, 0, tile, -1);
+            tiled_block<kRowsMax, 1, kInt8, false>(w, a, r0, r1, G, yp, N, tile * kTile);
+          }
         }
       }
     });
@@ -759,6 +786,31 @@ at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::
 #endif
 }
 
+at::Tensor q4_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
+                             const at::Tensor& mt) {
+  check_tiled("q4_tiled_silu_mul", x, qt, 256, dt);
+  TORCH_CHECK(mt.scalar_type() == at::kFloat && mt.is_contiguous() && mt.sizes() == dt.sizes(),
+              "mt must be contiguous fp32 [N/16, K/32, 16]");
+  TORCH_CHECK(qt.size(0) % 2 == 0, "q4_tiled_silu_mul: [gate; up] in whole tiles (N % 32 == 0)");
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+  return tiled_product<false, true>(x, qt, dt, mt);
+#else
+  return at::Tensor();
+#endif
+}
+
+at::Tensor q8_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt) {
+  check_tiled("q8_tiled_silu_mul", x, qt, 512, dt);
+  TORCH_CHECK(qt.size(0) % 2 == 0, "q8_tiled_silu_mul: [gate; up] in whole tiles (N % 32 == 0)");
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+  return tiled_product<true, true>(x, qt, dt, at::Tensor());
+#else
+  return at::Tensor();
+#endif
+}
+
 at::Tensor q4_dense(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                     const at::Tensor& m, bool bf16) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
@@ -817,6 +869,8 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("q8_dense(Tensor x, Tensor qs, Tensor d, bool bf16) -> Tensor");
   lib.def("q4_tiled_linear(Tensor x, Tensor qt, Tensor dt, Tensor mt) -> Tensor");
   lib.def("q8_tiled_linear(Tensor x, Tensor qt, Tensor dt) -> Tensor");
+  lib.def("q4_tiled_silu_mul(Tensor x, Tensor qt, Tensor dt, Tensor mt) -> Tensor");
+  lib.def("q8_tiled_silu_mul(Tensor x, Tensor qt, Tensor dt) -> Tensor");
   lib.def("tiled_supported", &radixserve::tiled_supported);
 }
 
@@ -829,4 +883,6 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
   lib.impl("q8_dense", &radixserve::q8_dense);
   lib.impl("q4_tiled_linear", &radixserve::q4_tiled_linear);
   lib.impl("q8_tiled_linear", &radixserve::q8_tiled_linear);
+  lib.impl("q4_tiled_silu_mul", &radixserve::q4_tiled_silu_mul);
+  lib.impl("q8_tiled_silu_mul", &radixserve::q8_tiled_silu_mul);
 }
