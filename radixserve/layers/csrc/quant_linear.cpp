@@ -35,6 +35,8 @@
 //     the int8 weight times the activations on q4_linear's int8 grid (llama.cpp's Q8_0 x Q8_0
 //     product), not q8_linear's float activations: a group's 32 products are then one exact
 //     integer sum, which is what makes it fast (bf16's GEMM rate from 64 rows, twice q8_dense);
+//   q4_tiled_silu_mul(x, qt, dt, mt) / q8_tiled_silu_mul(x, qt, dt) -> [M, N/2]: an MLP's
+//     [gate; up] weight, the result silu_and_mul's of the product (fused_ops.cpp), bitwise;
 //   tiled_supported() says whether this build has them.
 
 #include <ATen/ATen.h>
@@ -397,8 +399,9 @@ void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// NT adjacent tiles (outputs n0 .. n0 + 16 NT - 1) as the row passes read them: per tile, its
-// 8 vectors of codes per group, its scales and (int4) minimums.
+// The NT tiles a row pass reads (adjacent ones, outputs n0 .. n0 + 16 NT - 1, or a gate tile
+// and its up tile): per tile, its 8 vectors of codes per group, its scales and (int4)
+// minimums.
 template <int NT>
 struct Tiles {
   const uint8_t* codes[NT];
