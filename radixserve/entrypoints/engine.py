@@ -86,9 +86,15 @@ class Subprocesses:
             )
         for proc in self.children:
             proc.start()
-        self.scheduler_info = self._wait_ranks_ready(rank_pipes)
-        if self.detokenizer is not None:
-            self._wait_ready(detok_r, self.detokenizer, "detokenizer")
+        try:
+            self.scheduler_info = self._wait_ranks_ready(rank_pipes)
+            if self.detokenizer is not None:
+                self._wait_ready(detok_r, self.detokenizer, "detokenizer")
+        except BaseException:
+            # One rank failed: the others may still wait for it in a collective (and later
+            # join whatever listens on its port). Nothing of a failed start is left running.
+            self.shutdown()
+            raise
 
     @property
     def children(self) -> list[mp.Process]:

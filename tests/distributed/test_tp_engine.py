@@ -164,7 +164,14 @@ def test_tp2_replicated_kv_head_and_dead_rank(mqa_model, prompts):
 
 
 def test_tp_size_that_does_not_divide_the_heads_fails_start_up(tiny_model):
+    """The failed start leaves no process behind: ranks 1 and 2, waiting for rank 0 in the
+    process group's rendezvous, are stopped too (left running, they joined the next group
+    that listened on that port)."""
+    import multiprocessing
+
     from radixserve import Engine
 
+    before = set(multiprocessing.active_children())  # other tests' engines may be running
     with pytest.raises(RuntimeError, match="4 attention heads"):
         Engine(model_path=tiny_model, tp_size=3, dtype="float32", max_total_tokens=1024)
+    assert [p.name for p in set(multiprocessing.active_children()) - before] == []
