@@ -493,7 +493,7 @@ void tiled_block(const Tiles<NT>& w, const Activations& a, int64_t r0, int64_t r
 // it): a prefill's [M, N] in fp32 is tens of megabytes written and read again to convert it.
 // kSiluMul: the weight is an MLP's gate and up projections stacked ([gate; up], N = 2I), and
 // the result is silu_and_mul's [M, I] of the product (the *_tiled_silu_mul ops).
-template <bool kInt8, bool kSiluMul = false>
+template <bool kInt8, bool kSiluMul>
 at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at::Tensor& dt,
                          const at::Tensor& mt) {
   const int64_t M = x_in.size(0), tiles = qt.size(0), G = qt.size(1), K = G * kGroup;
@@ -750,12 +750,15 @@ at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Te
 
 bool tiled_supported() { return kTiled; }
 
-// The checks both tiled ops share: x [M, K], qt [N/16, K/32, group_bytes] uint8, dt [N/16,
-// K/32, 16] fp32, all contiguous but x.
-static void check_tiled(const char* op, const at::Tensor& x, const at::Tensor& qt,
-                        int64_t group_bytes, const at::Tensor& dt) {
+// The four tiled ops: their arguments checked (x [M, K], qt [N/16, K/32, 256 or 512] uint8,
+// dt and int4's mt [N/16, K/32, 16] fp32, all contiguous but x; kSiluMul: [gate; up] in whole
+// tiles), then the product.
+template <bool kInt8, bool kSiluMul>
+at::Tensor tiled_op(const char* op, const at::Tensor& x, const at::Tensor& qt,
+                    const at::Tensor& dt, const at::Tensor& mt) {
   TORCH_CHECK(kTiled, op, " needs a CPU with AVX-512 VNNI (tiled_supported())");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  const int64_t group_bytes = kInt8 ? 512 : 256;
   TORCH_CHECK(qt.dim() == 3 && qt.size(2) == group_bytes && qt.scalar_type() == at::kByte &&
                   qt.is_contiguous(),
               "qt must be contiguous uint8 [N/16, K/32, ", group_bytes, "]");
@@ -764,54 +767,37 @@ static void check_tiled(const char* op, const at::Tensor& x, const at::Tensor& q
   TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.dim() == 3 &&
                   dt.size(0) == qt.size(0) && dt.size(1) == G && dt.size(2) == 16,
               "dt must be contiguous fp32 [N/16, K/32, 16]");
+  if (!kInt8) {
+    TORCH_CHECK(mt.scalar_type() == at::kFloat && mt.is_contiguous() && mt.sizes() == dt.sizes(),
+                "mt must be contiguous fp32 [N/16, K/32, 16]");
+  }
+  if (kSiluMul) {
+    TORCH_CHECK(qt.size(0) % 2 == 0, op, ": [gate; up] in whole tiles (N % 32 == 0)");
+  }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+  return tiled_product<kInt8, kSiluMul>(x, qt, dt, mt);
+#else
+  return at::Tensor();
+#endif
 }
 
 at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
                            const at::Tensor& mt) {
-  check_tiled("q4_tiled_linear", x, qt, 256, dt);
-  TORCH_CHECK(mt.scalar_type() == at::kFloat && mt.is_contiguous() && mt.sizes() == dt.sizes(),
-              "mt must be contiguous fp32 [N/16, K/32, 16]");
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
-  return tiled_product<false>(x, qt, dt, mt);
-#else
-  return at::Tensor();
-#endif
+  return tiled_op<false, false>("q4_tiled_linear", x, qt, dt, mt);
 }
 
 at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt) {
-  check_tiled("q8_tiled_linear", x, qt, 512, dt);
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
-  return tiled_product<true>(x, qt, dt, at::Tensor());
-#else
-  return at::Tensor();
-#endif
+  return tiled_op<true, false>("q8_tiled_linear", x, qt, dt, at::Tensor());
 }
 
 at::Tensor q4_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
                              const at::Tensor& mt) {
-  check_tiled("q4_tiled_silu_mul", x, qt, 256, dt);
-  TORCH_CHECK(mt.scalar_type() == at::kFloat && mt.is_contiguous() && mt.sizes() == dt.sizes(),
-              "mt must be contiguous fp32 [N/16, K/32, 16]");
-  TORCH_CHECK(qt.size(0) % 2 == 0, "q4_tiled_silu_mul: [gate; up] in whole tiles (N % 32 == 0)");
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
-  return tiled_product<false, true>(x, qt, dt, mt);
-#else
-  return at::Tensor();
-#endif
+  return tiled_op<false, true>("q4_tiled_silu_mul", x, qt, dt, mt);
 }
 
 at::Tensor q8_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt) {
-  check_tiled("q8_tiled_silu_mul", x, qt, 512, dt);
-  TORCH_CHECK(qt.size(0) % 2 == 0, "q8_tiled_silu_mul: [gate; up] in whole tiles (N % 32 == 0)");
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
-  return tiled_product<true, true>(x, qt, dt, at::Tensor());
-#else
-  return at::Tensor();
-#endif
+  return tiled_op<true, true>("q8_tiled_silu_mul", x, qt, dt, at::Tensor());
 }
 
 at::Tensor q4_dense(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
