@@ -4,7 +4,9 @@ attention backend), `extend_attention` and `cascade_prefix_attention` (its bf16 
 for prompts and shared prefixes, built on CPUs with AVX512-BF16), `q4_linear`, `q4_dense`,
 `q8_linear`, `q8_dense` and, on CPUs with AVX-512 VNNI, `q4_tiled_linear` / `q8_tiled_linear`
 and the MLP's `q4_tiled_silu_mul` / `q8_tiled_silu_mul` (int4 and int8 weights,
-`--quantization`; quant_linear.cpp) and the fused element-wise steps of a layer
+`--quantization`; quant_linear.cpp), on CPUs with AVX512-BF16 `bf16_tiled_linear` /
+`bf16_tiled_silu_mul` (bf16 weights in tiles; bf16_linear.cpp, linear.py) and the fused
+element-wise steps of a layer
 (`rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul`; fused_ops.py), and
 `torch.classes.radixserve.DecodeStep`, which runs a decode step's layers through them in one
 call (decode_step.py).
@@ -36,6 +38,7 @@ _SOURCES = (
     "extend_attention.cpp",
     "quant_linear.cpp",
     "w8a8_linear.cpp",
+    "bf16_linear.cpp",
     "fused_ops.cpp",
     "decode_step.cpp",
 )

@@ -33,7 +33,7 @@ from radixserve.model_executor.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 
 # csrc/decode_step.cpp's linear kinds
-DENSE, Q4, Q8, W8A8, Q4_TILED, Q8_TILED, BIAS = 0, 1, 2, 3, 4, 5, 8
+DENSE, Q4, Q8, W8A8, Q4_TILED, Q8_TILED, BF16_TILED, BIAS = 0, 1, 2, 3, 4, 5, 6, 8
 # The C++ step mirrors the linear layers' forms at each size (it is given the thresholds):
 # QuantizedLinear's kernels below dense_rows(), and linear()'s (W · xᵀ)ᵀ up to SMALL_M_ROWS.
 
@@ -154,7 +154,10 @@ def _linear(lin: nn.Module, dtype: torch.dtype) -> tuple[int, list[torch.Tensor]
     elif type(lin) is QuantizedLinear and lin.kernel == "w8a8":
         kind, tensors = W8A8, [lin.wq, lin.w_scale]
     elif type(lin) is Linear and lin.weight.dtype == dtype:
-        kind, tensors = DENSE, [lin.weight if lin.packed is None else lin.packed]
+        if lin.packed is not None and not lin.packed.is_mkldnn:  # bf16 tiles (linear.py)
+            kind, tensors = BF16_TILED, [lin.packed]
+        else:
+            kind, tensors = DENSE, [lin.weight if lin.packed is None else lin.packed]
     else:
         raise _Unsupported(f"a {lin!r} layer")
     if bias is not None:

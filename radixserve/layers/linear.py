@@ -16,6 +16,13 @@ once, at start-up (what vLLM's and IPEX's CPU paths do): each Linear keeps oneDN
 it. SmolLM2-135M's shapes (2 cores, Zen 4): the output head 6.3 → 2.8 ms at 1 row, 8.7 → 6.1 at
 32, 14.2 → 11.1 at 64; an MLP weight (3072 × 576) 0.62 → 0.38 ms at 32 rows; about 1.1× from
 300 rows on.
+
+On such a CPU without AMX, where radixserve's kernels are built (the cpu_paged fast path), the
+packed copy is radixserve's own instead (`bf16_tiles`: tiles of 16 outputs for AVX512-BF16's
+dot products, csrc/bf16_linear.cpp), whose one kernel serves every row count: 1.4-1.7× oneDNN's
+rate at 1-8 rows (it reads a decode step's weights at ≈ 42 GB/s, oneDNN at 24-30), 1.2× at
+64, even from 512 rows on; and a row's result does not depend on the batch. With AMX, oneDNN's
+GEMMs run on the tile unit, several times those dot products: there the oneDNN copy stays.
 """
 
 from __future__ import annotations
@@ -24,24 +31,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.args import cpu_has_bf16
+from radixserve.args import cpu_has_amx, cpu_has_bf16
 
 SMALL_M_ROWS = 64
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of a bf16 CPU weight [N, K], where bf16 matmuls are native; else
-    None (the weight stays as it is)."""
+    """The packed copy of a bf16 CPU weight [N, K] where bf16 matmuls are native: radixserve's
+    tiles where they apply (bf16_tiles), else oneDNN's blocked copy; else None (the weight
+    stays as it is)."""
     if (
         weight.device.type != "cpu"
         or weight.dtype != torch.bfloat16
         or weight.dim() != 2
-        or not torch.backends.mkldnn.is_available()
-        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")  # torch's own oneDNN ops
         or not cpu_has_bf16()
     ):
         return None
+    tiles = bf16_tiles(weight)
+    if tiles is not None:
+        return tiles
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn,
+        "_reorder_linear_weight",  # torch's own oneDNN ops
+    ):
+        return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] bf16 as bf16_linear.cpp's tiles [N/16, K/2, 32] (tile t, pair p, lane
+    2i + j: weight[16t + i, 2p + j]), where that kernel runs: radixserve's kernels built with
+    AVX512-BF16, a CPU without AMX, N a multiple of 16 and K even. Else None."""
+    n, k = weight.shape
+    if n % 16 or k % 2 or n == 0 or cpu_has_amx() or not _bf16_kernel_available():
+        return None
+    w = weight.detach().to(torch.bfloat16)
+    return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
+
+
+def _bf16_kernel_available() -> bool:
+    from radixserve.layers.cpu_kernels import KernelBuildError, load_cpu_kernels
+
+    try:
+        load_cpu_kernels()  # loaded already on the fast path, the only caller of prepack_linears
+    except KernelBuildError:
+        return False
+    return bool(torch.ops.radixserve.bf16_tiled_supported())
 
 
 def linear(
@@ -52,9 +87,12 @@ def linear(
 ) -> torch.Tensor:
     """F.linear(x, weight, bias), with the few-row CPU fp32 case as (W · xᵀ)ᵀ; through the
     prepacked bf16 weight `packed` (prepack's) when there is one."""
-    if packed is not None:  # a bf16 product (oneDNN takes no other input dtype for it)
+    if packed is not None:  # a bf16 product (neither kernel takes another input dtype)
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+        if packed.is_mkldnn:
+            out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+        else:
+            out = torch.ops.radixserve.bf16_tiled_linear(flat, packed, bias)
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if (
@@ -82,6 +120,18 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu_and_mul(self(x)) for a [gate; up] projection in bf16 tiles, in one kernel
+        (bitwise the same result, without the [M, 2I] product in memory); None where this
+        layer has no tiles, has a bias, or its gate does not fill tiles of 16."""
+        if self.packed is None or self.packed.is_mkldnn or self.bias is not None:
+            return None
+        if self.out_features % 32:
+            return None
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.radixserve.bf16_tiled_silu_mul(flat, self.packed)
+        return y.view(*x.shape[:-1], self.out_features // 2).to(x.dtype)
+
 
 def prepack_linears(model: nn.Module) -> int:
     """Prepack every Linear's weight of `model` (see the module's docstring) and release the
@@ -103,3 +153,13 @@ def prepack_linears(model: nn.Module) -> int:
         model.packed_head = prepack(model.model.embed_tokens.weight)
         count += model.packed_head is not None
     return count
+
+
+def packed_form(model: nn.Module) -> str:
+    """Which packed copies prepack_linears gave `model`'s Linears, for the start-up log."""
+    forms = {
+        "oneDNN's layout" if m.packed.is_mkldnn else "bf16 tiles"
+        for m in model.modules()
+        if type(m) is Linear and m.packed is not None
+    }
+    return " and ".join(sorted(forms)) or "none"

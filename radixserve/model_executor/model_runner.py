@@ -20,7 +20,7 @@ from radixserve.layers.attention.base import AttentionBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.decode_step import CpuDecodeStep
 from radixserve.layers.fused_ops import set_fused_ops
-from radixserve.layers.linear import prepack_linears
+from radixserve.layers.linear import packed_form, prepack_linears
 from radixserve.layers.quantization import W8A8, quantize_model, smooth_model
 from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from radixserve.mem_cache.memory_pool import (
@@ -124,7 +124,7 @@ class ModelRunner:
         if self.fused_ops:  # the CPU fast path: bf16 weights in oneDNN's layout, once
             packed = prepack_linears(self.model)
             if packed:
-                logger.info("prepacked %d bf16 weights for oneDNN", packed)
+                logger.info("prepacked %d bf16 weights (%s)", packed, packed_form(self.model))
         if self.fused_ops and not server_args.disable_cpu_decode_step:
             decode_step = CpuDecodeStep.build(self.model)
             if decode_step is not None:

@@ -101,7 +101,11 @@ class LlamaMLP(FusedOp, nn.Module):
         self.down_proj = _row(inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.can_fuse(x) and x.dim() == 2 and isinstance(self.gate_up_proj, QuantizedLinear):
+        if (
+            self.can_fuse(x)
+            and x.dim() == 2
+            and type(self.gate_up_proj) in (QuantizedLinear, Linear)
+        ):
             fused = self.gate_up_proj.silu_and_mul(x)  # the product and the SiLU in one kernel
             if fused is not None:
                 return self.down_proj(fused)

@@ -1,6 +1,6 @@
 """The C++ decode step (layers/decode_step.py, csrc/decode_step.cpp) against the Python layers
-it replaces: bitwise the same logits in every configuration it takes (fp32 and bf16, dense,
-int8 and int4 weights, W8A8, qkv biases, pages of 1 and 16 slots, 1 to 63 rows), and the layer-by-
+it replaces: bitwise the same logits in every configuration it takes (fp32 and bf16, dense
+(bf16 in tiles), int8 and int4 weights, W8A8, qkv biases, pages of 1 and 16 slots, 1 to 63 rows), and the layer-by-
 layer path wherever it must not run (64 rows and more, shared-prefix groups, Qwen3's q/k norms,
 the portable backend, the flag)."""
 
@@ -14,6 +14,7 @@ from radixserve.args import ServerArgs
 from radixserve.layers import quantization as quant
 from radixserve.layers.decode_step import CpuDecodeStep
 from radixserve.layers.fused_ops import set_fused_ops
+from radixserve.layers.linear import Linear, bf16_tiles
 from radixserve.layers.quantization import DENSE_ROWS, DENSE_ROWS_BF16
 from radixserve.model_executor.model_runner import ModelRunner
 
@@ -72,6 +73,7 @@ def _compare(runner: ModelRunner, prompts: list[list[int]], steps: int = 3) -> i
     [
         ("llama", "float32", None, 1),
         ("llama", "bfloat16", None, 1),
+        ("qwen2", "bfloat16", None, 16),  # bf16 tiles with the qkv bias inside the kernel
         ("llama", "float32", "int4", 1),
         ("llama", "float32", "int8", 16),
         ("llama", "bfloat16", "int4", 16),
@@ -122,18 +124,31 @@ def test_quantized_models_take_the_step_on_both_sides_of_the_dense_threshold(
         assert _compare(runner, _prompts(n, seed=i + 1), steps=2) == 2, n
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize(
+    "dtype,quantization",
+    [
+        ("float32", "int4"),
+        ("bfloat16", "int4"),
+        ("float32", "int8"),
+        ("bfloat16", "int8"),
+        ("bfloat16", None),  # bf16 tiles (layers/linear.py)
+    ],
+)
 def test_tiled_mlps_fuse_the_silu_into_the_gate_up_kernel(
     tiny_llama_dir, dtype, quantization, monkeypatch
 ):
     """With [gate; up] in tiles, the MLP's product, SiLU and multiply are one kernel in
     prefill (the layers) and in decode (the C++ step), and the logits are bitwise those of
     the product followed by silu_and_mul."""
-    if not quant.tiled_supported():
+    if quantization is None:
+        if bf16_tiles(torch.zeros(16, 2, dtype=torch.bfloat16)) is None:
+            pytest.skip("bf16 tiles need radixserve's kernels built with AVX512-BF16, no AMX")
+        fused_op = "radixserve::bf16_tiled_silu_mul"
+    elif not quant.tiled_supported():
         pytest.skip("the tiled kernels are built for CPUs with AVX-512 VNNI only")
+    else:
+        fused_op = f"radixserve::q{4 if quantization == 'int4' else 8}_tiled_silu_mul"
     runner = _runner(tiny_llama_dir, dtype=dtype, quantization=quantization)
-    fused_op = f"radixserve::q{4 if quantization == 'int4' else 8}_tiled_silu_mul"
     prompts = _prompts(4, seed=3)
     with torch.profiler.profile() as prof:
         fused = greedy_step_logits(runner, prompts, 2)
@@ -143,6 +158,7 @@ def test_tiled_mlps_fuse_the_silu_into_the_gate_up_kernel(
     assert "radixserve::silu_and_mul" not in names
     runner.model.model.decode_step = None
     monkeypatch.setattr(quant.QuantizedLinear, "silu_and_mul", lambda self, x: None)
+    monkeypatch.setattr(Linear, "silu_and_mul", lambda self, x: None)
     with torch.profiler.profile() as prof:
         apart = greedy_step_logits(runner, prompts, 2)
     assert fused_op not in [e.name for e in prof.events()]

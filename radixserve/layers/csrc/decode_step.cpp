@@ -13,10 +13,11 @@
 //            kernel_rows, dense_bf16)
 //   params: per layer, input_layernorm.weight, post_attention_layernorm.weight, then the
 //     tensors of qkv_proj, o_proj, gate_up_proj and down_proj in that order, each linear's by
-//     its kind: dense (weight), q4 (qs, d, m), q8 (qs, d), w8a8 (wq, w_scale), q4 in tiles
-//     (qt, dt, mt), q8 in tiles (qt, dt), then its bias if it has one.
-//   kinds: per layer and linear, kDense / kQ4 / kQ8 / kW8A8 / kQ4Tiled / kQ8Tiled, plus kBias
-//     when it has a bias.
+//     its kind: dense (weight, or oneDNN's packed copy), q4 (qs, d, m), q8 (qs, d), w8a8 (wq,
+//     w_scale), q4 in tiles (qt, dt, mt), q8 in tiles (qt, dt), bf16 in tiles (wt), then its
+//     bias if it has one.
+//   kinds: per layer and linear, kDense / kQ4 / kQ8 / kW8A8 / kQ4Tiled / kQ8Tiled /
+//     kBf16Tiled, plus kBias when it has a bias.
 //   small_rows: layers/linear.py's SMALL_M_ROWS (up to it a dense fp32 product is (W · xᵀ)ᵀ);
 //   kernel_rows: layers/quantization.py's dense_rows() for the model's dtype (below it the
 //     q4 / q8 kernels run, from it q4_dense / q8_dense), and dense_bf16 its gemm_in_bf16():
@@ -40,7 +41,8 @@
 
 namespace {
 
-constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kW8A8 = 3, kQ4Tiled = 4, kQ8Tiled = 5, kBias = 8;
+constexpr int64_t kDense = 0, kQ4 = 1, kQ8 = 2, kW8A8 = 3, kQ4Tiled = 4, kQ8Tiled = 5,
+                  kBf16Tiled = 6, kBias = 8;
 constexpr int64_t kKindMask = 7;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 
@@ -115,6 +117,13 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
       y = radixserve::q8_tiled_linear(x, lin.qs, lin.d);
       break;
     }
+    case kBf16Tiled: {  // bf16 (linear()'s), its bias added inside
+      RECORD_FUNCTION("radixserve::bf16_tiled_linear", std::vector<c10::IValue>());
+      const at::Tensor y = radixserve::bf16_tiled_linear(
+          x.to(at::kBFloat16), lin.w,
+          lin.bias.defined() ? std::optional<at::Tensor>(lin.bias) : std::optional<at::Tensor>());
+      return y.to(x.scalar_type());
+    }
     case kW8A8: {  // in x's dtype, its bias added inside
       RECORD_FUNCTION("radixserve::w8a8_linear", std::vector<c10::IValue>());
       return radixserve::w8a8_linear(x.contiguous(), lin.qs, lin.d,
@@ -129,8 +138,12 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
 }
 
 // LlamaMLP.forward's silu_and_mul(gate_up_proj(x)): one kernel where the projection is in
-// tiles (QuantizedLinear.silu_and_mul; bitwise the same), else the two.
+// tiles (QuantizedLinear.silu_and_mul, Linear.silu_and_mul; bitwise the same), else the two.
 at::Tensor gate_up_silu(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
+  if (lin.kind == kBf16Tiled && !lin.bias.defined() && lin.w.size(0) % 2 == 0) {
+    RECORD_FUNCTION("radixserve::bf16_tiled_silu_mul", std::vector<c10::IValue>());
+    return radixserve::bf16_tiled_silu_mul(x.to(at::kBFloat16), lin.w).to(x.scalar_type());
+  }
   const bool tiled = (lin.kind == kQ4Tiled || lin.kind == kQ8Tiled) && !lin.bias.defined() &&
                      lin.qs.size(0) % 2 == 0 &&
                      (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat);
@@ -180,7 +193,8 @@ class DecodeStep : public torch::CustomClassHolder {
           lin.qs = take();
           lin.d = take();
         } else {
-          TORCH_CHECK(lin.kind == kDense, "DecodeStep: unknown linear kind ", lin.kind);
+          TORCH_CHECK(lin.kind == kDense || lin.kind == kBf16Tiled,
+                      "DecodeStep: unknown linear kind ", lin.kind);
           lin.w = take();
         }
         if (kinds[l * kLinearsPerLayer + i] & kBias) lin.bias = take();

@@ -10,6 +10,12 @@
 
 namespace radixserve {
 
+// bf16_linear.cpp
+at::Tensor bf16_tiled_linear(const at::Tensor& x, const at::Tensor& wt,
+                             const std::optional<at::Tensor>& bias);
+at::Tensor bf16_tiled_silu_mul(const at::Tensor& x, const at::Tensor& wt);
+bool bf16_tiled_supported();
+
 // decode_attention.cpp
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_buf,
                                                     const at::Tensor& v_buf,
