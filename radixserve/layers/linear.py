@@ -19,9 +19,9 @@ it. SmolLM2-135M's shapes (2 cores, Zen 4): the output head 6.3 → 2.8 ms at 1 
 
 On such a CPU without AMX, where radixserve's kernels are built (the cpu_paged fast path), the
 packed copy is radixserve's own instead (`bf16_tiles`: tiles of 16 outputs for AVX512-BF16's
-dot products, csrc/bf16_linear.cpp), whose one kernel serves every row count: 1.4-1.7× oneDNN's
-rate at 1-8 rows (it reads a decode step's weights at ≈ 42 GB/s, oneDNN at 24-30), 1.2× at
-64, even from 512 rows on; and a row's result does not depend on the batch. With AMX, oneDNN's
+dot products, csrc/bf16_linear.cpp), whose one kernel serves every row count: 1.35× oneDNN's
+rate at 1 row (it reads a decode step's weights at ≈ 42 GB/s), 1.27× at 8, 1.13× at 32-64,
+even from 256 rows on; and a row's result does not depend on the batch. With AMX, oneDNN's
 GEMMs run on the tile unit, several times those dot products: there the oneDNN copy stays.
 """
 

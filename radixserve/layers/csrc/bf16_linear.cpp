@@ -3,13 +3,14 @@
 //
 // oneDNN's bf16 product through torch (a prepacked weight, mkldnn::_linear_pointwise) reads a
 // decode step's weights at 24-30 GB/s at one row, where a plain sum of the same bytes reads
-// 40-45 on two Zen 4 cores, and spends ~10 us per call on its own bookkeeping. The weight here
-// is stored in tiles of 16 outputs (layers/linear.py's pack_bf16_tiles), so that one vector
-// load brings two adjacent inputs of each of 16 outputs, and one broadcast pair of activations
-// multiplies them: a register-blocked GEMM of up to 4 rows by 4 tiles (16 accumulators), the
-// tiles streamed from memory once per call at few rows and re-read from L2 per 4 rows at many.
-// SmolLM2-135M's 30 layers (2 threads, weights cold): 1.4-1.7x oneDNN's rate at 1-8 rows,
-// 1.2x at 64, even from 512 rows on (≈ 800 GFLOP/s).
+// 40-45 on two Zen 4 cores. The weight here is stored in tiles of 16 outputs (layers/
+// linear.py's bf16_tiles), so that one vector load brings two adjacent inputs of each of 16
+// outputs and one broadcast pair of activations multiplies them: a register-blocked GEMM of
+// up to 4 rows by 4 tiles (16 accumulators). At few rows the tiles stream from memory once
+// per call; at many, each thread's tiles multiply blocks of 256 rows, re-read from L2.
+// SmolLM2-135M's 30 layers (2 Zen 4 threads, distinct weights, paired with oneDNN's prepacked
+// product): 1.35x its rate at 1 row (the weights read at ≈ 42 GB/s), 1.27x at 8, 1.13x at
+// 32-64, 1.02-1.05x from 256 rows (≈ 790 GFLOP/s at 1,024).
 //
 //   bf16_tiled_linear(x [M, K] bf16, wt [N/16, K/2, 32] bf16, bias [N] bf16 or None) -> [M, N]
 //     bf16: wt's tile t, pair p, lane 2i + j holds weight[16 t + i, 2 p + j]; each output is
