@@ -557,8 +557,8 @@ def cpu_has_bf16() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def cpu_has_amx() -> bool:
-    """True when the CPU has AMX's bf16 tile unit (oneDNN's GEMMs then run several times the
-    rate of AVX512-BF16's dot products)."""
+    """True when the CPU has AMX's bf16 tile unit (oneDNN's GEMMs then outrun AVX512-BF16's
+    dot products, which layers/linear.py's bf16 tiles use)."""
     try:
         with open("/proc/cpuinfo") as f:
             return "amx_bf16" in f.read()

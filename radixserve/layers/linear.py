@@ -22,7 +22,8 @@ packed copy is radixserve's own instead (`bf16_tiles`: tiles of 16 outputs for A
 dot products, csrc/bf16_linear.cpp), whose one kernel serves every row count: 1.35× oneDNN's
 rate at 1 row (it reads a decode step's weights at ≈ 42 GB/s), 1.27× at 8, 1.13× at 32-64,
 even from 256 rows on; and a row's result does not depend on the batch. With AMX, oneDNN's
-GEMMs run on the tile unit, several times those dot products: there the oneDNN copy stays.
+GEMMs run on the tile unit, beyond what vector dot products reach: there the oneDNN copy
+stays.
 """
 
 from __future__ import annotations
@@ -50,12 +51,10 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     tiles = bf16_tiles(weight)
     if tiles is not None:
         return tiles
-    if not torch.backends.mkldnn.is_available() or not hasattr(
-        torch.ops.mkldnn,
-        "_reorder_linear_weight",  # torch's own oneDNN ops
-    ):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    onednn = torch.backends.mkldnn.is_available() and hasattr(  # torch's own oneDNN ops
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()) if onednn else None
 
 
 def bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:

@@ -121,7 +121,7 @@ class ModelRunner:
         set_fused_ops(self.model, self.fused_ops)
         if server_args.quantization == W8A8:
             self._quantize_w8a8()
-        if self.fused_ops:  # the CPU fast path: bf16 weights in oneDNN's layout, once
+        if self.fused_ops:  # the CPU fast path: bf16 weights packed once (linear.py)
             packed = prepack_linears(self.model)
             if packed:
                 logger.info("prepacked %d bf16 weights (%s)", packed, packed_form(self.model))

@@ -104,7 +104,7 @@ class LlamaMLP(FusedOp, nn.Module):
         if (
             self.can_fuse(x)
             and x.dim() == 2
-            and type(self.gate_up_proj) in (QuantizedLinear, Linear)
+            and isinstance(self.gate_up_proj, (QuantizedLinear, Linear))
         ):
             fused = self.gate_up_proj.silu_and_mul(x)  # the product and the SiLU in one kernel
             if fused is not None:

@@ -87,7 +87,8 @@ __attribute__((noinline)) void tile_pass(const uint16_t* w, int64_t ts, int64_t 
       if constexpr (kSiluMul) {
         // silu_and_mul on the bf16 product: silu(gate) rounded to bf16, times up, rounded.
         const __m512 silu = round16<at::BFloat16>(silu16(round16<at::BFloat16>(acc[r][c])));
-        store16(y + r * ys + c * kTile, _mm512_mul_ps(silu, round16<at::BFloat16>(acc[r][C + c])));
+        const __m512 upv = round16<at::BFloat16>(acc[r][C + c]);
+        store16(y + r * ys + c * kTile, _mm512_mul_ps(silu, upv));
       } else {
         store16(y + r * ys + c * kTile, acc[r][c]);
       }
