@@ -544,26 +544,26 @@ def resolve_device(device: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_has_bf16() -> bool:
-    """True when the CPU has native bf16 matrix instructions (AVX512-BF16 or AMX). Read once:
-    the int4/int8 layers ask on every prefill-sized product."""
+def _cpuinfo() -> str:
+    """/proc/cpuinfo, read once ("" where there is none): the int4/int8 layers ask
+    cpu_has_bf16 on every prefill-sized product."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return f.read()
     except OSError:
-        return False
+        return ""
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)."""
+    flags = _cpuinfo()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_has_amx() -> bool:
     """True when the CPU has AMX's bf16 tile unit (oneDNN's GEMMs then outrun AVX512-BF16's
     dot products, which layers/linear.py's bf16 tiles use)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
+    return "amx_bf16" in _cpuinfo()
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -22,6 +22,7 @@ library directly (no compiler needed then).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -124,3 +125,17 @@ def load_cpu_kernels() -> None:
             ) from exc
         logger.info("built the CPU kernels in %.1f s", time.perf_counter() - start)
         _loaded = True
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels_available() -> bool:
+    """Whether radixserve's C++ CPU kernels load (built on first use); where they do not,
+    int4 layers take ATen's int4 kernel and bf16 weights oneDNN's layout."""
+    try:
+        load_cpu_kernels()
+    except KernelBuildError as exc:
+        logger.warning(
+            "int4 layers use ATen's int4 kernel and bf16 weights oneDNN's, since %s", exc
+        )
+        return False
+    return True

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.args import cpu_has_amx, cpu_has_bf16
+from radixserve.layers.cpu_kernels import cpu_kernels_available
 
 SMALL_M_ROWS = 64
 
@@ -62,20 +63,20 @@ def bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
     2i + j: weight[16t + i, 2p + j]), where that kernel runs: radixserve's kernels built with
     AVX512-BF16, a CPU without AMX, N a multiple of 16 and K even. Else None."""
     n, k = weight.shape
-    if n % 16 or k % 2 or n == 0 or cpu_has_amx() or not _bf16_kernel_available():
+    if n % 16 or k % 2 or n == 0 or not bf16_tiles_supported():
         return None
     w = weight.detach().to(torch.bfloat16)
     return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
 
 
-def _bf16_kernel_available() -> bool:
-    from radixserve.layers.cpu_kernels import KernelBuildError, load_cpu_kernels
-
-    try:
-        load_cpu_kernels()  # loaded already on the fast path, the only caller of prepack_linears
-    except KernelBuildError:
-        return False
-    return bool(torch.ops.radixserve.bf16_tiled_supported())
+def bf16_tiles_supported() -> bool:
+    """Whether bf16 weights take bf16_tiles' layout here: a CPU without AMX, radixserve's
+    kernels built with AVX512-BF16 (loaded already on the fast path, prepack_linears' caller)."""
+    return (
+        not cpu_has_amx()
+        and cpu_kernels_available()
+        and bool(torch.ops.radixserve.bf16_tiled_supported())
+    )
 
 
 def linear(
@@ -123,9 +124,12 @@ class Linear(nn.Linear):
         """silu_and_mul(self(x)) for a [gate; up] projection in bf16 tiles, in one kernel
         (bitwise the same result, without the [M, 2I] product in memory); None where this
         layer has no tiles, has a bias, or its gate does not fill tiles of 16."""
-        if self.packed is None or self.packed.is_mkldnn or self.bias is not None:
-            return None
-        if self.out_features % 32:
+        if (
+            self.packed is None
+            or self.packed.is_mkldnn
+            or self.bias is not None
+            or self.out_features % 32
+        ):
             return None
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.radixserve.bf16_tiled_silu_mul(flat, self.packed)

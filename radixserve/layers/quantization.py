@@ -61,7 +61,6 @@ which then recovers the file's own codes instead of choosing new ones.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -69,6 +68,7 @@ import torch
 from torch import nn
 
 from radixserve.args import cpu_has_bf16
+from radixserve.layers.cpu_kernels import cpu_kernels_available
 
 logger = logging.getLogger(__name__)
 
@@ -358,19 +358,6 @@ def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     qt = biased.view(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 512)
     dt = scale.view(n // 16, 16, g).transpose(1, 2)
     return qt.contiguous(), dt.contiguous()
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_kernels_available() -> bool:
-    """Whether radixserve's C++ CPU kernels load (built on first use); else ATen's int4 path."""
-    from radixserve.layers.cpu_kernels import KernelBuildError, load_cpu_kernels
-
-    try:
-        load_cpu_kernels()
-    except KernelBuildError as exc:
-        logger.warning("int4 layers use ATen's int4 kernel, since %s", exc)
-        return False
-    return True
 
 
 def quantize_model(

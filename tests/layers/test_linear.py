@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.layers import linear as linear_mod
-from radixserve.layers.linear import Linear, bf16_tiles, linear, prepack, prepack_linears
+from radixserve.layers.linear import (
+    Linear,
+    bf16_tiles,
+    bf16_tiles_supported,
+    linear,
+    prepack,
+    prepack_linears,
+)
 
 
 @pytest.fixture
@@ -24,7 +31,7 @@ def native_bf16():
 
 @pytest.fixture
 def tiles_run(native_bf16):
-    if bf16_tiles(torch.zeros(16, 2, dtype=torch.bfloat16)) is None:
+    if not bf16_tiles_supported():
         pytest.skip("bf16 tiles need radixserve's kernels built with AVX512-BF16, and no AMX")
 
 
