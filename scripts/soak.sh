@@ -90,9 +90,11 @@ DRIVER=
 if ! kill -0 "$SERVER" 2> /dev/null; then
   echo "the server died during the soak" >&2; rc=1
 fi
+# Every failure must be answered (an HTTP error, an error event); a traceback is one that was not.
 if grep -q "Traceback" "$OUT/server.log"; then
-  echo "tracebacks in $OUT/server.log (first shown):" >&2
+  echo "FAIL: tracebacks in $OUT/server.log (first shown):" >&2
   grep -m1 -A30 "Traceback" "$OUT/server.log" >&2
+  rc=1
 fi
 stop_server
 echo "report: $OUT/soak.json   server log: $OUT/server.log"

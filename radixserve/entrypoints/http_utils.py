@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from radixserve.entrypoints.openai_protocol import (
@@ -69,8 +69,13 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """Parse a JSON body whatever its Content-Type (curl -d sends a form type)."""
-    data = loads_json(await request.body())
+    """Parse a JSON body whatever its Content-Type (curl -d sends a form type). A client that
+    leaves before its body has arrived is a disconnect (499, nothing logged), not an error."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientDisconnected from None
+    data = loads_json(raw)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -199,8 +204,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(str(exc), exc.status_code, exc.headers)
 
     @app.exception_handler(ClientDisconnected)
-    async def on_disconnect(_: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)
+    @app.exception_handler(ClientDisconnect)  # starlette's, from a body read anywhere else
+    async def on_disconnect(_: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> Response:

@@ -1,0 +1,73 @@
+"""http_utils' error handlers at the ASGI level: what a route answers when its client is gone
+before the body arrived, and that nothing is logged as an internal error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+
+from radixserve.entrypoints.http_utils import install_error_handlers, parse_body
+from radixserve.entrypoints.openai_protocol import CompletionRequest
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/parse")
+    async def parse(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, CompletionRequest)
+        return {"prompt": body.prompt}
+
+    return app
+
+
+def _call(app: FastAPI, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One POST /parse whose client sends `messages` (then nothing more); what the app sent."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/parse",
+        "raw_path": b"/parse",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    inbox = list(messages)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if inbox:
+            return inbox.pop(0)
+        await asyncio.sleep(3600)  # a client that never sends more
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    return sent
+
+
+def test_client_gone_while_the_body_is_read_is_a_quiet_499(caplog):
+    part = {"type": "http.request", "body": b'{"model": "m", "prompt": "He', "more_body": True}
+    with caplog.at_level(logging.DEBUG):
+        sent = _call(_app(), [part, {"type": "http.disconnect"}])
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_whole_body_is_still_parsed():
+    body = b'{"model": "m", "prompt": "Hello"}'
+    sent = _call(_app(), [{"type": "http.request", "body": body, "more_body": False}])
+    assert sent[0]["status"] == 200
+    assert sent[1]["body"] == b'{"prompt":"Hello"}'
