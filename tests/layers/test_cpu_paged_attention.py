@@ -76,6 +76,33 @@ def test_kernel_matches_reference(kernel, dtype, page_size, heads, lens, split_t
     out, lse = kernel(q, k_buf, v_buf, rows, start, end, d**-0.5, split_tokens)
     ref_out, ref_lse = _reference(q, k_buf, v_buf, rows, start, end, d**-0.5)
     assert out.dtype == torch.float32 and out.shape == q.shape
+    if dtype == torch.bfloat16 and d in (64, 128) and _bf16_products():
+        # vdpbf16ps: the scores are exact products summed in fp32, the probabilities weigh
+        # the values rounded to bf16 (2**-9 relative), as the torch-native backend's do
+        err = (out - ref_out).abs()
+        assert err.max() < 1e-2 and err.mean() < 1e-3, (err.max(), err.mean())
+        assert torch.allclose(lse, ref_lse, atol=1e-4), (lse - ref_lse).abs().max()
+        return
+    assert torch.allclose(out, ref_out, atol=2e-5), (out - ref_out).abs().max()
+    assert torch.allclose(lse, ref_lse, atol=2e-5)
+
+
+def _bf16_products() -> bool:
+    """Whether this build has decode_attention's bf16 kernel (a CPU with AVX512-BF16)."""
+    return bool(torch.ops.radixserve.extend_attention_supported())
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp32_query_over_a_bf16_pool_stays_exact(kernel, d):
+    """Only a bf16 query takes the bf16 products: an fp32 query is never rounded for them."""
+    gen = torch.Generator().manual_seed(d)
+    k_buf = torch.randn(600, 2, d, generator=gen).bfloat16()
+    v_buf = torch.randn(600, 2, d, generator=gen).bfloat16()
+    rows = torch.randperm(600, generator=gen)[:500].view(1, 500)
+    q = torch.randn(1, 2, 3, d, generator=gen)
+    start, end = torch.tensor([0]), torch.tensor([500])
+    out, lse = kernel(q, k_buf, v_buf, rows, start, end, d**-0.5, 0)
+    ref_out, ref_lse = _reference(q, k_buf, v_buf, rows, start, end, d**-0.5)
     assert torch.allclose(out, ref_out, atol=2e-5), (out - ref_out).abs().max()
     assert torch.allclose(lse, ref_lse, atol=2e-5)
 

@@ -5,6 +5,8 @@ and the step's req_to_token rows to `torch.ops.radixserve.decode_attention`
 (csrc/decode_attention.cpp): every request's slots are visited in place, each slot's K and V
 rows (all KV heads) read once, GQA query heads grouped under their KV head, long rows split
 into segments across threads and merged by log-sum-exp. No padded copy of the context is made.
+With bf16 queries and pool, head_dim 64 or 128 and a CPU with AVX512-BF16, the scores and the
+probabilities-times-values product run on the bf16 dot-product instructions.
 
 Requests that share a cached prefix (cascade): the shared slots are attended once per group,
 with the group's queries stacked as extra query heads of one request, and merged with each

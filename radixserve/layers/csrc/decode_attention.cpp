@@ -9,6 +9,12 @@
 // Request b attends slots kv_rows[b, kv_start[b] : kv_end[b]]. An empty range gives out = 0 and
 // lse = -inf, so that callers can merge several ranges (the cascade's shared prefix and
 // private suffix) exactly. split_tokens <= 0 picks the segment length from the thread count.
+//
+// Each segment is attended by one of three loops: a bf16 query over a bf16 pool with D of 64
+// or 128, on a CPU with AVX512-BF16, by attend_bf16 (both products on vdpbf16ps, the
+// probabilities rounded to bf16 for the second, as the torch-native backend and
+// extend_attention.cpp round them); other queries and pools with D % 8 == 0 by attend_avx2
+// (fp32 throughout, the pool's rows widened); the rest by the scalar attend.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -227,6 +233,151 @@ void attend_avx2(const float* q, int64_t H, int64_t G, int64_t D, const kv_t* k_
 }
 #endif
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
+#define RADIXSERVE_DECODE_BF16 1
+constexpr int64_t kBlock16 = 16;  // tokens per block of the bf16 kernel: one vector of scores
+
+// s[i] = the sum of the 16 lanes of P[i], for i < 16, as one vector (a transposing reduction:
+// pairs of vectors within 128-bit lanes, then pairs of 64-bit halves, then 128-bit lanes).
+inline __m512 reduce16(const __m512 P[16]) {
+  __m512 a[8], b[4];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [P2j(0)+P2j(2), P2j+1(0)+.., P2j(1)+.., ..]
+    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(P[2 * j], P[2 * j + 1]),
+                         _mm512_unpackhi_ps(P[2 * j], P[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: tokens 4j .. 4j + 3, in order
+    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                  _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                  _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// `attend` for a bf16 query and bf16 K/V, D = 32 * NV, on AVX512-BF16: both products on
+// `vdpbf16ps`, as extend_attention.cpp's tiles. Per block of up to 64 slots and KV head: each
+// query's scores are dot products of bf16 pairs summed in fp32 (16 at a time by reduce16), the
+// online softmax runs in fp32 once per block, and the probabilities, rounded to bf16, weigh the
+// values two slots at a time (the slots' V rows interleaved by vpunpck{l,h}wd), into two sets
+// of accumulators (even and odd pairs) so that the products do not wait on each other. The
+// accumulators keep the dims in that interleaved order (vector 2c + h, lane 4L + e: dim
+// 32c + 8L + 4h + e) until the end.
+template <int NV>
+void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const c10::BFloat16* k_buf,
+                 const c10::BFloat16* v_buf, const int64_t* row, int64_t t0, int64_t t1,
+                 float scale, float* m, float* l, float* acc) {
+  constexpr int64_t D = 32 * NV, kSlots = 4 * kBlock16;
+  const int64_t HG = H * G, W = H * D;
+  const std::vector<c10::BFloat16> zero(W, c10::BFloat16(0.f));
+  std::vector<float> acc_p(HG * D, 0.f);
+  const c10::BFloat16* krow[kSlots];
+  const c10::BFloat16* vrow[kSlots];
+  __m512i pv[kSlots / 2][2 * NV];    // slot pairs' V rows of one head, interleaved
+  alignas(64) uint32_t pw[kSlots / 2];  // the probabilities of slot pairs, as bf16 pairs
+  for (int64_t i = 0; i < HG; ++i) {
+    m[i] = kNegInf;
+    l[i] = 0.f;
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t base = t0; base < t1; base += kSlots) {
+    const int64_t n = std::min(kSlots, t1 - base);
+    const int64_t groups = (n + kBlock16 - 1) / kBlock16, pairs = (n + 1) / 2;
+    const int64_t next = std::min(kSlots, t1 - base - n);
+    for (int64_t i = 0; i < next; ++i) {  // the next block's rows into L2 (see attend_avx2)
+      const char* kr = reinterpret_cast<const char*>(k_buf + row[base + n + i] * W);
+      const char* vr = reinterpret_cast<const char*>(v_buf + row[base + n + i] * W);
+      for (int64_t c = 0; c < W * 2; c += 64) {
+        _mm_prefetch(kr + c, _MM_HINT_T1);
+        _mm_prefetch(vr + c, _MM_HINT_T1);
+      }
+    }
+    for (int64_t i = 0; i < groups * kBlock16; ++i) {
+      krow[i] = i < n ? k_buf + row[base + i] * W : zero.data();
+      vrow[i] = i < n ? v_buf + row[base + i] * W : zero.data();
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t j = 0; j < pairs; ++j) {
+        for (int c = 0; c < NV; ++c) {
+          const __m512i a = _mm512_loadu_si512(vrow[2 * j] + h * D + 32 * c);
+          const __m512i b = _mm512_loadu_si512(vrow[2 * j + 1] + h * D + 32 * c);
+          pv[j][2 * c] = _mm512_unpacklo_epi16(a, b);
+          pv[j][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hg = h * G + g;
+        __m512i qv[NV];
+        for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_si512(q + hg * D + 32 * c);
+        __m512 sv[kSlots / kBlock16];
+        __m512 vmax = _mm512_set1_ps(kNegInf);
+        for (int64_t v = 0; v < groups; ++v) {
+          __m512 P[kBlock16];
+          for (int64_t i = 0; i < kBlock16; ++i) {
+            const c10::BFloat16* k = krow[v * kBlock16 + i] + h * D;
+            __m512 d = _mm512_setzero_ps();
+            for (int c = 0; c < NV; ++c) d = dot_bf16(d, qv[c], _mm512_loadu_si512(k + 32 * c));
+            P[i] = d;
+          }
+          sv[v] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf),
+                                     radixserve_vec::first(n - v * kBlock16),
+                                     _mm512_mul_ps(reduce16(P), vscale));
+          vmax = _mm512_max_ps(vmax, sv[v]);
+        }
+        const float new_m = std::max(m[hg], _mm512_reduce_max_ps(vmax));
+        const float corr = std::exp(m[hg] - new_m);  // exp(-inf) = 0 on the first block
+        const __m512 vm = _mm512_set1_ps(new_m);
+        __m512 psum = _mm512_setzero_ps();
+        for (int64_t v = 0; v < groups; ++v) {
+          const __m512 p = _mm512_maskz_mov_ps(radixserve_vec::first(n - v * kBlock16),
+                                               radixserve_vec::exp16(_mm512_sub_ps(sv[v], vm)));
+          psum = _mm512_add_ps(psum, p);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pw + 8 * v),
+                             (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        l[hg] = l[hg] * corr + _mm512_reduce_add_ps(psum);
+        m[hg] = new_m;
+        float* a = acc_p.data() + hg * D;
+        __m512 o[2 * NV], o2[2 * NV];
+        const __m512 vc = _mm512_set1_ps(corr);
+        for (int k = 0; k < 2 * NV; ++k) {
+          o[k] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * k), vc);
+          o2[k] = _mm512_setzero_ps();
+        }
+        int64_t j = 0;
+        for (; j + 1 < pairs; j += 2) {
+          const __m512i w = _mm512_set1_epi32(static_cast<int>(pw[j]));
+          const __m512i w2 = _mm512_set1_epi32(static_cast<int>(pw[j + 1]));
+          for (int k = 0; k < 2 * NV; ++k) {
+            o[k] = dot_bf16(o[k], w, pv[j][k]);
+            o2[k] = dot_bf16(o2[k], w2, pv[j + 1][k]);
+          }
+        }
+        if (j < pairs) {
+          const __m512i w = _mm512_set1_epi32(static_cast<int>(pw[j]));
+          for (int k = 0; k < 2 * NV; ++k) o[k] = dot_bf16(o[k], w, pv[j][k]);
+        }
+        for (int k = 0; k < 2 * NV; ++k) _mm512_storeu_ps(a + 16 * k, _mm512_add_ps(o[k], o2[k]));
+      }
+    }
+  }
+  for (int64_t hg = 0; hg < HG; ++hg) {  // back to the dims' order
+    const float* a = acc_p.data() + hg * D;
+    float* out = acc + hg * D;
+    for (int64_t v = 0; v < 2 * NV; ++v)
+      for (int64_t lane = 0; lane < 16; ++lane)
+        out[32 * (v / 2) + 8 * (lane / 4) + 4 * (v % 2) + lane % 4] = a[16 * v + lane];
+  }
+}
+#endif
+
 }  // namespace
 
 namespace radixserve {
@@ -245,6 +396,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   TORCH_CHECK(k_buf.size(1) == H && k_buf.size(2) == D, "q and KV buffers disagree on heads/dim");
   TORCH_CHECK(kv_rows_in.dim() == 2 && kv_rows_in.size(0) == B, "kv_rows must be [B, L]");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
+#if defined(RADIXSERVE_DECODE_BF16)
+  // A bf16 query over a bf16 pool with D of 64 or 128 takes attend_bf16 (its products on
+  // vdpbf16ps need the query in bf16 as it came: an fp32 query is not rounded for it).
+  const bool bf16_path = q_in.scalar_type() == at::kBFloat16 &&
+                         k_buf.scalar_type() == at::kBFloat16 && (D == 64 || D == 128);
+  const at::Tensor q_bf16 = bf16_path ? q_in.contiguous() : at::Tensor();
+#endif
   const at::Tensor kv_rows = kv_rows_in.to(at::kLong).contiguous();
   const at::Tensor kv_start = kv_start_in.to(at::kLong).contiguous();
   const at::Tensor kv_end = kv_end_in.to(at::kLong).contiguous();
@@ -301,6 +459,17 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
     at::parallel_for(0, n, serial ? n + 1 : 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
         const Segment& s = segs[i];
+#if defined(RADIXSERVE_DECODE_BF16)
+        if (bf16_path) {  // scalar_t is c10::BFloat16 here (the pool's type was checked)
+          const c10::BFloat16* qb = q_bf16.data_ptr<c10::BFloat16>() + s.b * HG * D;
+          const auto* kb = reinterpret_cast<const c10::BFloat16*>(kp);
+          const auto* vb = reinterpret_cast<const c10::BFloat16*>(vp);
+          auto* const fn = D == 64 ? &attend_bf16<2> : &attend_bf16<4>;
+          fn(qb, H, G, kb, vb, rows + s.b * L, s.t0, s.t1, fscale, seg_m.data() + i * HG,
+             seg_l.data() + i * HG, seg_acc.data() + i * HG * D);
+          continue;
+        }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         if (D % 8 == 0) {
           attend_avx2<scalar_t>(qp + s.b * HG * D, H, G, D, kp, vp, rows + s.b * L, s.t0, s.t1,
