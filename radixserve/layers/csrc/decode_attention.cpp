@@ -233,11 +233,10 @@ void attend_avx2(const float* q, int64_t H, int64_t G, int64_t D, const kv_t* k_
 }
 #endif
 
-
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
 #define RADIXSERVE_DECODE_BF16 1
-constexpr int64_t kBlock16 = 16;  // tokens per block of the bf16 kernel: one vector of scores
+constexpr int64_t kBlock16 = 16;  // slots per vector of scores in the bf16 kernel
 
 // s[i] = the sum of the 16 lanes of P[i], for i < 16, as one vector (a transposing reduction:
 // pairs of vectors within 128-bit lanes, then pairs of 64-bit halves, then 128-bit lanes).
