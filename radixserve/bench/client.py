@@ -214,8 +214,12 @@ def make_client(
     cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
     # Pool limits off: concurrency is bounded by the semaphore, not by httpx's 100 connections.
+    # Idle connections are dropped after 3 s, before servers that close them after 5 s (uvicorn's
+    # and llama-server's defaults) can close one just as it is reused (a spurious ReadError).
     timeout = httpx.Timeout(connect=30.0, read=cfg.read_timeout, write=60.0, pool=None)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    limits = httpx.Limits(
+        max_connections=None, max_keepalive_connections=None, keepalive_expiry=3.0
+    )
     return httpx.AsyncClient(
         base_url=cfg.base_url, timeout=timeout, limits=limits, transport=transport
     )

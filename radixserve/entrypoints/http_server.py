@@ -63,6 +63,11 @@ HEALTH_GENERATE_POLL_S = 0.05
 WARMUP_TIMEOUT_S = 300.0
 WATCHDOG_INTERVAL_S = 0.5
 GRACEFUL_SHUTDOWN_S = 3
+# How long an idle keep-alive connection stays open: longer than clients keep idle connections
+# in their pools (httpx, and so the OpenAI SDK: 5 s; aiohttp: 15 s). At uvicorn's default of
+# 5 s the server could close a connection just as a client reused it, which the client sees as
+# a failed request (httpx.ReadError); nginx's default is 75 s.
+KEEP_ALIVE_S = 75
 HARD_EXIT_AFTER_S = 6.0
 
 
@@ -586,7 +591,7 @@ def _serve(app: FastAPI, server_args: ServerArgs, signals: _Signals) -> int:
         log_level=server_args.log_level.lower(),
         access_log=server_args.log_level.lower() == "debug",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        timeout_keep_alive=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = uvicorn.Server(config)
     state: AppState = app.state.rs

@@ -133,6 +133,33 @@ def test_client_gone_before_its_body_arrived_is_not_an_error(lpm_server, path):
     wait_drained(lpm_server)
 
 
+def test_an_idle_keep_alive_connection_outlives_client_pool_expiry(lpm_server):
+    """The server keeps an idle connection open longer than httpx's pools keep one (5 s): at
+    5 s it could close a connection just as a client reused it (a spurious ReadError)."""
+    body = b'{"text": "Hi", "sampling_params": {"max_new_tokens": 1}}'
+    head = "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    def exchange(sock: socket.socket) -> bytes:
+        sock.sendall(request)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return reply  # closed by the server
+            reply += chunk
+        header, rest = reply.split(b"\r\n\r\n", 1)
+        length = int(header.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        while len(rest) < length:
+            rest += sock.recv(65536)
+        return header
+
+    with socket.create_connection(("127.0.0.1", lpm_server.port), timeout=60) as sock:
+        assert exchange(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6.5)  # idle past httpx's keepalive_expiry and uvicorn's default timeout
+        assert exchange(sock).startswith(b"HTTP/1.1 200")
+
+
 def test_long_silent_generation_outlives_a_short_watchdog(lpm_server):
     """Nothing is streamed for longer than the watchdog timeout; the scheduler's heartbeat
     keeps the server up (it used to exit, taking every request with it). The request is far
