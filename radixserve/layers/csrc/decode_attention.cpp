@@ -50,6 +50,22 @@ inline const float* row_as_float(const kv_t* src, float* buf, int64_t n) {
   }
 }
 
+// Prefetches the K and V rows (W elements each) of `count` slots into L2 (prefetcht1): called
+// with the next block's slots while this block computes, instead of waiting on each row as it
+// is read.
+template <typename kv_t>
+inline void prefetch_rows(const kv_t* k_buf, const kv_t* v_buf, const int64_t* slots,
+                          int64_t count, int64_t W) {
+  for (int64_t i = 0; i < count; ++i) {
+    const char* kr = reinterpret_cast<const char*>(k_buf + slots[i] * W);
+    const char* vr = reinterpret_cast<const char*>(v_buf + slots[i] * W);
+    for (int64_t c = 0; c < W * static_cast<int64_t>(sizeof(kv_t)); c += 64) {
+      __builtin_prefetch(kr + c, 0, 2);
+      __builtin_prefetch(vr + c, 0, 2);
+    }
+  }
+}
+
 // Online softmax over slots row[t0:t1] for all H * G queries of one request: each slot's K and
 // V rows (every KV head, contiguous in the pool) are read once. m, l: [H * G]; acc: [H * G, D].
 template <typename kv_t>
@@ -165,17 +181,8 @@ void attend_avx2(const float* q, int64_t H, int64_t G, int64_t D, const kv_t* k_
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t base = t0; base < t1; base += kBlock) {
     const int64_t n = std::min(kBlock, t1 - base);
-    // The slots are known ahead: fetch the next block's K and V rows into L2 while this block
-    // computes (two blocks would not fit L1), instead of waiting on each row as it is read.
-    const int64_t next = std::min(kBlock, t1 - base - n);
-    for (int64_t i = 0; i < next; ++i) {
-      const char* kr = reinterpret_cast<const char*>(k_buf + row[base + n + i] * W);
-      const char* vr = reinterpret_cast<const char*>(v_buf + row[base + n + i] * W);
-      for (int64_t c = 0; c < W * static_cast<int64_t>(sizeof(kv_t)); c += 64) {
-        _mm_prefetch(kr + c, _MM_HINT_T1);
-        _mm_prefetch(vr + c, _MM_HINT_T1);
-      }
-    }
+    // The slots are known ahead: the next block's rows go to L2 (two blocks would not fit L1).
+    prefetch_rows(k_buf, v_buf, row + base + n, std::min(kBlock, t1 - base - n), W);
     for (int64_t i = 0; i < kBlock; ++i) {
       if (i >= n) {  // a partial block scores the zero row (its lanes are dropped)
         krow[i] = vrow[i] = zero.data();
@@ -289,15 +296,7 @@ void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const c10::BFloat
   for (int64_t base = t0; base < t1; base += kSlots) {
     const int64_t n = std::min(kSlots, t1 - base);
     const int64_t groups = (n + kBlock16 - 1) / kBlock16, pairs = (n + 1) / 2;
-    const int64_t next = std::min(kSlots, t1 - base - n);
-    for (int64_t i = 0; i < next; ++i) {  // the next block's rows into L2 (see attend_avx2)
-      const char* kr = reinterpret_cast<const char*>(k_buf + row[base + n + i] * W);
-      const char* vr = reinterpret_cast<const char*>(v_buf + row[base + n + i] * W);
-      for (int64_t c = 0; c < W * 2; c += 64) {
-        _mm_prefetch(kr + c, _MM_HINT_T1);
-        _mm_prefetch(vr + c, _MM_HINT_T1);
-      }
-    }
+    prefetch_rows(k_buf, v_buf, row + base + n, std::min(kSlots, t1 - base - n), W);
     for (int64_t i = 0; i < groups * kBlock16; ++i) {
       krow[i] = i < n ? k_buf + row[base + i] * W : zero.data();
       vrow[i] = i < n ? v_buf + row[base + i] * W : zero.data();
@@ -394,14 +393,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   const int64_t B = q_in.size(0), H = q_in.size(1), G = q_in.size(2), D = q_in.size(3);
   TORCH_CHECK(k_buf.size(1) == H && k_buf.size(2) == D, "q and KV buffers disagree on heads/dim");
   TORCH_CHECK(kv_rows_in.dim() == 2 && kv_rows_in.size(0) == B, "kv_rows must be [B, L]");
-  const at::Tensor q = q_in.to(at::kFloat).contiguous();
-#if defined(RADIXSERVE_DECODE_BF16)
   // A bf16 query over a bf16 pool with D of 64 or 128 takes attend_bf16 (its products on
-  // vdpbf16ps need the query in bf16 as it came: an fp32 query is not rounded for it).
+  // vdpbf16ps need the query in bf16 as it came: an fp32 query is not rounded for it); the
+  // other loops take the query in fp32.
+#if defined(RADIXSERVE_DECODE_BF16)
   const bool bf16_path = q_in.scalar_type() == at::kBFloat16 &&
                          k_buf.scalar_type() == at::kBFloat16 && (D == 64 || D == 128);
-  const at::Tensor q_bf16 = bf16_path ? q_in.contiguous() : at::Tensor();
+#else
+  constexpr bool bf16_path = false;
 #endif
+  const at::Tensor q = bf16_path ? q_in.contiguous() : q_in.to(at::kFloat).contiguous();
   const at::Tensor kv_rows = kv_rows_in.to(at::kLong).contiguous();
   const at::Tensor kv_start = kv_start_in.to(at::kLong).contiguous();
   const at::Tensor kv_end = kv_end_in.to(at::kLong).contiguous();
@@ -450,7 +451,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   const int64_t HG = H * G;
   std::vector<float> seg_m(n * HG), seg_l(n * HG), seg_acc(n * HG * D);
 
-  const float* qp = q.data_ptr<float>();
+  const float* qp = bf16_path ? nullptr : q.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_buf.scalar_type(), "decode_attention", [&] {
     const scalar_t* kp = k_buf.data_ptr<scalar_t>();
@@ -460,7 +461,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
         const Segment& s = segs[i];
 #if defined(RADIXSERVE_DECODE_BF16)
         if (bf16_path) {  // scalar_t is c10::BFloat16 here (the pool's type was checked)
-          const c10::BFloat16* qb = q_bf16.data_ptr<c10::BFloat16>() + s.b * HG * D;
+          const c10::BFloat16* qb = q.data_ptr<c10::BFloat16>() + s.b * HG * D;
           const auto* kb = reinterpret_cast<const c10::BFloat16*>(kp);
           const auto* vb = reinterpret_cast<const c10::BFloat16*>(vp);
           auto* const fn = D == 64 ? &attend_bf16<2> : &attend_bf16<4>;
@@ -483,8 +484,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
     });
   });
 
-  at::Tensor out = at::zeros({B, H, G, D}, q.options());
-  at::Tensor lse = at::full({B, H, G}, kNegInf, q.options());
+  const auto f32 = q_in.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({B, H, G, D}, f32);
+  at::Tensor lse = at::full({B, H, G}, kNegInf, f32);
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, B, serial ? B + 1 : 1, [&](int64_t lo, int64_t hi) {
