@@ -112,16 +112,20 @@ def test_abort_soon_after_submission_is_never_lost(lpm_server, delay):
     wait_drained(lpm_server)
 
 
+def _post_head(path: str, length: int) -> bytes:
+    """An HTTP/1.1 POST's request line and headers, for a JSON body of `length` bytes."""
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    return (head + f"Content-Length: {length}\r\n\r\n").encode()
+
+
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
 def test_client_gone_before_its_body_arrived_is_not_an_error(lpm_server, path):
     """A client that sends its headers and part of its body, then closes the connection, is a
     disconnect: no traceback in the log (it was logged twice as an internal error)."""
     log_before = len(lpm_server.log())
     part = b'{"prompt": "Hel'
-    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    head += f"Content-Length: {len(part) + 100}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", lpm_server.port), timeout=10) as sock:
-        sock.sendall(head.encode() + part)
+        sock.sendall(_post_head(path, len(part) + 100) + part)
         time.sleep(0.3)  # the route is reading the body when the client goes
     # The server handles the disconnect as soon as the socket closes; a request served after
     # it shows the handler has run.
@@ -137,8 +141,7 @@ def test_an_idle_keep_alive_connection_outlives_client_pool_expiry(lpm_server):
     """The server keeps an idle connection open longer than httpx's pools keep one (5 s): at
     5 s it could close a connection just as a client reused it (a spurious ReadError)."""
     body = b'{"text": "Hi", "sampling_params": {"max_new_tokens": 1}}'
-    head = "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    request = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    request = _post_head("/generate", len(body)) + body
 
     def exchange(sock: socket.socket) -> bytes:
         sock.sendall(request)
