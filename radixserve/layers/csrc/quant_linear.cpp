@@ -325,9 +325,9 @@ at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill
 // repacked Q4 weights, on AVX-512 VNNI. 16 outputs sit in the 16 lanes of a vector, each lane four
 // adjacent codes, so that one vpdpbusd adds four code * activation products to each of 16
 // outputs and one activation dword, broadcast, serves all 16. A tile (16 outputs) holds, per
-// group of 32, 8 such vectors of unsigned codes: int4's codes (packed two to a byte in memory and
-// unpacked once per call, and per 256-row block, into an L1-sized buffer), or int8's codes plus
-// 128 (read in place). The tile multiplies every row, 8 rows per pass. Per group of 32 the dot
+// group of 32, 8 such vectors of unsigned codes: int4's codes (packed two to a byte in memory,
+// 4 vectors of 64 bytes, each split into its low and high nibbles in registers as a pass reads
+// it), or int8's codes plus 128 (read in place). The tile multiplies every row, 8 rows per pass. Per group of 32 the dot
 // product is exact in int32, then scaled in fp32: int4 as q4_linear scales it (d * sx, plus
 // m * xsum), int8 after taking 128 times the activation codes' sum back off in integers
 // (d * sx times the exact sum of code * activation code). So each is one function, its per-group
@@ -376,32 +376,9 @@ void quantize_rows_512(const T* x, int64_t lo, int64_t hi, int64_t G, Activation
   }
 }
 
-// One int4 tile's codes unpacked, per group, into 8 vectors of 64 bytes: q < 4 the low nibbles
-// of packed vector q, q >= 4 the high nibbles of vector q - 4 (elements 4q .. 4q + 3 of each
-// output).
-void unpack_q4_tile(const uint8_t* tile, int64_t G, uint8_t* codes) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < G; ++g) {
-    for (int q = 0; q < 4; ++q) {
-      const __m512i raw = _mm512_loadu_si512(tile + g * kQ4GroupBytes + q * 64);
-      uint8_t* out = codes + g * kGroupBytes;
-      _mm512_storeu_si512(out + q * 64, _mm512_and_si512(raw, low4));
-      _mm512_storeu_si512(out + (q + 4) * 64, _mm512_and_si512(_mm512_srli_epi32(raw, 4), low4));
-    }
-  }
-}
-
-// A tile's codes and scales (and minimums) are contiguous: fetch the next tile's into cache
-// while this one computes (at a few rows, a tile's products take less time than its bytes take
-// to arrive from memory).
-void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
-
 // The NT tiles a row pass reads (adjacent ones, outputs n0 .. n0 + 16 NT - 1, or a gate tile
-// and its up tile): per tile, its 8 vectors of codes per group, its scales and (int4)
-// minimums.
+// and its up tile): per tile, its codes per group (int8: 8 vectors, int4: 4 packed ones), its
+// scales and (int4) minimums.
 template <int NT>
 struct Tiles {
   const uint8_t* codes[NT];
@@ -434,15 +411,40 @@ __attribute__((noinline)) void tiled_rows(const Tiles<NT>& w, const Activations&
           kInt8 ? _mm512_set1_epi32(a.offset[(r0 + r) * G + g]) : _mm512_setzero_si512();
       for (int t = 0; t < NT; ++t) dot[r][t] = init;
     }
-    for (int q = 0; q < 8; ++q) {
-      __m512i wv[NT];
-      for (int t = 0; t < NT; ++t)
-        wv[t] = _mm512_loadu_si512(w.codes[t] + g * kGroupBytes + q * 64);
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, a.xq.data() + (r0 + r) * K + g * kGroup + 4 * q, sizeof(four));
-        const __m512i xb = _mm512_set1_epi32(four);
-        for (int t = 0; t < NT; ++t) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wv[t], xb);
+    if constexpr (kInt8) {
+      for (int q = 0; q < 8; ++q) {
+        __m512i wv[NT];
+        for (int t = 0; t < NT; ++t)
+          wv[t] = _mm512_loadu_si512(w.codes[t] + g * kGroupBytes + q * 64);
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, a.xq.data() + (r0 + r) * K + g * kGroup + 4 * q, sizeof(four));
+          const __m512i xb = _mm512_set1_epi32(four);
+          for (int t = 0; t < NT; ++t) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wv[t], xb);
+        }
+      }
+    } else {
+      // Packed vector q: its low nibbles are the codes of elements 4q .. 4q + 3 of each
+      // output, its high ones those of 16 + 4q .. 16 + 4q + 3.
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int q = 0; q < 4; ++q) {
+        __m512i lo[NT], hi[NT];
+        for (int t = 0; t < NT; ++t) {
+          const __m512i raw = _mm512_loadu_si512(w.codes[t] + g * kQ4GroupBytes + q * 64);
+          lo[t] = _mm512_and_si512(raw, low4);
+          hi[t] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), low4);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = a.xq.data() + (r0 + r) * K + g * kGroup + 4 * q;
+          int32_t four_lo, four_hi;
+          std::memcpy(&four_lo, xq, sizeof(four_lo));
+          std::memcpy(&four_hi, xq + 16, sizeof(four_hi));
+          const __m512i xl = _mm512_set1_epi32(four_lo), xh = _mm512_set1_epi32(four_hi);
+          for (int t = 0; t < NT; ++t) {
+            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], lo[t], xl);
+            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi[t], xh);
+          }
+        }
       }
     }
     for (int t = 0; t < NT; ++t) {
@@ -520,49 +522,37 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at:
   auto run = [&](auto* yp) {
     // One parallel region: each thread keeps its tiles for every block of rows (the blocks'
     // int8 activations stay in L2 while the thread's tiles multiply them: a 4,096-row
-    // prefill's are megabytes); for int4 each block unpacks the tiles again, a few percent of
-    // its work.
+    // prefill's are megabytes). The tiles are read in place (int4's nibbles split in
+    // registers: an unpacked copy in L1 was more loads and stores than the split, at every
+    // row count) in the order they lie in memory, which the hardware prefetcher follows (a
+    // software prefetch of the next tile was slower).
     at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<uint8_t> unpacked(kInt8 ? 0 : 2 * G * kGroupBytes);
-      // Tile `tile` as tile `t` of a pass (int4's codes unpacked into buffer t), with tile
-      // `next`'s bytes fetched into cache meanwhile (none if next < 0).
-      auto take = [&](auto& w, int t, int64_t tile, int64_t next) {
-        if (next >= 0) {
-          prefetch(qp + next * tile_bytes, tile_bytes);
-          prefetch(dp + next * G * kTile, G * kTile * sizeof(float));
-          if (!kInt8) prefetch(mp + next * G * kTile, G * kTile * sizeof(float));
-        }
-        const uint8_t* tq = qp + tile * tile_bytes;
+      // Tile `tile` as tile `t` of a pass.
+      auto take = [&](auto& w, int t, int64_t tile) {
+        w.codes[t] = qp + tile * tile_bytes;
         w.dt[t] = dp + tile * G * kTile;
         w.mt[t] = kInt8 ? nullptr : mp + tile * G * kTile;
-        w.codes[t] = tq;
-        if (!kInt8) {
-          uint8_t* buf = unpacked.data() + t * G * kGroupBytes;
-          unpack_q4_tile(tq, G, buf);
-          w.codes[t] = buf;
-        }
       };
       for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
         const int64_t r1 = std::min(M, r0 + kRowBlock);
         if constexpr (kSiluMul) {
           for (int64_t i = lo; i < hi; ++i) {
             Tiles<2> w;
-            const bool more = i + 1 < hi;
-            take(w, 0, i, more ? i + 1 : -1);
-            take(w, 1, i + items, more ? i + 1 + items : -1);
+            take(w, 0, i);
+            take(w, 1, i + items);
             tiled_block<kRowsPair, 2, kInt8, true>(w, a, r0, r1, G, yp, n_out, i * kTile);
           }
         } else {
           int64_t tile = lo;
           for (; tile + 2 <= hi; tile += 2) {  // pairs of adjacent tiles
             Tiles<2> w;
-            take(w, 0, tile, tile + 2 < hi ? tile + 2 : -1);
-            take(w, 1, tile + 1, tile + 3 < hi ? tile + 3 : -1);
+            take(w, 0, tile);
+            take(w, 1, tile + 1);
             tiled_block<kRowsPair, 2, kInt8, false>(w, a, r0, r1, G, yp, N, tile * kTile);
           }
           if (tile < hi) {  // an odd one out
             Tiles<1> w;
-            take(w, 0, tile, -1);
+            take(w, 0, tile);
             tiled_block<kRowsMax, 1, kInt8, false>(w, a, r0, r1, G, yp, N, tile * kTile);
           }
         }
