@@ -327,10 +327,10 @@ at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill
 // outputs and one activation dword, broadcast, serves all 16. A tile (16 outputs) holds, per
 // group of 32, 8 such vectors of unsigned codes: int4's codes (packed two to a byte in memory,
 // 4 vectors of 64 bytes, each split into its low and high nibbles in registers as a pass reads
-// it), or int8's codes plus 128 (read in place). The tile multiplies every row, 8 rows per pass. Per group of 32 the dot
-// product is exact in int32, then scaled in fp32: int4 as q4_linear scales it (d * sx, plus
-// m * xsum), int8 after taking 128 times the activation codes' sum back off in integers
-// (d * sx times the exact sum of code * activation code). So each is one function, its per-group
+// it), or int8's codes plus 128. Both are read in place. The tile multiplies every row, 8 rows
+// per pass. Per group of 32 the dot product is exact in int32, then scaled in fp32: int4 as
+// q4_linear scales it (d * sx, plus m * xsum), int8 after taking 128 times the activation
+// codes' sum back off in integers (d * sx times the exact sum of code * activation code). So each is one function, its per-group
 // sums exact and its groups summed in one fixed order, and a row's result does not depend on the
 // other rows or their number.
 //
