@@ -154,7 +154,9 @@ def test_an_idle_keep_alive_connection_outlives_client_pool_expiry(lpm_server):
         header, rest = reply.split(b"\r\n\r\n", 1)
         length = int(header.lower().split(b"content-length:")[1].split(b"\r\n")[0])
         while len(rest) < length:
-            rest += sock.recv(65536)
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection mid-body"
+            rest += chunk
         return header
 
     with socket.create_connection(("127.0.0.1", lpm_server.port), timeout=60) as sock:

@@ -68,7 +68,7 @@ struct SpreadPrefetch {
         slots(s),
         row_bytes(bytes),
         lines_per_row((bytes + 63) / 64),
-        total(count * 2 * ((bytes + 63) / 64)) {}
+        total(count * 2 * lines_per_row) {}  // (members initialize in declaration order)
   void issue(int64_t upto) {
     for (; done < std::min(upto, total); ++done) {
       const char* base = line < lines_per_row ? k : v;

@@ -330,9 +330,9 @@ at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill
 // it), or int8's codes plus 128. Both are read in place. The tile multiplies every row, 8 rows
 // per pass. Per group of 32 the dot product is exact in int32, then scaled in fp32: int4 as
 // q4_linear scales it (d * sx, plus m * xsum), int8 after taking 128 times the activation
-// codes' sum back off in integers (d * sx times the exact sum of code * activation code). So each is one function, its per-group
-// sums exact and its groups summed in one fixed order, and a row's result does not depend on the
-// other rows or their number.
+// codes' sum back off in integers (d * sx times the exact sum of code * activation code). So
+// each is one function, its per-group sums exact and its groups summed in one fixed order, and
+// a row's result does not depend on the other rows or their number.
 //
 // int4's layout, per tile and group: 4 vectors of 64 bytes; vector q's lane t (bytes 4t .. 4t + 3)
 // holds elements 4q .. 4q + 3 of output t in its low nibbles and 16 + 4q .. 16 + 4q + 3 in its
