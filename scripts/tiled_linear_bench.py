@@ -41,7 +41,7 @@ def main(rows_list: list[int]) -> None:
 
     def int4(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         codes, scale, minimum = quantize_int4(w)
-        return pack_q4_tiles(pack_q4(codes), scale, minimum)
+        return (pack_q4_tiles(pack_q4(codes), scale, minimum),)
 
     kernels = {
         "bf16": (
@@ -50,7 +50,7 @@ def main(rows_list: list[int]) -> None:
         ),
         "int8": (
             ops.q8_tiled_linear,
-            [[pack_q8_tiles(*quantize_q8(w)) for w in ws] for ws in weights],
+            [[(pack_q8_tiles(*quantize_q8(w)),) for w in ws] for ws in weights],
         ),
         "int4": (ops.q4_tiled_linear, [[int4(w) for w in ws] for ws in weights]),
     }

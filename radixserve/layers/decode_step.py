@@ -146,9 +146,9 @@ def _linear(lin: nn.Module, dtype: torch.dtype) -> tuple[int, list[torch.Tensor]
     if type(lin) is QuantizedLinear and lin.kernel == "q4":
         kind, tensors = Q4, [lin.qs, lin.d, lin.m]
     elif type(lin) is QuantizedLinear and lin.kernel == "q4_tiled":
-        kind, tensors = Q4_TILED, [lin.qt, lin.dt, lin.mt]
+        kind, tensors = Q4_TILED, [lin.tiles]
     elif type(lin) is QuantizedLinear and lin.kernel == "q8_tiled":
-        kind, tensors = Q8_TILED, [lin.qt, lin.dt]
+        kind, tensors = Q8_TILED, [lin.tiles]
     elif type(lin) is QuantizedLinear and lin.kernel == "q8":
         kind, tensors = Q8, [lin.qs, lin.d]
     elif type(lin) is QuantizedLinear and lin.kernel == "w8a8":

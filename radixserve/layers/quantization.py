@@ -187,9 +187,7 @@ class QuantizedLinear(nn.Module):
             codes, scale = quantize_q8(weight)
             if self.out_features % 16 == 0 and tiled_supported():
                 self.kernel = "q8_tiled"
-                qt, dt = pack_q8_tiles(codes, scale)
-                self.register_buffer("qt", qt)
-                self.register_buffer("dt", dt)
+                self.register_buffer("tiles", pack_q8_tiles(codes, scale))
             else:
                 self.kernel = "q8"
                 self.register_buffer("qs", codes)
@@ -205,10 +203,7 @@ class QuantizedLinear(nn.Module):
     def _pack_int4(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
         if tiled_supported():
             self.kernel = "q4_tiled"
-            qt, dt, mt = pack_q4_tiles(pack_q4(codes), scale, minimum)
-            self.register_buffer("qt", qt)
-            self.register_buffer("dt", dt)
-            self.register_buffer("mt", mt)
+            self.register_buffer("tiles", pack_q4_tiles(pack_q4(codes), scale, minimum))
             return
         if cpu_kernels_available():
             self.kernel = "q4"
@@ -231,9 +226,9 @@ class QuantizedLinear(nn.Module):
             y = torch.ops.radixserve.w8a8_linear(x2.contiguous(), self.wq, self.w_scale, bias)
             return y.reshape(*lead, self.out_features)
         if self.kernel == "q4_tiled":  # every row count; bf16 out for bf16 in
-            y = torch.ops.radixserve.q4_tiled_linear(x2, self.qt, self.dt, self.mt)
+            y = torch.ops.radixserve.q4_tiled_linear(x2, self.tiles)
         elif self.kernel == "q8_tiled":  # likewise
-            y = torch.ops.radixserve.q8_tiled_linear(x2, self.qt, self.dt)
+            y = torch.ops.radixserve.q8_tiled_linear(x2, self.tiles)
         elif self.kernel in ("q4", "q8"):
             bf16 = gemm_in_bf16(x2.dtype)
             small = x2.shape[0] < dense_rows(bf16)
@@ -270,9 +265,9 @@ class QuantizedLinear(nn.Module):
             return None
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "q4_tiled":
-            y = torch.ops.radixserve.q4_tiled_silu_mul(x2, self.qt, self.dt, self.mt)
+            y = torch.ops.radixserve.q4_tiled_silu_mul(x2, self.tiles)
         else:
-            y = torch.ops.radixserve.q8_tiled_silu_mul(x2, self.qt, self.dt)
+            y = torch.ops.radixserve.q8_tiled_silu_mul(x2, self.tiles)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
@@ -333,31 +328,51 @@ def pack_q4(codes: torch.Tensor) -> torch.Tensor:
     return (groups[..., :16] | (groups[..., 16:] << 4)).contiguous()
 
 
-def pack_q4_tiles(
-    qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_q4_tiles(qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """The q4 kernel's bytes [N, G, 16] and its scales and minimums [N, G] -> q4_tiled_linear's
-    tiles of 16 outputs: codes [N/16, G, 256] (per tile and group, 4 vectors of 64 bytes, lane t
-    of vector q holding bytes 4q .. 4q + 3 of output t's 16; csrc/quant_linear.cpp), scales
-    and minimums [N/16, G, 16]. The same bytes and floats, reordered."""
+    tiles of 16 outputs, uint8 [N/16, G, 384]: per tile and group, 4 vectors of 64 bytes of
+    codes (lane t of vector q holding bytes 4q .. 4q + 3 of output t's 16), then the 16 outputs'
+    scales and minimums (fp32), stored in pairs of tiles (`_pair_tiles`;
+    csrc/quant_linear.cpp). The same bytes and floats, reordered."""
     n, g, _ = qs.shape
-    qt = qs.view(n // 16, 16, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
-    dt = scale.view(n // 16, 16, g).transpose(1, 2)
-    mt = minimum.view(n // 16, 16, g).transpose(1, 2)
-    return qt.contiguous(), dt.contiguous(), mt.contiguous()
+    codes = qs.view(n // 16, 16, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
+    return _pair_tiles([codes, _tile_floats(scale), _tile_floats(minimum)])
 
 
-def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes [N, K] and their group scales [N, G] -> q8_tiled_linear's tiles of 16 outputs:
-    codes + 128 as uint8 [N/16, G, 512] (per tile and group, 8 vectors of 64 bytes, lane t of
-    vector q holding elements 4q .. 4q + 3 of output t; csrc/quant_linear.cpp), scales
-    [N/16, G, 16]."""
+def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] and their group scales [N, G] -> q8_tiled_linear's tiles of 16 outputs,
+    uint8 [N/16, G, 576]: per tile and group, codes + 128 in 8 vectors of 64 bytes (lane t of
+    vector q holding elements 4q .. 4q + 3 of output t), then the 16 outputs' scales (fp32),
+    stored in pairs of tiles (`_pair_tiles`; csrc/quant_linear.cpp)."""
     n, k = codes.shape
     g = k // INT4_GROUP_SIZE
     biased = (codes.to(torch.int16) + 128).to(torch.uint8)
-    qt = biased.view(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 512)
-    dt = scale.view(n // 16, 16, g).transpose(1, 2)
-    return qt.contiguous(), dt.contiguous()
+    tiles = biased.view(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 512)
+    return _pair_tiles([tiles, _tile_floats(scale)])
+
+
+def _tile_floats(values: torch.Tensor) -> torch.Tensor:
+    """Per-output group floats [N, G] -> their bytes per tile and group [N/16, G, 64]."""
+    n, g = values.shape
+    per_tile = values.float().view(n // 16, 16, g).transpose(1, 2).contiguous()
+    return per_tile.view(torch.uint8)
+
+
+def _pair_tiles(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A tiled weight's parts, each uint8 [T, G, b] (codes, scales, minimums), as the tiled
+    kernels store them, [T, G, sum of b]: with F = T // 2, pair i holds tiles i and F + i
+    (for a [gate; up] weight, gate tile i and its up tile), group after group: each part of
+    both tiles in turn, their 64-byte vectors alternating (the order a pass loads them); an odd
+    last tile follows alone, group after group. So a pass over a pair reads one run of memory,
+    in order."""
+    t, g = parts[0].shape[:2]
+    f = t // 2
+    vectors = [p.view(t, g, -1, 64) for p in parts]
+    pairs = torch.cat([torch.stack([v[:f], v[f : 2 * f]], dim=3).flatten(2) for v in vectors], 2)
+    runs = [pairs.reshape(-1)]
+    if t % 2:
+        runs.append(torch.cat([p[t - 1] for p in parts], 1).reshape(-1))
+    return torch.cat(runs).view(t, g, -1)
 
 
 def quantize_model(

@@ -178,11 +178,12 @@ def test_quantize_model_replaces_every_linear_and_survives_dtype_casts() -> None
     assert model.a.kernel == ("q4_tiled" if _tiled_supported() else "q4")
     assert model.lm_head.kernel == ("q8_tiled" if _tiled_supported() else "q8")
     assert model.b.kernel == "aten"  # 48 columns: per channel
-    codes, scale = ("qt", "dt") if _tiled_supported() else ("qs", "d")
     for dtype in (torch.float32, torch.bfloat16):
         model.to(dtype)
-        assert getattr(model.a, scale).dtype == torch.float32
-        assert getattr(model.a, codes).dtype == torch.uint8
+        if _tiled_supported():  # codes, scales and minimums in one uint8 buffer
+            assert model.a.tiles.dtype == model.lm_head.tiles.dtype == torch.uint8
+        else:
+            assert model.a.d.dtype == torch.float32 and model.a.qs.dtype == torch.uint8
         assert model.b.scales.dtype == KERNEL_DTYPE and model.b.packed.dtype == torch.int8
         assert model.a.bias.dtype == dtype
         out = model(torch.randn(3, 64, dtype=dtype))
@@ -226,40 +227,68 @@ def test_q4_rows_do_not_depend_on_the_batch(outputs) -> None:
         assert torch.equal(batch, alone[:rows]), rows
 
 
-def test_q4_tiles_hold_the_kernels_bytes_reordered() -> None:
+def _tile_part(tiles: torch.Tensor, i: int, g: int, part: int, sizes: list[int]) -> torch.Tensor:
+    """Bytes of part `part` (0: codes, 1: scales, 2: minimums; sizes[part] bytes each) of tile
+    i's group g in the tiled kernels' storage: pair j of the F = T // 2 pairs holds tiles j and
+    F + j, group after group, each part of both tiles in turn, their 64-byte vectors
+    alternating; an odd last tile follows alone."""
+    t, groups, _ = tiles.shape
+    f = t // 2
+    block, slot, count = (i, 0, 2) if i < f else (i - f, 1, 2) if i < 2 * f else (f, 0, 1)
+    at = block * 2 * groups * sum(sizes) + g * count * sum(sizes) + count * sum(sizes[:part])
+    flat = tiles.reshape(-1)
+    starts = [at + (v * count + slot) * 64 for v in range(sizes[part] // 64)]
+    return torch.cat([flat[s : s + 64] for s in starts])
+
+
+@pytest.mark.parametrize("n", [48, 64])  # 3 tiles (a pair and a lone one), 4 (two pairs)
+def test_q4_tiles_hold_the_kernels_bytes_reordered(n) -> None:
     """pack_q4_tiles: tile i, group g, vector q, lane t holds bytes 4q .. 4q + 3 of output
     16i + t's group g (so its codes 4q .. 4q + 3 in the low nibbles, 16 + 4q .. in the high);
-    the scales and minimums of the tile's 16 outputs, per group."""
+    then the scales and minimums of the tile's 16 outputs (fp32); stored pair by pair."""
     gen = torch.Generator().manual_seed(11)
-    codes, scale, minimum = quantize_int4(torch.randn(48, 96, generator=gen) * 0.05)
+    codes, scale, minimum = quantize_int4(torch.randn(n, 96, generator=gen) * 0.05)
     qs = pack_q4(codes)
-    qt, dt, mt = quantization.pack_q4_tiles(qs, scale, minimum)
-    assert qt.shape == (3, 3, 256) and dt.shape == mt.shape == (3, 3, 16)
-    for i, g, q, t in ((0, 0, 0, 0), (1, 2, 3, 15), (2, 1, 2, 7)):
-        lane = qt[i, g, q * 64 + t * 4 : q * 64 + t * 4 + 4]
-        assert torch.equal(lane, qs[16 * i + t, g, 4 * q : 4 * q + 4])
-        low, high = lane & 0x0F, lane >> 4
-        k = 32 * g + 4 * q
-        assert torch.equal(low.int(), codes[16 * i + t, k : k + 4])
-        assert torch.equal(high.int(), codes[16 * i + t, k + 16 : k + 20])
-        assert dt[i, g, t] == scale[16 * i + t, g] and mt[i, g, t] == minimum[16 * i + t, g]
+    tiles = quantization.pack_q4_tiles(qs, scale, minimum)
+    assert tiles.shape == (n // 16, 3, 384) and tiles.dtype == torch.uint8
+    sizes = [256, 64, 64]
+    for i in range(n // 16):
+        for g in range(3):
+            packed = _tile_part(tiles, i, g, 0, sizes)
+            for q, t in ((0, 0), (3, 15), (2, 7), (1, 4)):
+                lane = packed[q * 64 + t * 4 : q * 64 + t * 4 + 4]
+                assert torch.equal(lane, qs[16 * i + t, g, 4 * q : 4 * q + 4])
+                low, high = lane & 0x0F, lane >> 4
+                k = 32 * g + 4 * q
+                assert torch.equal(low.int(), codes[16 * i + t, k : k + 4])
+                assert torch.equal(high.int(), codes[16 * i + t, k + 16 : k + 20])
+            d = _tile_part(tiles, i, g, 1, sizes).view(torch.float32)
+            m = _tile_part(tiles, i, g, 2, sizes).view(torch.float32)
+            assert torch.equal(d, scale[16 * i : 16 * i + 16, g])
+            assert torch.equal(m, minimum[16 * i : 16 * i + 16, g])
 
 
-def test_q8_tiles_hold_the_codes_offset_and_reordered() -> None:
+@pytest.mark.parametrize("n", [48, 64])
+def test_q8_tiles_hold_the_codes_offset_and_reordered(n) -> None:
     """pack_q8_tiles: tile i, group g, vector q, lane t holds codes 4q .. 4q + 3 of output
-    16i + t's group g, each plus 128 (unsigned, for vpdpbusd); the scales of the tile's 16
-    outputs, per group."""
+    16i + t's group g, each plus 128 (unsigned, for vpdpbusd); then the scales of the tile's
+    16 outputs (fp32); stored pair by pair."""
     gen = torch.Generator().manual_seed(12)
-    codes, scale = quantize_q8(torch.randn(48, 96, generator=gen) * 0.05)
+    codes, scale = quantize_q8(torch.randn(n, 96, generator=gen) * 0.05)
     codes[5, 40] = -127  # both ends of the range
-    qt, dt = quantization.pack_q8_tiles(codes, scale)
-    assert qt.shape == (3, 3, 512) and qt.dtype == torch.uint8 and dt.shape == (3, 3, 16)
-    for i, g, q, t in ((0, 0, 0, 0), (1, 2, 7, 15), (2, 1, 4, 7), (0, 1, 2, 5)):
-        lane = qt[i, g, q * 64 + t * 4 : q * 64 + t * 4 + 4]
-        k = 32 * g + 4 * q
-        assert torch.equal(lane.int() - 128, codes[16 * i + t, k : k + 4].int())
-        assert dt[i, g, t] == scale[16 * i + t, g]
-    assert qt.min() == 1 and qt.max() == 255
+    tiles = quantization.pack_q8_tiles(codes, scale)
+    assert tiles.shape == (n // 16, 3, 576) and tiles.dtype == torch.uint8
+    sizes = [512, 64]
+    for i in range(n // 16):
+        for g in range(3):
+            packed = _tile_part(tiles, i, g, 0, sizes)
+            for q, t in ((0, 0), (7, 15), (4, 7), (2, 5)):
+                lane = packed[q * 64 + t * 4 : q * 64 + t * 4 + 4]
+                k = 32 * g + 4 * q
+                assert torch.equal(lane.int() - 128, codes[16 * i + t, k : k + 4].int())
+            d = _tile_part(tiles, i, g, 1, sizes).view(torch.float32)
+            assert torch.equal(d, scale[16 * i : 16 * i + 16, g])
+            assert packed.min() >= 1
 
 
 def _tiled(method: str, n: int, k: int, gen: torch.Generator):
@@ -270,7 +299,7 @@ def _tiled(method: str, n: int, k: int, gen: torch.Generator):
     if method == "int4":
         codes, scale, minimum = quantize_int4(torch.randn(n, k, generator=gen) * 0.05)
         qs = pack_q4(codes)
-        tiles = quantization.pack_q4_tiles(qs, scale, minimum)
+        tiles = (quantization.pack_q4_tiles(qs, scale, minimum),)
         w = ops.q4_dequantize(qs, scale, minimum)
         return (
             ops.q4_tiled_linear,
@@ -279,7 +308,7 @@ def _tiled(method: str, n: int, k: int, gen: torch.Generator):
             lambda x: ops.q4_linear(x, qs, scale, minimum),
         )
     codes, scale = quantize_q8(torch.randn(n, k, generator=gen) * 0.05)
-    tiles = quantization.pack_q8_tiles(codes, scale)
+    tiles = (quantization.pack_q8_tiles(codes, scale),)
     return ops.q8_tiled_linear, tiles, ops.q8_dequantize(codes, scale).double(), None
 
 
@@ -337,19 +366,15 @@ def test_tiled_rows_do_not_depend_on_the_batch(method) -> None:
     for i in (0, 7, 255, 256, 263, 511, 512, 599):
         assert torch.equal(got[i], op(many[i : i + 1], *tiles)[0]), i
     assert op(x[:0], *tiles).shape == (0, 48)
-    qt, dt = tiles[:2]
+    (wt,) = tiles
     with pytest.raises(RuntimeError, match="columns"):
-        op(x[:, :128], *tiles)
-    with pytest.raises(RuntimeError, match="qt must be"):
-        op(x, qt[..., :128].contiguous(), *tiles[1:])
-    with pytest.raises(RuntimeError, match="dt must be"):
-        op(x, qt, dt[:, :3].contiguous(), *tiles[2:])
-    if method == "int4":
-        with pytest.raises(RuntimeError, match="mt must be"):
-            op(x, qt, dt, tiles[2][:, :3].contiguous())
-    with pytest.raises(RuntimeError, match="qt must be"):  # the other method's tiles
-        other = torch.zeros(3, 5, 256 if method == "int8" else 512, dtype=torch.uint8)
-        op(x, other, *tiles[1:])
+        op(x[:, :128], wt)
+    with pytest.raises(RuntimeError, match="wt must be"):
+        op(x, wt[..., :128].contiguous())
+    with pytest.raises(RuntimeError, match="wt must be"):
+        op(x, wt.transpose(0, 1))
+    with pytest.raises(RuntimeError, match="wt must be"):  # the other method's tiles
+        op(x, torch.zeros(3, 5, 384 if method == "int8" else 576, dtype=torch.uint8))
 
 
 @needs_tiled

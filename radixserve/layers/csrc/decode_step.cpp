@@ -14,8 +14,7 @@
 //   params: per layer, input_layernorm.weight, post_attention_layernorm.weight, then the
 //     tensors of qkv_proj, o_proj, gate_up_proj and down_proj in that order, each linear's by
 //     its kind: dense (weight, or oneDNN's packed copy), q4 (qs, d, m), q8 (qs, d), w8a8 (wq,
-//     w_scale), q4 in tiles (qt, dt, mt), q8 in tiles (qt, dt), bf16 in tiles (wt), then its
-//     bias if it has one.
+//     w_scale), q4, q8 or bf16 in tiles (wt), then its bias if it has one.
 //   kinds: per layer and linear, kDense / kQ4 / kQ8 / kW8A8 / kQ4Tiled / kQ8Tiled /
 //     kBf16Tiled, plus kBias when it has a bias.
 //   small_rows: layers/linear.py's SMALL_M_ROWS (up to it a dense fp32 product is (W · xᵀ)ᵀ);
@@ -109,12 +108,12 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
     }
     case kQ4Tiled: {  // every row count; bf16 out for bf16 in
       RECORD_FUNCTION("radixserve::q4_tiled_linear", std::vector<c10::IValue>());
-      y = radixserve::q4_tiled_linear(x, lin.qs, lin.d, lin.m);
+      y = radixserve::q4_tiled_linear(x, lin.w);
       break;
     }
     case kQ8Tiled: {  // likewise
       RECORD_FUNCTION("radixserve::q8_tiled_linear", std::vector<c10::IValue>());
-      y = radixserve::q8_tiled_linear(x, lin.qs, lin.d);
+      y = radixserve::q8_tiled_linear(x, lin.w);
       break;
     }
     case kBf16Tiled: {  // bf16 (linear()'s), its bias added inside
@@ -145,15 +144,15 @@ at::Tensor gate_up_silu(const at::Tensor& x, const Linear& lin, const Sizes& siz
     return radixserve::bf16_tiled_silu_mul(x.to(at::kBFloat16), lin.w).to(x.scalar_type());
   }
   const bool tiled = (lin.kind == kQ4Tiled || lin.kind == kQ8Tiled) && !lin.bias.defined() &&
-                     lin.qs.size(0) % 2 == 0 &&
+                     lin.w.size(0) % 2 == 0 &&
                      (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat);
   if (!tiled) return radixserve::silu_and_mul(apply(x, lin, sizes));
   if (lin.kind == kQ4Tiled) {
     RECORD_FUNCTION("radixserve::q4_tiled_silu_mul", std::vector<c10::IValue>());
-    return radixserve::q4_tiled_silu_mul(x, lin.qs, lin.d, lin.m);
+    return radixserve::q4_tiled_silu_mul(x, lin.w);
   }
   RECORD_FUNCTION("radixserve::q8_tiled_silu_mul", std::vector<c10::IValue>());
-  return radixserve::q8_tiled_silu_mul(x, lin.qs, lin.d);
+  return radixserve::q8_tiled_silu_mul(x, lin.w);
 }
 
 class DecodeStep : public torch::CustomClassHolder {
@@ -184,16 +183,16 @@ class DecodeStep : public torch::CustomClassHolder {
       for (int64_t i = 0; i < kLinearsPerLayer; ++i) {
         Linear& lin = *linears[i];
         lin.kind = kinds[l * kLinearsPerLayer + i] & kKindMask;
-        if (lin.kind == kQ4 || lin.kind == kQ4Tiled) {  // (qt, dt, mt) in tiles
+        if (lin.kind == kQ4) {  // (qs, d, m)
           lin.qs = take();
           lin.d = take();
           lin.m = take();
-        } else if (lin.kind == kQ8 || lin.kind == kW8A8 || lin.kind == kQ8Tiled) {
-          // (wq, w_scale) for w8a8, (qt, dt) in tiles
+        } else if (lin.kind == kQ8 || lin.kind == kW8A8) {  // (qs, d); (wq, w_scale) for w8a8
           lin.qs = take();
           lin.d = take();
-        } else {
-          TORCH_CHECK(lin.kind == kDense || lin.kind == kBf16Tiled,
+        } else {  // the weight, or its tiles
+          TORCH_CHECK(lin.kind == kDense || lin.kind == kBf16Tiled || lin.kind == kQ4Tiled ||
+                          lin.kind == kQ8Tiled,
                       "DecodeStep: unknown linear kind ", lin.kind);
           lin.w = take();
         }

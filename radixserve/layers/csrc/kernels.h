@@ -28,13 +28,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                      const at::Tensor& m);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d);
-at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
-                           const at::Tensor& mt);
-at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt);
+at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& wt);
+at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& wt);
 // silu_and_mul of the product with a tiled [gate; up] weight: [M, N / 2].
-at::Tensor q4_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
-                             const at::Tensor& mt);
-at::Tensor q8_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt);
+at::Tensor q4_tiled_silu_mul(const at::Tensor& x, const at::Tensor& wt);
+at::Tensor q8_tiled_silu_mul(const at::Tensor& x, const at::Tensor& wt);
 bool tiled_supported();
 at::Tensor q4_dense(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                     const at::Tensor& m, bool bf16);

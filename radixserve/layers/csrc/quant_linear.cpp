@@ -26,17 +26,16 @@
 //   both in bf16 when `bf16`, else fp32.
 //
 // On CPUs with AVX-512 VNNI both weights are stored in tiles of 16 outputs instead (layers/
-// quantization.py's pack_q4_tiles and pack_q8_tiles), and one kernel each serves every row
-// count, as a register-blocked GEMM in integers (tiled_rows says how); bf16 out for a bf16 x,
-// else fp32:
-//   q4_tiled_linear(x [M, K], qt [N/16, K/32, 256] uint8, dt [N/16, K/32, 16] fp32,
-//                   mt [N/16, K/32, 16] fp32) -> [M, N]: q4_linear's function;
-//   q8_tiled_linear(x [M, K], qt [N/16, K/32, 512] uint8, dt [N/16, K/32, 16] fp32) -> [M, N]:
-//     the int8 weight times the activations on q4_linear's int8 grid (llama.cpp's Q8_0 x Q8_0
-//     product), not q8_linear's float activations: a group's 32 products are then one exact
-//     integer sum, which is what makes it fast (bf16's GEMM rate from 64 rows, twice q8_dense);
-//   q4_tiled_silu_mul(x, qt, dt, mt) / q8_tiled_silu_mul(x, qt, dt) -> [M, N/2]: an MLP's
-//     [gate; up] weight, the result silu_and_mul's of the product (fused_ops.cpp), bitwise;
+// quantization.py's pack_q4_tiles and pack_q8_tiles; the layout is described above
+// tiled_rows), and one kernel each serves every row count, as a register-blocked GEMM in
+// integers (tiled_rows says how); bf16 out for a bf16 x, else fp32:
+//   q4_tiled_linear(x [M, K], wt [N/16, K/32, 384] uint8) -> [M, N]: q4_linear's function;
+//   q8_tiled_linear(x [M, K], wt [N/16, K/32, 576] uint8) -> [M, N]: the int8 weight times the
+//     activations on q4_linear's int8 grid (llama.cpp's Q8_0 x Q8_0 product), not q8_linear's
+//     float activations: a group's 32 products are then one exact integer sum, which is what
+//     makes it fast (bf16's GEMM rate from 64 rows, twice q8_dense);
+//   q4_tiled_silu_mul(x, wt) / q8_tiled_silu_mul(x, wt) -> [M, N/2]: an MLP's [gate; up]
+//     weight, the result silu_and_mul's of the product (fused_ops.cpp), bitwise;
 //   tiled_supported() says whether this build has them.
 
 #include <ATen/ATen.h>
@@ -334,12 +333,22 @@ at::Tensor blocked_product(const at::Tensor& x, int64_t N, int64_t K, const Fill
 // each is one function, its per-group sums exact and its groups summed in one fixed order, and
 // a row's result does not depend on the other rows or their number.
 //
-// int4's layout, per tile and group: 4 vectors of 64 bytes; vector q's lane t (bytes 4t .. 4t + 3)
-// holds elements 4q .. 4q + 3 of output t in its low nibbles and 16 + 4q .. 16 + 4q + 3 in its
-// high ones, i.e. dword q of that output's 16 bytes in qs's layout; then the tile's scales and
-// minimums per group, [16] floats each, in dt and mt. int8's, per tile and group: 8 vectors of 64
-// bytes, vector q's lane t holding elements 4q .. 4q + 3 of output t, each code + 128 (unpacked
-// int4's order); the scales in dt.
+// A tile's codes per group: int4's, 4 vectors of 64 bytes, vector q's lane t (bytes 4t ..
+// 4t + 3) holding elements 4q .. 4q + 3 of output t in its low nibbles and 16 + 4q .. 16 + 4q +
+// 3 in its high ones, i.e. dword q of that output's 16 bytes in qs's layout; int8's, 8 vectors
+// of 64 bytes, vector q's lane t holding elements 4q .. 4q + 3 of output t, each code + 128
+// (unpacked int4's order). Then the tile's 16 scales per group (fp32) and, for int4, its 16
+// minimums: 384 bytes per tile and group for int4, 576 for int8.
+//
+// The weight wt [T, G, bytes] holds T tiles in pairs, the pair read by one pass stored as one
+// run of memory: with F = T / 2, pair i (i < F) holds tiles i and F + i, group after group
+// (both tiles' codes, both tiles' scales, both tiles' minimums, their 64-byte vectors
+// alternating: the order the pass loads them), and an odd last tile follows alone, likewise.
+// So each thread reads its share of the weight as one sequential stream. (With each tile's
+// codes, scales and minimums in three arrays, a pass read six short streams; int4 at one row
+// took 1.15-1.2x less time in this layout, int8 the same; with the two tiles' codes one after
+// the other instead of alternating, int8 took 1.15x more.) For an MLP's [gate; up] weight,
+// pair i is gate tile i and its up tile.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 constexpr bool kTiled = true;
@@ -349,6 +358,7 @@ constexpr int kRowsPair = 5;  // the same over a pair of tiles
 constexpr int64_t kRowBlock = 256;  // rows multiplied by every tile before the next rows
 constexpr int64_t kGroupBytes = 512;  // one tile's group of codes as bytes: 16 outputs x 32
 constexpr int64_t kQ4GroupBytes = 256;  // the same packed as nibbles
+constexpr int64_t kScaleBytes = kTile * sizeof(float);  // a tile's scales (or minimums), a group
 
 // Activation rows [lo, hi) on quantize_row's grid (round_group_512: its codes, scales, sums, and
 // the codes' integer sums). The input is fp32 or bf16 (widened exactly, as .to(float) would).
@@ -376,27 +386,31 @@ void quantize_rows_512(const T* x, int64_t lo, int64_t hi, int64_t G, Activation
   }
 }
 
-// The NT tiles a row pass reads (adjacent ones, outputs n0 .. n0 + 16 NT - 1, or a gate tile
-// and its up tile): per tile, its codes per group (int8: 8 vectors, int4: 4 packed ones), its
-// scales and (int4) minimums.
+// The NT tiles a row pass reads (a stored pair, or a lone last tile): per tile, its codes of
+// group 0 (int8: 8 vectors, int4: 4 packed ones), its scales and (int4) minimums, and its first
+// output column; the strides from one group to the next.
 template <int NT>
 struct Tiles {
   const uint8_t* codes[NT];
   const float* dt[NT];
   const float* mt[NT];  // nullptr for int8
+  int64_t n0[NT];
+  int64_t code_stride;    // bytes
+  int64_t vector_stride;  // bytes from one of a group's code vectors to the next
+  int64_t scale_stride;   // floats
 };
 
-// Rows r0 .. r0 + R - 1 of NT tiles' outputs, stored as fp32 or rounded to bf16. Two tiles at
-// a time share each activation broadcast (half the loads per product); each output's sums are
-// the same operations in the same order whichever pass computes it.
+// Rows r0 .. r0 + R - 1 of NT tiles' outputs, stored as fp32 or rounded to bf16 at the tiles'
+// columns. Two tiles at a time share each activation broadcast (half the loads per product);
+// each output's sums are the same operations in the same order whichever pass computes it.
 // (Not inlined: inside the driver's loops GCC spilled the accumulators of int4's passes, which
 // then ran at half the rate.)
 // kSiluMul (NT = 2, a gate tile and its up tile): stores silu(gate) * up instead, each
 // rounded to T where silu_and_mul would find them rounded (so the result is bitwise that of
-// the product followed by silu_and_mul); N is then y's row stride.
+// the product followed by silu_and_mul), at the gate tile's column; N is y's row stride.
 template <int R, int NT, bool kInt8, bool kSiluMul, typename T>
 __attribute__((noinline)) void tiled_rows(const Tiles<NT>& w, const Activations& a, int64_t r0,
-                                          int64_t G, T* y, int64_t N, int64_t n0) {
+                                          int64_t G, T* y, int64_t N) {
   static_assert(!kSiluMul || NT == 2);
   const int64_t K = G * kGroup;
   __m512 acc[R][NT];
@@ -415,7 +429,7 @@ __attribute__((noinline)) void tiled_rows(const Tiles<NT>& w, const Activations&
       for (int q = 0; q < 8; ++q) {
         __m512i wv[NT];
         for (int t = 0; t < NT; ++t)
-          wv[t] = _mm512_loadu_si512(w.codes[t] + g * kGroupBytes + q * 64);
+          wv[t] = _mm512_loadu_si512(w.codes[t] + g * w.code_stride + q * w.vector_stride);
         for (int r = 0; r < R; ++r) {
           int32_t four;
           std::memcpy(&four, a.xq.data() + (r0 + r) * K + g * kGroup + 4 * q, sizeof(four));
@@ -430,7 +444,7 @@ __attribute__((noinline)) void tiled_rows(const Tiles<NT>& w, const Activations&
       for (int q = 0; q < 4; ++q) {
         __m512i lo[NT], hi[NT];
         for (int t = 0; t < NT; ++t) {
-          const __m512i raw = _mm512_loadu_si512(w.codes[t] + g * kQ4GroupBytes + q * 64);
+          const __m512i raw = _mm512_loadu_si512(w.codes[t] + g * w.code_stride + q * w.vector_stride);
           lo[t] = _mm512_and_si512(raw, low4);
           hi[t] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), low4);
         }
@@ -448,13 +462,13 @@ __attribute__((noinline)) void tiled_rows(const Tiles<NT>& w, const Activations&
       }
     }
     for (int t = 0; t < NT; ++t) {
-      const __m512 dv = _mm512_loadu_ps(w.dt[t] + g * kTile);
+      const __m512 dv = _mm512_loadu_ps(w.dt[t] + g * w.scale_stride);
       for (int r = 0; r < R; ++r) {
         const int64_t rg = (r0 + r) * G + g;
         const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(a.sx[rg]));
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), scale, acc[r][t]);
         if constexpr (!kInt8) {
-          acc[r][t] = _mm512_fmadd_ps(_mm512_loadu_ps(w.mt[t] + g * kTile),
+          acc[r][t] = _mm512_fmadd_ps(_mm512_loadu_ps(w.mt[t] + g * w.scale_stride),
                                       _mm512_set1_ps(a.xsum[rg]), acc[r][t]);
         }
       }
@@ -463,31 +477,31 @@ __attribute__((noinline)) void tiled_rows(const Tiles<NT>& w, const Activations&
   if constexpr (kSiluMul) {
     for (int r = 0; r < R; ++r) {
       const __m512 silu = round16<T>(silu16(round16<T>(acc[r][0])));
-      store16(y + (r0 + r) * N + n0, _mm512_mul_ps(silu, round16<T>(acc[r][1])));
+      store16(y + (r0 + r) * N + w.n0[0], _mm512_mul_ps(silu, round16<T>(acc[r][1])));
     }
   } else {
     for (int r = 0; r < R; ++r)
-      for (int t = 0; t < NT; ++t) store16(y + (r0 + r) * N + n0 + t * kTile, acc[r][t]);
+      for (int t = 0; t < NT; ++t) store16(y + (r0 + r) * N + w.n0[t], acc[r][t]);
   }
 }
 
 // Rows r0 .. r0 + rows - 1 (rows < R) of NT tiles: the pass after the R-row ones.
 template <int R, int NT, bool kInt8, bool kSiluMul, typename T>
 void tiled_tail(const Tiles<NT>& w, const Activations& a, int64_t r0, int64_t rows, int64_t G,
-                T* y, int64_t N, int64_t n0) {
+                T* y, int64_t N) {
   if constexpr (R > 0) {
-    if (rows == R) return tiled_rows<R, NT, kInt8, kSiluMul>(w, a, r0, G, y, N, n0);
-    tiled_tail<R - 1, NT, kInt8, kSiluMul>(w, a, r0, rows, G, y, N, n0);
+    if (rows == R) return tiled_rows<R, NT, kInt8, kSiluMul>(w, a, r0, G, y, N);
+    tiled_tail<R - 1, NT, kInt8, kSiluMul>(w, a, r0, rows, G, y, N);
   }
 }
 
 // Rows r0 .. r1 - 1 of NT tiles: passes of R rows, then one of the rows left.
 template <int R, int NT, bool kInt8, bool kSiluMul, typename T>
 void tiled_block(const Tiles<NT>& w, const Activations& a, int64_t r0, int64_t r1, int64_t G,
-                 T* y, int64_t N, int64_t n0) {
+                 T* y, int64_t N) {
   int64_t r = r0;
-  for (; r + R <= r1; r += R) tiled_rows<R, NT, kInt8, kSiluMul>(w, a, r, G, y, N, n0);
-  tiled_tail<R - 1, NT, kInt8, kSiluMul>(w, a, r, r1 - r, G, y, N, n0);
+  for (; r + R <= r1; r += R) tiled_rows<R, NT, kInt8, kSiluMul>(w, a, r, G, y, N);
+  tiled_tail<R - 1, NT, kInt8, kSiluMul>(w, a, r, r1 - r, G, y, N);
 }
 
 // x [M, K] times a tiled weight (kInt8: q8_tiled_linear's, else q4_tiled_linear's), checked by
@@ -496,10 +510,9 @@ void tiled_block(const Tiles<NT>& w, const Activations& a, int64_t r0, int64_t r
 // kSiluMul: the weight is an MLP's gate and up projections stacked ([gate; up], N = 2I), and
 // the result is silu_and_mul's [M, I] of the product (the *_tiled_silu_mul ops).
 template <bool kInt8, bool kSiluMul>
-at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at::Tensor& dt,
-                         const at::Tensor& mt) {
-  const int64_t M = x_in.size(0), tiles = qt.size(0), G = qt.size(1), K = G * kGroup;
-  const int64_t N = tiles * kTile, n_out = kSiluMul ? N / 2 : N;
+at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt) {
+  const int64_t M = x_in.size(0), T = wt.size(0), G = wt.size(1), K = G * kGroup;
+  const int64_t N = T * kTile, n_out = kSiluMul ? N / 2 : N;
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
   const at::Tensor x = bf16 ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, n_out}, x.options());
@@ -513,47 +526,46 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& qt, const at:
       quantize_rows_512(x.data_ptr<float>(), lo, hi, G, &a);
     }
   });
-  const int64_t tile_bytes = G * (kInt8 ? kGroupBytes : kQ4GroupBytes);
-  const uint8_t* qp = qt.data_ptr<uint8_t>();
-  const float* dp = dt.data_ptr<float>();
-  const float* mp = kInt8 ? nullptr : mt.data_ptr<float>();
-  // The threads share out the tiles (kSiluMul: the gate tiles, each with its up tile).
-  const int64_t items = kSiluMul ? tiles / 2 : tiles;
+  // A tile's bytes per group: its codes, then its scales and (int4) minimums.
+  const int64_t code_bytes = kInt8 ? kGroupBytes : kQ4GroupBytes;
+  const int64_t tile_bytes = code_bytes + (kInt8 ? 1 : 2) * kScaleBytes;
+  const uint8_t* wp = wt.data_ptr<uint8_t>();
+  const int64_t F = T / 2;  // stored pairs; an odd last tile follows them
+  // The tiles of `count` (1 or 2) stored from `base` on, group after group, with output columns
+  // n0s (kSiluMul: the gate tile's column in y).
+  auto tiles_at = [&](auto& w, const uint8_t* base, int64_t count, const int64_t* n0s) {
+    for (int64_t t = 0; t < count; ++t) {
+      w.codes[t] = base + t * 64;
+      w.dt[t] = reinterpret_cast<const float*>(base + count * code_bytes) + t * kTile;
+      w.mt[t] = kInt8 ? nullptr : w.dt[t] + count * kTile;
+      w.n0[t] = n0s[t];
+    }
+    w.code_stride = count * tile_bytes;
+    w.vector_stride = count * 64;
+    w.scale_stride = count * tile_bytes / static_cast<int64_t>(sizeof(float));
+  };
   auto run = [&](auto* yp) {
-    // One parallel region: each thread keeps its tiles for every block of rows (the blocks'
-    // int8 activations stay in L2 while the thread's tiles multiply them: a 4,096-row
-    // prefill's are megabytes). The tiles are read in place (int4's nibbles split in
-    // registers: an unpacked copy in L1 was more loads and stores than the split, at every
-    // row count) in the order they lie in memory, which the hardware prefetcher follows (a
-    // software prefetch of the next tile was slower).
-    at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
-      // Tile `tile` as tile `t` of a pass.
-      auto take = [&](auto& w, int t, int64_t tile) {
-        w.codes[t] = qp + tile * tile_bytes;
-        w.dt[t] = dp + tile * G * kTile;
-        w.mt[t] = kInt8 ? nullptr : mp + tile * G * kTile;
-      };
+    // One parallel region over the stored pairs (and a lone last tile): each thread keeps its
+    // tiles for every block of rows (the blocks' int8 activations stay in L2 while the
+    // thread's tiles multiply them: a 4,096-row prefill's are megabytes) and reads them in
+    // place, in the order they lie in memory (int4's nibbles split in registers: an unpacked
+    // copy in L1 was more loads and stores than the split, at every row count; a software
+    // prefetch of the next tile was slower than the hardware prefetcher on the one stream).
+    at::parallel_for(0, F + T % 2, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
         const int64_t r1 = std::min(M, r0 + kRowBlock);
-        if constexpr (kSiluMul) {
-          for (int64_t i = lo; i < hi; ++i) {
-            Tiles<2> w;
-            take(w, 0, i);
-            take(w, 1, i + items);
-            tiled_block<kRowsPair, 2, kInt8, true>(w, a, r0, r1, G, yp, n_out, i * kTile);
-          }
-        } else {
-          int64_t tile = lo;
-          for (; tile + 2 <= hi; tile += 2) {  // pairs of adjacent tiles
-            Tiles<2> w;
-            take(w, 0, tile);
-            take(w, 1, tile + 1);
-            tiled_block<kRowsPair, 2, kInt8, false>(w, a, r0, r1, G, yp, N, tile * kTile);
-          }
-          if (tile < hi) {  // an odd one out
+        for (int64_t i = lo; i < hi; ++i) {
+          const uint8_t* base = wp + i * 2 * G * tile_bytes;
+          if (i == F) {  // the odd last tile (never under kSiluMul: T is even there)
             Tiles<1> w;
-            take(w, 0, tile);
-            tiled_block<kRowsMax, 1, kInt8, false>(w, a, r0, r1, G, yp, N, tile * kTile);
+            const int64_t n0s[1] = {(T - 1) * kTile};
+            tiles_at(w, base, 1, n0s);
+            tiled_block<kRowsMax, 1, kInt8, false>(w, a, r0, r1, G, yp, N);
+          } else {
+            Tiles<2> w;
+            const int64_t n0s[2] = {i * kTile, (F + i) * kTile};
+            tiles_at(w, base, 2, n0s);
+            tiled_block<kRowsPair, 2, kInt8, kSiluMul>(w, a, r0, r1, G, yp, n_out);
           }
         }
       }
@@ -740,54 +752,43 @@ at::Tensor q4_dequantize(const at::Tensor& qs, const at::Tensor& d, const at::Te
 
 bool tiled_supported() { return kTiled; }
 
-// The four tiled ops: their arguments checked (x [M, K], qt [N/16, K/32, 256 or 512] uint8,
-// dt and int4's mt [N/16, K/32, 16] fp32, all contiguous but x; kSiluMul: [gate; up] in whole
-// tiles), then the product.
+// The four tiled ops: their arguments checked (x [M, K], wt [N/16, K/32, 384 or 576] uint8,
+// contiguous; kSiluMul: [gate; up] in whole tiles), then the product.
 template <bool kInt8, bool kSiluMul>
-at::Tensor tiled_op(const char* op, const at::Tensor& x, const at::Tensor& qt,
-                    const at::Tensor& dt, const at::Tensor& mt) {
+at::Tensor tiled_op(const char* op, const at::Tensor& x, const at::Tensor& wt) {
   TORCH_CHECK(kTiled, op, " needs a CPU with AVX-512 VNNI (tiled_supported())");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  const int64_t group_bytes = kInt8 ? 512 : 256;
-  TORCH_CHECK(qt.dim() == 3 && qt.size(2) == group_bytes && qt.scalar_type() == at::kByte &&
-                  qt.is_contiguous(),
-              "qt must be contiguous uint8 [N/16, K/32, ", group_bytes, "]");
-  const int64_t K = x.size(1), G = qt.size(1);
+  const int64_t tile_bytes = kInt8 ? 576 : 384;
+  TORCH_CHECK(wt.dim() == 3 && wt.size(2) == tile_bytes && wt.scalar_type() == at::kByte &&
+                  wt.is_contiguous(),
+              "wt must be contiguous uint8 [N/16, K/32, ", tile_bytes, "]");
+  const int64_t K = x.size(1), G = wt.size(1);
   TORCH_CHECK(K == G * kGroup, "x has ", K, " columns, the weight ", G * kGroup);
-  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && dt.dim() == 3 &&
-                  dt.size(0) == qt.size(0) && dt.size(1) == G && dt.size(2) == 16,
-              "dt must be contiguous fp32 [N/16, K/32, 16]");
-  if (!kInt8) {
-    TORCH_CHECK(mt.scalar_type() == at::kFloat && mt.is_contiguous() && mt.sizes() == dt.sizes(),
-                "mt must be contiguous fp32 [N/16, K/32, 16]");
-  }
   if (kSiluMul) {
-    TORCH_CHECK(qt.size(0) % 2 == 0, op, ": [gate; up] in whole tiles (N % 32 == 0)");
+    TORCH_CHECK(wt.size(0) % 2 == 0, op, ": [gate; up] in whole tiles (N % 32 == 0)");
   }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
-  return tiled_product<kInt8, kSiluMul>(x, qt, dt, mt);
+  return tiled_product<kInt8, kSiluMul>(x, wt);
 #else
   return at::Tensor();
 #endif
 }
 
-at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
-                           const at::Tensor& mt) {
-  return tiled_op<false, false>("q4_tiled_linear", x, qt, dt, mt);
+at::Tensor q4_tiled_linear(const at::Tensor& x, const at::Tensor& wt) {
+  return tiled_op<false, false>("q4_tiled_linear", x, wt);
 }
 
-at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt) {
-  return tiled_op<true, false>("q8_tiled_linear", x, qt, dt, at::Tensor());
+at::Tensor q8_tiled_linear(const at::Tensor& x, const at::Tensor& wt) {
+  return tiled_op<true, false>("q8_tiled_linear", x, wt);
 }
 
-at::Tensor q4_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt,
-                             const at::Tensor& mt) {
-  return tiled_op<false, true>("q4_tiled_silu_mul", x, qt, dt, mt);
+at::Tensor q4_tiled_silu_mul(const at::Tensor& x, const at::Tensor& wt) {
+  return tiled_op<false, true>("q4_tiled_silu_mul", x, wt);
 }
 
-at::Tensor q8_tiled_silu_mul(const at::Tensor& x, const at::Tensor& qt, const at::Tensor& dt) {
-  return tiled_op<true, true>("q8_tiled_silu_mul", x, qt, dt, at::Tensor());
+at::Tensor q8_tiled_silu_mul(const at::Tensor& x, const at::Tensor& wt) {
+  return tiled_op<true, true>("q8_tiled_silu_mul", x, wt);
 }
 
 at::Tensor q4_dense(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
@@ -846,10 +847,10 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("q8_dequantize(Tensor qs, Tensor d) -> Tensor");
   lib.def("q4_dense(Tensor x, Tensor qs, Tensor d, Tensor m, bool bf16) -> Tensor");
   lib.def("q8_dense(Tensor x, Tensor qs, Tensor d, bool bf16) -> Tensor");
-  lib.def("q4_tiled_linear(Tensor x, Tensor qt, Tensor dt, Tensor mt) -> Tensor");
-  lib.def("q8_tiled_linear(Tensor x, Tensor qt, Tensor dt) -> Tensor");
-  lib.def("q4_tiled_silu_mul(Tensor x, Tensor qt, Tensor dt, Tensor mt) -> Tensor");
-  lib.def("q8_tiled_silu_mul(Tensor x, Tensor qt, Tensor dt) -> Tensor");
+  lib.def("q4_tiled_linear(Tensor x, Tensor wt) -> Tensor");
+  lib.def("q8_tiled_linear(Tensor x, Tensor wt) -> Tensor");
+  lib.def("q4_tiled_silu_mul(Tensor x, Tensor wt) -> Tensor");
+  lib.def("q8_tiled_silu_mul(Tensor x, Tensor wt) -> Tensor");
   lib.def("tiled_supported", &radixserve::tiled_supported);
 }
 
