@@ -123,7 +123,9 @@ def quantize_int4(
     scale fp32 [N, G], minimum fp32 [N, G]); a weight is codes * scale + minimum.
 
     Rows covered by `blocks` keep the GGUF file's own scale and minimum (so its codes come
-    back exactly); the other rows get min/max parameters per group.
+    back exactly); the other rows get min/max parameters per group. Scales and minimums are
+    fp16 values (GGUF's Q4_1 stores them in fp16, and so do the tiled kernels' weights), the
+    codes chosen for them.
     """
     w = weight.float()
     n, k = w.shape
@@ -134,6 +136,12 @@ def quantize_int4(
         rows = slice(b.row_offset, b.row_offset + b.scale.shape[0])
         scale[rows] = b.scale.float()
         minimum[rows] = b.minimum.float()
+    scale, minimum = scale.half().float(), minimum.half().float()
+    if not (torch.isfinite(scale).all() and torch.isfinite(minimum).all()):
+        raise ValueError(
+            "int4 holds its group scales and minimums in fp16, and this weight's values "
+            f"exceed fp16's range (|w| up to {w.abs().max().item():.3g}); use int8"
+        )
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     codes = torch.round((groups - minimum[..., None]) / safe[..., None]).clamp(0, 15)
     codes = torch.where(scale[..., None] == 0, torch.zeros_like(codes), codes)
@@ -329,14 +337,18 @@ def pack_q4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4_tiles(qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The q4 kernel's bytes [N, G, 16] and its scales and minimums [N, G] -> q4_tiled_linear's
-    tiles of 16 outputs, uint8 [N/16, G, 384]: per tile and group, 4 vectors of 64 bytes of
-    codes (lane t of vector q holding bytes 4q .. 4q + 3 of output t's 16), then the 16 outputs'
-    scales and minimums (fp32), stored in pairs of tiles (`_pair_tiles`;
-    csrc/quant_linear.cpp). The same bytes and floats, reordered."""
+    """The q4 kernel's bytes [N, G, 16] and its scales and minimums [N, G] (fp16 values, as
+    `quantize_int4` makes them) -> q4_tiled_linear's tiles of 16 outputs, uint8 [N/16, G, 320]:
+    per tile and group, 4 vectors of 64 bytes of codes (lane t of vector q holding bytes 4q ..
+    4q + 3 of output t's 16), then the 16 outputs' scales and their minimums in fp16, stored
+    in pairs of tiles (`_pair_tiles`; csrc/quant_linear.cpp). The same bytes and values,
+    reordered."""
     n, g, _ = qs.shape
+    half = scale.half(), minimum.half()
+    if not all(torch.equal(h.float(), v.float()) for h, v in zip(half, (scale, minimum))):
+        raise ValueError("pack_q4_tiles: scales and minimums must be fp16 values (quantize_int4)")
     codes = qs.view(n // 16, 16, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
-    return _pair_tiles([codes, _tile_floats(scale), _tile_floats(minimum)])
+    return _pair_tiles([codes, torch.cat([_tile_values(h) for h in half], 2)])
 
 
 def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -348,13 +360,13 @@ def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     g = k // INT4_GROUP_SIZE
     biased = (codes.to(torch.int16) + 128).to(torch.uint8)
     tiles = biased.view(n // 16, 16, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 512)
-    return _pair_tiles([tiles, _tile_floats(scale)])
+    return _pair_tiles([tiles, _tile_values(scale.float())])
 
 
-def _tile_floats(values: torch.Tensor) -> torch.Tensor:
-    """Per-output group floats [N, G] -> their bytes per tile and group [N/16, G, 64]."""
+def _tile_values(values: torch.Tensor) -> torch.Tensor:
+    """Per-output group values [N, G] -> their bytes per tile and group [N/16, G, 16 x size]."""
     n, g = values.shape
-    per_tile = values.float().view(n // 16, 16, g).transpose(1, 2).contiguous()
+    per_tile = values.view(n // 16, 16, g).transpose(1, 2).contiguous()
     return per_tile.view(torch.uint8)
 
 

@@ -126,8 +126,9 @@ def test_int4_blocks_keep_the_files_codes_where_min_max_would_not() -> None:
     n, k = 32, 64
     groups = k // INT4_GROUP_SIZE
     codes = torch.randint(3, 13, (n, k), generator=gen, dtype=torch.int32)  # never 0 or 15
-    scale = torch.rand(n, groups, generator=gen) * 0.01 + 0.001
-    minimum = -torch.rand(n, groups, generator=gen) * 0.05
+    # fp16 values, as a GGUF block holds them
+    scale = (torch.rand(n, groups, generator=gen) * 0.01 + 0.001).half().float()
+    minimum = (-torch.rand(n, groups, generator=gen) * 0.05).half().float()
     w = dequantize_int4(codes, scale, minimum)
     blocks = [BlockParams(8, scale[8:24], minimum[8:24])]
     got, got_scale, got_min = quantize_int4(w, blocks)
@@ -245,13 +246,13 @@ def _tile_part(tiles: torch.Tensor, i: int, g: int, part: int, sizes: list[int])
 def test_q4_tiles_hold_the_kernels_bytes_reordered(n) -> None:
     """pack_q4_tiles: tile i, group g, vector q, lane t holds bytes 4q .. 4q + 3 of output
     16i + t's group g (so its codes 4q .. 4q + 3 in the low nibbles, 16 + 4q .. in the high);
-    then the scales and minimums of the tile's 16 outputs (fp32); stored pair by pair."""
+    then the scales and the minimums of the tile's 16 outputs in fp16; stored pair by pair."""
     gen = torch.Generator().manual_seed(11)
     codes, scale, minimum = quantize_int4(torch.randn(n, 96, generator=gen) * 0.05)
     qs = pack_q4(codes)
     tiles = quantization.pack_q4_tiles(qs, scale, minimum)
-    assert tiles.shape == (n // 16, 3, 384) and tiles.dtype == torch.uint8
-    sizes = [256, 64, 64]
+    assert tiles.shape == (n // 16, 3, 320) and tiles.dtype == torch.uint8
+    sizes = [256, 64]
     for i in range(n // 16):
         for g in range(3):
             packed = _tile_part(tiles, i, g, 0, sizes)
@@ -262,10 +263,30 @@ def test_q4_tiles_hold_the_kernels_bytes_reordered(n) -> None:
                 k = 32 * g + 4 * q
                 assert torch.equal(low.int(), codes[16 * i + t, k : k + 4])
                 assert torch.equal(high.int(), codes[16 * i + t, k + 16 : k + 20])
-            d = _tile_part(tiles, i, g, 1, sizes).view(torch.float32)
-            m = _tile_part(tiles, i, g, 2, sizes).view(torch.float32)
+            d, m = _tile_part(tiles, i, g, 1, sizes).view(torch.float16).float().split(16)
             assert torch.equal(d, scale[16 * i : 16 * i + 16, g])
             assert torch.equal(m, minimum[16 * i : 16 * i + 16, g])
+    with pytest.raises(ValueError, match="fp16 values"):  # not what quantize_int4 made
+        quantization.pack_q4_tiles(qs, scale * (1 + 1e-6), minimum)
+
+
+def test_int4_scales_and_minimums_are_fp16_values() -> None:
+    """quantize_int4 holds each group's scale and minimum at fp16 precision (GGUF Q4_1's, and
+    the tiled kernels' storage) and picks the codes for those values: dequantized, every
+    weight is within half a step (plus fp16's rounding of the group's ends) of the original; a GGUF
+    block's own fp16 values pass unchanged; weights beyond fp16's range are refused."""
+    gen = torch.Generator().manual_seed(13)
+    w = torch.randn(32, 128, generator=gen) * 0.05
+    codes, scale, minimum = quantize_int4(w)
+    assert torch.equal(scale.half().float(), scale) and torch.equal(minimum.half().float(), minimum)
+    err = (dequantize_int4(codes, scale, minimum) - w).view(32, 4, 32).abs().amax(-1)
+    assert (err <= scale * 0.5 + (minimum.abs() + 15 * scale) * 2**-10 + 1e-7).all()
+    d = (torch.rand(32, 4, generator=gen) * 0.01).half().float()
+    block = quantization.BlockParams(row_offset=0, scale=d, minimum=-8 * d)
+    codes, scale, minimum = quantize_int4(w, [block])
+    assert torch.equal(scale, d) and torch.equal(minimum, -8 * d)
+    with pytest.raises(ValueError, match="fp16's range"):
+        quantize_int4(w * 1e6)
 
 
 @pytest.mark.parametrize("n", [48, 64])
@@ -374,7 +395,7 @@ def test_tiled_rows_do_not_depend_on_the_batch(method) -> None:
     with pytest.raises(RuntimeError, match="wt must be"):
         op(x, wt.transpose(0, 1))
     with pytest.raises(RuntimeError, match="wt must be"):  # the other method's tiles
-        op(x, torch.zeros(3, 5, 384 if method == "int8" else 576, dtype=torch.uint8))
+        op(x, torch.zeros(3, 5, 320 if method == "int8" else 576, dtype=torch.uint8))
 
 
 @needs_tiled
