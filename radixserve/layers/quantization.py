@@ -344,11 +344,11 @@ def pack_q4_tiles(qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
     in pairs of tiles (`_pair_tiles`; csrc/quant_linear.cpp). The same bytes and values,
     reordered."""
     n, g, _ = qs.shape
-    half = scale.half(), minimum.half()
-    if not all(torch.equal(h.float(), v.float()) for h, v in zip(half, (scale, minimum))):
+    scale16, minimum16 = scale.half(), minimum.half()
+    if not (torch.equal(scale16.float(), scale) and torch.equal(minimum16.float(), minimum)):
         raise ValueError("pack_q4_tiles: scales and minimums must be fp16 values (quantize_int4)")
     codes = qs.view(n // 16, 16, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 16, g, 256)
-    return _pair_tiles([codes, torch.cat([_tile_values(h) for h in half], 2)])
+    return _pair_tiles([codes, torch.cat([_tile_values(scale16), _tile_values(minimum16)], 2)])
 
 
 def pack_q8_tiles(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
