@@ -67,11 +67,15 @@ def test_bf16_tiles_layout_and_where_they_apply(tiles_run, monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_rows_tile_product_does_not_depend_on_the_batch(tiles_run, bias):
+@pytest.mark.parametrize("n", [176, 464])
+def test_a_rows_tile_product_does_not_depend_on_the_batch(tiles_run, bias, n):
     """One fixed order of sums per output: each row bitwise the same alone, in any batch of
-    any size (passes of 4 rows and the tails of 1-3), at any position."""
+    any size (passes of 4 rows and the tails of 1-3; one or two rows in passes of up to 12 or
+    8 tiles), at any position."""
     gen = torch.Generator().manual_seed(5)
-    n, k = 176, 96  # 11 tiles: passes of 4 tiles and a tail of 3 on one thread, 2 on another
+    # 11 tiles: passes of 4 tiles and a tail of 3 on one thread, 2 on another, one pass at
+    # one row; 29: 12 + 3 / 12 + 2 tiles at one row, 8 + 7 / 8 + 6 at two
+    k = 96
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     packed = bf16_tiles(w)
@@ -82,13 +86,16 @@ def test_a_rows_tile_product_does_not_depend_on_the_batch(tiles_run, bias):
     for m in (2, 3, 4, 5, 9, 64, 300):
         got = torch.ops.radixserve.bf16_tiled_linear(x[300 - m :], packed, b)
         assert torch.equal(got, alone[300 - m :]), m
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert ((alone.double() - ref).abs().max() <= 1e-2 * ref.abs().max()).item()
     assert torch.ops.radixserve.bf16_tiled_linear(x[:0], packed, b).shape == (0, n)
 
 
-@pytest.mark.parametrize("rows", [1, 6, 64, 300])
-def test_the_tiled_mlp_kernel_is_the_product_then_silu_and_mul(tiles_run, rows):
+@pytest.mark.parametrize("rows", [1, 2, 6, 64, 300])
+@pytest.mark.parametrize("inter", [96, 240])  # 6 / 15 gate tiles (passes of up to 6 or 4)
+def test_the_tiled_mlp_kernel_is_the_product_then_silu_and_mul(tiles_run, rows, inter):
     gen = torch.Generator().manual_seed(rows)
-    inter, hidden = 96, 64
+    hidden = 64
     lin = Linear(hidden, 2 * inter, bias=False).bfloat16()
     with torch.no_grad():
         lin.weight.copy_(torch.randn(2 * inter, hidden, generator=gen))

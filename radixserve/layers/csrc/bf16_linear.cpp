@@ -6,8 +6,9 @@
 // 40-45 on two Zen 4 cores. The weight here is stored in tiles of 16 outputs (layers/
 // linear.py's bf16_tiles), so that one vector load brings two adjacent inputs of each of 16
 // outputs and one broadcast pair of activations multiplies them: a register-blocked GEMM of
-// up to 4 rows by 4 tiles (16 accumulators). At few rows the tiles stream from memory once
-// per call; at many, each thread's tiles multiply blocks of 256 rows, re-read from L2.
+// up to 4 rows by 4 tiles (16 accumulators; at one or two rows, 12 or 8 tiles). At few rows
+// the tiles stream from memory once per call; at many, each thread's tiles multiply blocks of
+// 256 rows, re-read from L2.
 // SmolLM2-135M's 30 layers (2 Zen 4 threads, distinct weights, paired with oneDNN's prepacked
 // product): 1.35x its rate at 1 row (the weights read at ≈ 42 GB/s), 1.27x at 8, 1.13x at
 // 32-64, 1.02-1.05x from 256 rows (≈ 790 GFLOP/s at 1,024).
@@ -50,6 +51,12 @@ using radixserve_vec::store16;
 constexpr int64_t kTile = 16;  // outputs per tile, the 16 lanes of a vector
 constexpr int kRows = 4;       // activation rows per pass
 constexpr int kTilesMax = 4;   // tiles per pass: 16 accumulators at 4 rows
+// At one or two rows a pass reads more tiles at once (12 and 8: 12 or 16 accumulators, with
+// the tiles' vectors 24 registers), so that more of the weight's streams are in flight: a
+// decode step of one row is bound by reading the weights (SmolLM2-135M's 30 layers at one row,
+// paired: 1.1-1.2x from 4 tiles to 12, the fused MLP's gate and up from 4 to 12 streams).
+constexpr int kTilesOneRow = 12;
+constexpr int kTilesTwoRows = 8;
 constexpr int64_t kRowBlock = 256;  // rows whose activations a thread's tiles multiply in turn
 
 #if defined(RADIXSERVE_BF16_TILES)
@@ -96,6 +103,16 @@ __attribute__((noinline)) void tile_pass(const uint16_t* w, int64_t ts, int64_t 
   }
 }
 
+// One pass of R rows over `count` (1 .. CMax) tiles: tile_pass<R, count>.
+template <int R, int CMax, bool kSiluMul>
+void pass_of(int64_t count, const uint16_t* w, int64_t ts, int64_t up, const uint32_t* x,
+             int64_t KP, const float* bias, at::BFloat16* y, int64_t ys) {
+  if constexpr (CMax > 0) {
+    if (count == CMax) return tile_pass<R, CMax, kSiluMul>(w, ts, up, x, KP, KP, bias, y, ys);
+    pass_of<R, CMax - 1, kSiluMul>(count, w, ts, up, x, KP, bias, y, ys);
+  }
+}
+
 // Every row of C tiles: passes of kRows rows, then one of the rows left.
 template <int C, bool kSiluMul>
 void tile_rows(const uint16_t* w, int64_t ts, int64_t up, const uint32_t* x, int64_t M,
@@ -134,6 +151,23 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt,
   // stay in L2 while the thread's tiles multiply them.
   const int64_t items = kSiluMul ? tiles / 2 : tiles;
   at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
+    if (M <= 2) {  // passes over more tiles (kSiluMul: half of them gates, half up)
+      const int64_t per_pass = (M == 1 ? kTilesOneRow : kTilesTwoRows) / (kSiluMul ? 2 : 1);
+      for (int64_t t = lo; t < hi; t += per_pass) {
+        const int64_t count = std::min(per_pass, hi - t);
+        const uint16_t* w = wp + t * ts;
+        const float* b = bp ? bp + t * kTile : nullptr;
+        const int64_t up = kSiluMul ? items * ts : 0;
+        if (M == 1) {
+          pass_of<1, kTilesOneRow / (kSiluMul ? 2 : 1), kSiluMul>(count, w, ts, up, xp, KP, b,
+                                                                    yp + t * kTile, n_out);
+        } else {
+          pass_of<2, kTilesTwoRows / (kSiluMul ? 2 : 1), kSiluMul>(count, w, ts, up, xp, KP, b,
+                                                                     yp + t * kTile, n_out);
+        }
+      }
+      return;
+    }
     for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, M - r0);
       const uint32_t* xb = xp + r0 * KP;
