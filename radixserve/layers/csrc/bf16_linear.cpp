@@ -54,7 +54,8 @@ constexpr int kTilesMax = 4;   // tiles per pass: 16 accumulators at 4 rows
 // At one or two rows a pass reads more tiles at once (12 and 8: 12 or 16 accumulators, with
 // the tiles' vectors 24 registers), so that more of the weight's streams are in flight: a
 // decode step of one row is bound by reading the weights (SmolLM2-135M's 30 layers at one row,
-// paired: 1.1-1.2x from 4 tiles to 12, the fused MLP's gate and up from 4 to 12 streams).
+// paired: 1.02-1.2x from 4 tiles to 12, the fused MLP's gate and up from 4 to 12 streams, the
+// gain smaller while the machine's memory is busy; a whole decode step 1.0-1.08x).
 constexpr int kTilesOneRow = 12;
 constexpr int kTilesTwoRows = 8;
 constexpr int64_t kRowBlock = 256;  // rows whose activations a thread's tiles multiply in turn
