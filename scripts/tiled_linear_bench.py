@@ -2,7 +2,7 @@
 (bf16_linear.cpp), int8 and int4 tiles (quant_linear.cpp).
 
 SmolLM2-135M's 30 layers of distinct random weights (qkv 960 x 576, o 576 x 576, gate_up
-3072 x 576, down 576 x 1536: 212 MB in bf16, 120 MB in int8, 80 MB in int4, more than the
+3072 x 576, down 576 x 1536: 212 MB in bf16, 120 MB in int8, 66 MB in int4, more than the
 caches hold), each product of a layer once per pass, bf16 activations in and out; the kernels
 take turns and each pass's time is kept, so the machine's drift cancels in the ratios. Needs a
 CPU with AVX512-BF16 and AVX-512 VNNI (and radixserve's kernels, built on first use).

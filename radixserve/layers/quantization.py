@@ -2,8 +2,8 @@
 W8A8 int8.
 
 A batch-1 decode step on a CPU reads every weight once, so its time is mostly the weights'
-bytes: SmolLM2-135M is 540 MB in fp32, 270 MB in bf16, ≈ 140 MB in int8 and ≈ 80 MB in int4.
-The layers here keep their weights packed:
+bytes: SmolLM2-135M is 540 MB in fp32, 270 MB in bf16, ≈ 140 MB in int8 and ≈ 66-80 MB in
+int4 (its group scales and minimums in fp16 or fp32). The layers here keep their weights packed:
 
 - int8: GGUF's Q8_0 form, groups of `INT4_GROUP_SIZE` (32) input columns with one symmetric
   scale each. On a CPU with AVX-512 VNNI the codes are stored in tiles of 16 outputs
@@ -28,7 +28,8 @@ The layers here keep their weights packed:
   rounds the activations to the same int8 grid and multiplies them by the weight,
   dequantized block by block into a dense GEMM (in fp32; a bf16 model on a CPU with native
   bf16 matmuls runs this GEMM in bf16). On a CPU with AVX-512 VNNI neither runs: the codes are
-  stored in tiles of 16 outputs (`pack_q4_tiles`, the same bytes reordered) and
+  stored in tiles of 16 outputs (`pack_q4_tiles`, the same bytes reordered, with the scales
+  and minimums in fp16 as GGUF keeps them: `quantize_int4` makes them fp16 values) and
   `q4_tiled_linear` computes the q4 kernel's function at every row count, in integers, as a
   register-blocked GEMM (llama.cpp's repacked-Q4 layout): one function for a request alone
   and in any batch, and on SmolLM2-135M's layers (2 Zen 4 cores) as fast as q4_linear at one
