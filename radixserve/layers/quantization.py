@@ -395,7 +395,8 @@ def quantize_model(
     by a QuantizedLinear, in place.
 
     `blocks` maps a linear's weight name (e.g. `model.layers.0.mlp.down_proj.weight`) to the
-    GGUF Q4 rows it holds. A layer int4 cannot pack (shape) is kept in int8, with a log line.
+    GGUF Q4 rows it holds. A layer int4 cannot pack (shape, or values beyond fp16's range) is
+    kept in int8, with a log line.
     Call on the fp32 weights, before the model's dtype cast.
     """
     blocks = blocks or {}
@@ -470,6 +471,11 @@ def _quantize_linear(
 ) -> QuantizedLinear:
     if method == "int4" and not int4_supported(*weight.shape):
         logger.info("int4 cannot pack a %d x %d weight; it stays int8", *weight.shape)
+        method = "int8"
+    if method == "int4" and not bool(weight.abs().amax() <= torch.finfo(torch.float16).max):
+        logger.info(
+            "int4's fp16 scales cannot hold a weight of values beyond fp16's; it stays int8"
+        )
         method = "int8"
     with torch.no_grad():
         return QuantizedLinear(method, weight, bias, (blocks or ()) if method == "int4" else ())

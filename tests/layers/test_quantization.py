@@ -287,6 +287,11 @@ def test_int4_scales_and_minimums_are_fp16_values() -> None:
     assert torch.equal(scale, d) and torch.equal(minimum, -8 * d)
     with pytest.raises(ValueError, match="fp16's range"):
         quantize_int4(w * 1e6)
+    model = nn.Sequential(nn.Linear(128, 32), nn.Linear(128, 32))
+    with torch.no_grad():
+        model[1].weight.mul_(1e6)
+    quantize_model(model, "int4")  # the layer int4 cannot hold stays int8, the other int4
+    assert model[0].method == "int4" and model[1].method == "int8"
 
 
 @pytest.mark.parametrize("n", [48, 64])
