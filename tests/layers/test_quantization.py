@@ -229,10 +229,10 @@ def test_q4_rows_do_not_depend_on_the_batch(outputs) -> None:
 
 
 def _tile_part(tiles: torch.Tensor, i: int, g: int, part: int, sizes: list[int]) -> torch.Tensor:
-    """Bytes of part `part` (0: codes, 1: scales, 2: minimums; sizes[part] bytes each) of tile
-    i's group g in the tiled kernels' storage: pair j of the F = T // 2 pairs holds tiles j and
-    F + j, group after group, each part of both tiles in turn, their 64-byte vectors
-    alternating; an odd last tile follows alone."""
+    """Bytes of part `part` (0: the codes; 1: the scales, int4's followed by its minimums;
+    sizes[part] bytes each) of tile i's group g in the tiled kernels' storage: pair j of the
+    F = T // 2 pairs holds tiles j and F + j, group after group, each part of both tiles in
+    turn, their 64-byte vectors alternating; an odd last tile follows alone."""
     t, groups, _ = tiles.shape
     f = t // 2
     block, slot, count = (i, 0, 2) if i < f else (i - f, 1, 2) if i < 2 * f else (f, 0, 1)
