@@ -242,6 +242,16 @@ def _tile_part(tiles: torch.Tensor, i: int, g: int, part: int, sizes: list[int])
     return torch.cat([flat[s : s + 64] for s in starts])
 
 
+def _code_lanes(tiles: torch.Tensor, sizes: list[int], picks: tuple[tuple[int, int], ...]):
+    """(i, g, q, t, lane): lane t of code vector q of tile i's group g, for every tile and
+    group and each (q, t) in picks; its 4 bytes."""
+    for i in range(tiles.shape[0]):
+        for g in range(tiles.shape[1]):
+            packed = _tile_part(tiles, i, g, 0, sizes)
+            for q, t in picks:
+                yield i, g, q, t, packed[q * 64 + t * 4 : q * 64 + t * 4 + 4]
+
+
 @pytest.mark.parametrize("n", [48, 64])  # 3 tiles (a pair and a lone one), 4 (two pairs)
 def test_q4_tiles_hold_the_kernels_bytes_reordered(n) -> None:
     """pack_q4_tiles: tile i, group g, vector q, lane t holds bytes 4q .. 4q + 3 of output
@@ -253,16 +263,14 @@ def test_q4_tiles_hold_the_kernels_bytes_reordered(n) -> None:
     tiles = quantization.pack_q4_tiles(qs, scale, minimum)
     assert tiles.shape == (n // 16, 3, 320) and tiles.dtype == torch.uint8
     sizes = [256, 64]
+    for i, g, q, t, lane in _code_lanes(tiles, sizes, ((0, 0), (3, 15), (2, 7), (1, 4))):
+        assert torch.equal(lane, qs[16 * i + t, g, 4 * q : 4 * q + 4])
+        low, high = lane & 0x0F, lane >> 4
+        k = 32 * g + 4 * q
+        assert torch.equal(low.int(), codes[16 * i + t, k : k + 4])
+        assert torch.equal(high.int(), codes[16 * i + t, k + 16 : k + 20])
     for i in range(n // 16):
         for g in range(3):
-            packed = _tile_part(tiles, i, g, 0, sizes)
-            for q, t in ((0, 0), (3, 15), (2, 7), (1, 4)):
-                lane = packed[q * 64 + t * 4 : q * 64 + t * 4 + 4]
-                assert torch.equal(lane, qs[16 * i + t, g, 4 * q : 4 * q + 4])
-                low, high = lane & 0x0F, lane >> 4
-                k = 32 * g + 4 * q
-                assert torch.equal(low.int(), codes[16 * i + t, k : k + 4])
-                assert torch.equal(high.int(), codes[16 * i + t, k + 16 : k + 20])
             d, m = _tile_part(tiles, i, g, 1, sizes).view(torch.float16).float().split(16)
             assert torch.equal(d, scale[16 * i : 16 * i + 16, g])
             assert torch.equal(m, minimum[16 * i : 16 * i + 16, g])
@@ -305,16 +313,14 @@ def test_q8_tiles_hold_the_codes_offset_and_reordered(n) -> None:
     tiles = quantization.pack_q8_tiles(codes, scale)
     assert tiles.shape == (n // 16, 3, 576) and tiles.dtype == torch.uint8
     sizes = [512, 64]
+    for i, g, q, t, lane in _code_lanes(tiles, sizes, ((0, 0), (7, 15), (4, 7), (2, 5))):
+        k = 32 * g + 4 * q
+        assert torch.equal(lane.int() - 128, codes[16 * i + t, k : k + 4].int())
     for i in range(n // 16):
         for g in range(3):
-            packed = _tile_part(tiles, i, g, 0, sizes)
-            for q, t in ((0, 0), (7, 15), (4, 7), (2, 5)):
-                lane = packed[q * 64 + t * 4 : q * 64 + t * 4 + 4]
-                k = 32 * g + 4 * q
-                assert torch.equal(lane.int() - 128, codes[16 * i + t, k : k + 4].int())
             d = _tile_part(tiles, i, g, 1, sizes).view(torch.float32)
             assert torch.equal(d, scale[16 * i : 16 * i + 16, g])
-            assert packed.min() >= 1
+            assert _tile_part(tiles, i, g, 0, sizes).min() >= 1
 
 
 def _tiled(method: str, n: int, k: int, gen: torch.Generator):
