@@ -362,14 +362,23 @@ class SglangRouter:
     --prefill A 8998 --decode B`. `name` names its log file."""
 
     def __init__(self, log_dir: str, name: str, *args: str) -> None:
+        self.log_path = os.path.join(log_dir, f"router-{name}.log")
+        self.args = args
+        self.starts = 0
+        self._start()
+
+    def _start(self) -> None:
+        """Launch on two free ports (the router's, its metrics'). A port found free can be
+        taken before the router binds it (another test's process, or a socket of a server
+        just stopped); wait_ready then starts it again on new ports."""
         import subprocess
 
         from radixserve.utils import free_port
 
+        self.starts += 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(log_dir, f"router-{name}.log")
-        cmd = [*sglang_router_command(), *args]
+        cmd = [*sglang_router_command(), *self.args]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warn"]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         with open(self.log_path, "w") as log:
@@ -389,7 +398,11 @@ class SglangRouter:
 
         deadline = time.monotonic() + timeout
         while True:
-            assert self.proc.poll() is None, self.log()
+            if self.proc.poll() is not None:
+                busy = "Address already in use" in self.log()
+                assert busy and self.starts < 3, self.log()
+                self._start()  # a port was taken before the router bound it: new ports
+                continue
             try:
                 models = httpx.get(self.url + "/v1/models", timeout=5).json()
                 if models.get("data"):

@@ -348,20 +348,22 @@ def _metric(server: ServerProcess, name: str) -> float:
     raise AssertionError(f"no {name} in /metrics")
 
 
-def _router_ratio(router: SglangRouter, workers: list[ServerProcess]) -> float:
+def _router_ratio(
+    router: SglangRouter, workers: list[ServerProcess]
+) -> tuple[float, dict[str, dict[str, Any]]]:
     """Cached prompt tokens / prompt tokens over the workload sent through `router`, from the
-    workers' Prometheus counters (caches flushed first)."""
+    workers' Prometheus counters (caches flushed first), and the workload's replies."""
     names = ("sglang:cached_tokens_total", "sglang:prompt_tokens_total")
     for w in workers:
         _flush(w)
     before = [[_metric(w, n) for n in names] for w in workers]
-    run_workload(router.url, seed=2)
+    replies = run_workload(router.url, seed=2)
     for w in workers:
         wait_drained_all(w)
     after = [[_metric(w, n) for n in names] for w in workers]
     cached = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     prompt = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    return cached / prompt
+    return cached / prompt, replies
 
 
 def test_real_router_cache_aware_in_front_of_two_servers(dp1, dp2, tmp_path_factory):
@@ -379,13 +381,21 @@ def test_real_router_cache_aware_in_front_of_two_servers(dp1, dp2, tmp_path_fact
         assert all(w.url.split("//")[1] in loads.text for w in workers), loads.text
         for path in ("/get_server_info", "/get_model_info"):
             assert httpx.get(aware.url + path, timeout=30).status_code == 200, path
-        aware_ratio = _router_ratio(aware, workers)
-        rr_ratio = _router_ratio(rr, workers)
+        aware_ratio, aware_replies = _router_ratio(aware, workers)
+        rr_ratio, _ = _router_ratio(rr, workers)
         print(
             f"cached-token ratio via the router: cache_aware {aware_ratio:.3f}, "
             f"round_robin {rr_ratio:.3f}"
         )
-        assert aware_ratio > rr_ratio + 0.1, (aware_ratio, rr_ratio)
+        # cache_aware sends every follower to the worker (and replica) that holds its group's
+        # prefix: each finds its prefix cached. Round robin splits the groups between the
+        # workers, so some followers miss (how many depends on the arrival order and timing:
+        # a fixed margin between the two ratios failed on a faster machine, 0.70 vs 0.62).
+        followers = {p for g in shared_prefix_groups(2) for p in g[1:]}
+        for prompt in followers:
+            meta = aware_replies[prompt]["meta_info"]
+            assert meta["cached_tokens"] >= 0.8 * meta["prompt_tokens"], (prompt[:40], meta)
+        assert aware_ratio >= rr_ratio, (aware_ratio, rr_ratio)
         assert httpx.post(aware.url + "/flush_cache", timeout=30).status_code == 200
         assert all(w.server_info()["evictable_tokens"] == 0 for w in workers)
     finally:
