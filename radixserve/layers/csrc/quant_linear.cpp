@@ -554,7 +554,7 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt) {
     // thread's tiles multiply them: a 4,096-row prefill's are megabytes) and reads them in
     // place, in the order they lie in memory (int4's nibbles split in registers: an unpacked
     // copy in L1 was more loads and stores than the split, at every row count; a software
-    // prefetch of the next tile was slower than the hardware prefetcher on the one stream).
+    // prefetch of the next tile was slower, measured on the earlier three-array layout).
     at::parallel_for(0, F + T % 2, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
         const int64_t r1 = std::min(M, r0 + kRowBlock);
