@@ -1,8 +1,8 @@
 // Attention of many queries over one row of slots, for CPUs with AVX512-BF16: flash-attention
 // tiles (a tile of query rows against a tile of keys at a time), scores and the
 // probabilities-times-values product both on `vdpbf16ps` (bf16 pairs summed into fp32), an
-// online softmax in fp32 in between, the running output in fp32. The probabilities are rounded
-// to bf16 for the second product, as flash-attention does on GPUs. K and V are read through
+// online softmax in fp32 (base 2) in between, the running output in fp32. The probabilities are
+// rounded to bf16 for the second product, as flash-attention does on GPUs. K and V are read through
 // the row's slots in the paged pool and packed once per call for the two products.
 //
 // extend_attention(q [N, Hq, D] bf16, k_buf [S, Hkv, D] bf16, v_buf [S, Hkv, D] bf16,
@@ -116,10 +116,9 @@ void pack_tile(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* slot
   }
 }
 
-// Scores of R query rows (bf16 pairs, [R][D/2]) against one tile's 64 keys, times `scale`.
+// Scores of R query rows (bf16 pairs, [R][D/2]) against one tile's 64 keys (unscaled).
 template <int R>
-inline void score_rows(const uint32_t* q, int64_t half, const uint32_t* kp, float scale,
-                       float* s) {
+inline void score_rows(const uint32_t* q, int64_t half, const uint32_t* kp, float* s) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -135,9 +134,8 @@ inline void score_rows(const uint32_t* q, int64_t half, const uint32_t* kp, floa
       acc[r][3] = dot_bf16(acc[r][3], qb, k3);
     }
   }
-  const __m512 sc = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kBK + c * 16, _mm512_mul_ps(acc[r][c], sc));
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kBK + c * 16, acc[r][c]);
 }
 
 // o[r] = o[r] * alpha[r] + p[r] . V for R rows: p as bf16 pairs [R][kBK/2], o [R][NV * 16].
@@ -174,13 +172,17 @@ struct TileRows {
 // Per-thread buffers of one tile.
 struct TileScratch {
   std::vector<uint32_t> q, p;
-  std::vector<float> s, o, m, l, alpha;
+  std::vector<float> s, o, m, l, lv, alpha;
   explicit TileScratch(int64_t D)
-      : q(kBQ * D / 2), p(kBQ * kBK / 2), s(kBQ * kBK), o(kBQ * D), m(kBQ), l(kBQ), alpha(kBQ) {}
+      : q(kBQ * D / 2), p(kBQ * kBK / 2), s(kBQ * kBK), o(kBQ * D), m(kBQ), l(kBQ),
+        lv(kBQ * 16), alpha(kBQ) {}
 };
 
 // The tile's rows over every key they see (kp, vp: one KV head's packed tiles). Leaves the
-// unnormalized output in w.o [rows, D], the running maximum in w.m and the sum in w.l.
+// unnormalized output in w.o [rows, D], the maximum score in w.m and the sum in w.l. The
+// softmax runs in base 2: scores are scaled by scale * log2(e), so w.m is the maximum in
+// units of log2 (a row's log-sum-exp is w.m * ln 2 + log w.l) and each probability is one
+// exp2_16_masked, whose 6e-6 error is far below the bf16 rounding the probabilities get.
 template <int NV>
 void attend_tile(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, float scale,
                  TileScratch& w) {
@@ -189,8 +191,9 @@ void attend_tile(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, flo
   constexpr int RA = 16 / NV;  // rows per accumulate micro-tile (16 accumulators)
   static_assert(kBQ % RS == 0 && kBQ % RA == 0 && RS % RA == 0);
   uint32_t *qt = w.q.data(), *pt = w.p.data();
-  float *s = w.s.data(), *o = w.o.data(), *m = w.m.data(), *l = w.l.data();
+  float *s = w.s.data(), *o = w.o.data(), *m = w.m.data(), *l = w.l.data(), *lv = w.lv.data();
   float* alpha = w.alpha.data();
+  const float scale2 = scale * 1.44269504088896341f;  // log2(e)
   const int64_t rows = tr.rows;
   const int64_t rows_up = (rows + RS - 1) / RS * RS;
   // Rows up to the micro-tile's end past the tile's rows are zero queries, their results
@@ -201,23 +204,27 @@ void attend_tile(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, flo
     else
       std::memset(qt + r * half, 0, D * sizeof(uint16_t));
     m[r] = kNegInf;
-    l[r] = 0.f;
+    _mm512_storeu_ps(lv + r * 16, _mm512_setzero_ps());  // the sum, 16 lanes until the end
   }
   std::memset(o, 0, rows_up * D * sizeof(float));
   const int64_t min_limit = tr.limit0;
   const int64_t max_limit = tr.causal ? tr.limit0 + rows - 1 : tr.limit0;
   const int64_t tiles = (max_limit + kBK - 1) / kBK;
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 sc2 = _mm512_set1_ps(scale2), ninf = _mm512_set1_ps(kNegInf);
+  const __m512 one = _mm512_set1_ps(1.f);
+  float new_m[kBQ];
+  std::fill(new_m, new_m + kBQ, kNegInf);  // rows past rows_up: computed, never read
+  __mmask16 masks[kBQ][4];
   for (int64_t t = 0; t < tiles; ++t) {
     const uint32_t* kt = kp + t * half * kBK;
     const uint32_t* vt = vp + t * (kBK / 2) * D;
-    for (int64_t r = 0; r < rows_up; r += RS)
-      score_rows<RS>(qt + r * half, half, kt, scale, s + r * kBK);
+    for (int64_t r = 0; r < rows_up; r += RS) score_rows<RS>(qt + r * half, half, kt, s + r * kBK);
     const int64_t k0 = t * kBK;
     const bool partial = k0 + kBK > min_limit;  // some row sees only part of this tile
-    for (int64_t r = 0; r < rows_up; ++r) {
-      float* sr = s + r * kBK;
-      __mmask16 valid[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
+    for (int64_t r = 0; r < rows_up; ++r) {  // each row's keys, and its new maximum
+      __mmask16* valid = masks[r];
+      for (int c = 0; c < 4; ++c) valid[c] = 0xFFFF;
       if (partial) {  // key k0 + 16c + lane is seen below the row's limit
         const int64_t limit = tr.causal ? tr.limit0 + r : tr.limit0;
         const __m512i lim = _mm512_set1_epi32(static_cast<int>(std::min(limit - k0, kBK)));
@@ -225,33 +232,43 @@ void attend_tile(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, flo
           valid[c] =
               _mm512_cmplt_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16 * c)), lim);
       }
+      const float* sr = s + r * kBK;
       __m512 mx = _mm512_set1_ps(kNegInf);
       for (int c = 0; c < 4; ++c)
         mx = _mm512_mask_max_ps(mx, valid[c], mx, _mm512_loadu_ps(sr + c * 16));
-      const float tile_max = _mm512_reduce_max_ps(mx);
-      const float new_m = std::max(m[r], tile_max);
+      new_m[r] = std::max(m[r], _mm512_reduce_max_ps(mx) * scale2);  // scale2 > 0
+    }
+    for (int64_t r = 0; r < rows_up; r += 16) {  // the old sums' factors, 16 rows at a time
+      const __m512 mo = _mm512_loadu_ps(m + r), mn = _mm512_loadu_ps(new_m + r);
+      // 0 where nothing was seen before; 1 where nothing is seen yet (a padding row)
+      __m512 a = radixserve_vec::exp2_16_masked(_mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ),
+                                                _mm512_sub_ps(mo, mn));
+      a = _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), one);
+      _mm512_storeu_ps(alpha + r, a);
+      _mm512_storeu_ps(m + r, mn);
+    }
+    for (int64_t r = 0; r < rows_up; ++r) {  // probabilities (bf16 pairs) and sums
       uint32_t* pr = pt + r * (kBK / 2);
-      if (new_m == kNegInf) {  // nothing seen yet (a padding row): keep it empty
-        alpha[r] = 1.f;
+      if (m[r] == kNegInf) {  // a padding row: keep it empty
         std::memset(pr, 0, kBK * sizeof(uint16_t));
         continue;
       }
-      alpha[r] = m[r] == kNegInf ? 0.f : std::exp(m[r] - new_m);
-      m[r] = new_m;
-      const __m512 nm = _mm512_set1_ps(new_m);
-      __m512 sum = _mm512_setzero_ps();
+      const float* sr = s + r * kBK;
+      const __m512 nm = _mm512_set1_ps(m[r]);
+      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(lv + r * 16), _mm512_set1_ps(alpha[r]));
       for (int c = 0; c < 4; ++c) {
-        const __m512 p = _mm512_maskz_mov_ps(
-            valid[c], radixserve_vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + c * 16), nm)));
+        const __m512 p = radixserve_vec::exp2_16_masked(
+            masks[r][c], _mm512_fmsub_ps(_mm512_loadu_ps(sr + c * 16), sc2, nm));
         sum = _mm512_add_ps(sum, p);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr) + c, (__m256i)_mm512_cvtneps_pbh(p));
       }
-      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+      _mm512_storeu_ps(lv + r * 16, sum);
     }
     const int64_t rows_a = (rows + RA - 1) / RA * RA;
     for (int64_t r = 0; r < rows_a; r += RA)
       accumulate_rows<RA, NV>(pt + r * (kBK / 2), vt, alpha + r, o + r * D, kBK / 2);
   }
+  for (int64_t r = 0; r < rows; ++r) l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(lv + r * 16));
 }
 
 // Pack the tiles of `rows` rows of slots (one per KV head, or per group and KV head):
@@ -351,7 +368,7 @@ void cascade_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_bu
     for (int64_t r = 0; r < tr.rows; ++r) {  // merge with the suffix's (out, lse)
       const int64_t b = mem[(r0 + r) / G], gi = (r0 + r) % G;
       const int64_t at = (b * Hkv + h) * G + gi;
-      const float lp = w.m[r] + std::log(w.l[r]), ls = lse[at];
+      const float lp = w.m[r] * 0.693147180559945309f + std::log(w.l[r]), ls = lse[at];
       const float mx = std::max(lp, ls);
       const float ws = ls == kNegInf ? 0.f : std::exp(ls - mx), wp = std::exp(lp - mx);
       const float total = ws + wp;

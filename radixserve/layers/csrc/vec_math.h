@@ -66,6 +66,21 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// 2^x for 16 floats in zero-masked lanes (mask): x split as n + r, n = round(x), |r| <= 1/2,
+// 2^r by a degree-4 polynomial (relative error <= 6e-6), scaled by 2^n with vscalefps (which
+// gives 0 far below the float range: no clamp). For probabilities that are rounded to bf16
+// afterwards (8 significant bits), where exp16's degree-6 polynomial buys nothing.
+inline __m512 exp2_16_masked(__mmask16 mask, __m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.627114050090313e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.598684400320053e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402331829071045e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.93108856678009e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(mask, p, n);
+}
+
 // silu(x) = x / (1 + exp(-x)) for 16 floats: the operations of fused_ops.cpp's 8-float SiLU,
 // lane by lane.
 inline __m512 silu16(__m512 x) {
