@@ -186,6 +186,26 @@ def iter_gguf_weights(
     logger.info("dequantized GGUF weights in %.1f s", time.perf_counter() - start)
 
 
+_BLOCK_LINEAR = re.compile(
+    r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight"
+)
+_Q4 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
+
+def stored_quantization(path: str | GGUFReader) -> tuple[str | None, list[str]]:
+    """(the `--quantization` that runs a GGUF's block linear weights as stored, their types):
+    int4 when every one is Q4_0 / Q4_1 (int4 keeps their codes), int8 when every one is Q8_0
+    or Q4 (Q8_0's codes come back exactly from int8's groups of 32), else None."""
+    reader = path if isinstance(path, GGUFReader) else open_gguf(path)
+    kinds = [t.tensor_type for t in reader.tensors if _BLOCK_LINEAR.fullmatch(t.name)]
+    names = sorted({k.name for k in kinds})
+    if kinds and all(k in _Q4 for k in kinds):
+        return "int4", names
+    if kinds and all(k in (*_Q4, GGMLQuantizationType.Q8_0) for k in kinds):
+        return "int8", names
+    return None, names
+
+
 def q4_block_params(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray] | None:
     """(scale, minimum) of each 32-column block of a Q4_0 / Q4_1 tensor, [rows, K / 32] fp32,
     such that a block's value is code * scale + minimum; None for other types.

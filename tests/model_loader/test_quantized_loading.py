@@ -7,13 +7,14 @@ import math
 from pathlib import Path
 
 import pytest
+import test_gguf_loader
 import torch
 from gguf import GGMLQuantizationType as QT
 from test_gguf_loader import LAYER_QTYPES, PROJ_HF, write_tiny_gguf
 
 from radixserve.args import ServerArgs
 from radixserve.layers.quantization import QuantizedLinear, dequantize_int4, quantize_int4
-from radixserve.model_loader.gguf_loader import iter_gguf_weights
+from radixserve.model_loader.gguf_loader import iter_gguf_weights, stored_quantization
 from radixserve.model_loader.loader import _block_params_by_weight, load_model
 
 
@@ -116,3 +117,46 @@ def test_default_model_perplexity_within_bounds_of_fp32(default_gguf: str, monke
     # since activation rounding is discontinuous, that noise can flip roundings downstream,
     # so the perplexities agree closely, not exactly (0.3% apart on this text).
     assert abs(ppl["int4-gemv"] / ppl["int4"] - 1) < 0.01, ppl
+
+
+def _tiny_gguf_of(tmp_path: Path, monkeypatch, name: str, qtypes: list[QT]) -> str:
+    """The tiny two-layer llama with its block linears stored as qtypes, in turn."""
+    layers = [
+        {proj: qtypes[(i * len(PROJ_HF) + j) % len(qtypes)] for j, proj in enumerate(PROJ_HF)}
+        for i in range(len(LAYER_QTYPES))
+    ]
+    monkeypatch.setattr(test_gguf_loader, "LAYER_QTYPES", layers)
+    path = tmp_path / f"{name}.gguf"
+    write_tiny_gguf(path, "llama", tie=False)
+    return str(path)
+
+
+def test_loading_a_quantized_gguf_says_which_flag_runs_it_as_stored(
+    tmp_path: Path, monkeypatch, caplog, default_gguf: str
+) -> None:
+    """Dequantized on load (the default), a GGUF of Q4 or Q8_0 block weights logs the
+    --quantization that would keep them: all Q4 -> int4, Q4 and Q8_0 -> int8; nothing for
+    float, mixed or Q5 files, or when a method was given."""
+    files = {
+        "q4": _tiny_gguf_of(tmp_path, monkeypatch, "q4", [QT.Q4_0, QT.Q4_1]),
+        "q8": _tiny_gguf_of(tmp_path, monkeypatch, "q8", [QT.Q8_0, QT.Q4_1, QT.Q8_0]),
+        "mixed": _tiny_gguf_of(tmp_path, monkeypatch, "mixed", [QT.Q4_0, QT.F16]),
+        "q5": _tiny_gguf_of(tmp_path, monkeypatch, "q5", [QT.Q4_0, QT.Q5_1]),
+    }
+    assert stored_quantization(files["q4"]) == ("int4", ["Q4_0", "Q4_1"])
+    assert stored_quantization(files["q8"]) == ("int8", ["Q4_1", "Q8_0"])
+    assert stored_quantization(files["mixed"])[0] is None
+    assert stored_quantization(files["q5"])[0] is None
+    assert stored_quantization(default_gguf) == ("int4", ["Q4_1"])
+    caplog.set_level("INFO", logger="radixserve.model_loader.loader")
+    for name, want in (("q4", "int4"), ("q8", "int8"), ("mixed", None), ("q5", None)):
+        caplog.clear()
+        load_model(files[name], "gguf", "float32", "cpu")
+        hints = [m for r in caplog.records if "runs them as stored" in (m := r.getMessage())]
+        if want is None:
+            assert hints == [], name
+        else:
+            assert len(hints) == 1 and f"--quantization {want} " in hints[0], (name, hints)
+    caplog.clear()
+    load_model(files["q4"], "gguf", "float32", "cpu", quantization="int4")
+    assert not [r for r in caplog.records if "runs them as stored" in r.getMessage()]
