@@ -290,27 +290,67 @@ inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
+// The values' pass of one head over a block for qc <= QC of its queries at once: o[g] =
+// o[g] * corr[g] + the probabilities pw[g] (bf16 pairs) times the slot pairs' V rows, each
+// pair's rows interleaved by vpunpck{l,h}wd once for all qc queries, the accumulators in
+// registers (QC * 2 * NV of them, 12 or 16: enough independent chains to cover vdpbf16ps's
+// latency). The dims stay in the interleaved order (vector 2c + h, lane 4L + e: dim
+// 32c + 8L + 4h + e) until attend_bf16's end.
+template <int NV, int QC>
+inline void weigh_values_bf16(const c10::BFloat16* const* vrow, int64_t hD, int64_t pairs,
+                              const uint32_t* pw, int64_t pw_stride, const float* corr,
+                              float* a, int64_t qc) {
+  constexpr int64_t D = 32 * NV;
+  __m512 o[QC][2 * NV];
+  for (int g = 0; g < QC; ++g) {
+    if (g >= qc) break;
+    const __m512 vc = _mm512_set1_ps(corr[g]);
+    for (int k = 0; k < 2 * NV; ++k)
+      o[g][k] = _mm512_mul_ps(_mm512_loadu_ps(a + g * D + 16 * k), vc);
+  }
+  for (int64_t j = 0; j < pairs; ++j) {
+    const c10::BFloat16* r0 = vrow[2 * j] + hD;
+    const c10::BFloat16* r1 = vrow[2 * j + 1] + hD;
+    __m512i w[QC];
+    for (int g = 0; g < QC; ++g)
+      if (g < qc) w[g] = _mm512_set1_epi32(static_cast<int>(pw[g * pw_stride + j]));
+    for (int c = 0; c < NV; ++c) {
+      const __m512i x = _mm512_loadu_si512(r0 + 32 * c), y = _mm512_loadu_si512(r1 + 32 * c);
+      const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+      for (int g = 0; g < QC; ++g) {
+        if (g >= qc) break;
+        o[g][2 * c] = dot_bf16(o[g][2 * c], w[g], lo);
+        o[g][2 * c + 1] = dot_bf16(o[g][2 * c + 1], w[g], hi);
+      }
+    }
+  }
+  for (int g = 0; g < QC; ++g) {
+    if (g >= qc) break;
+    for (int k = 0; k < 2 * NV; ++k) _mm512_storeu_ps(a + g * D + 16 * k, o[g][k]);
+  }
+}
+
 // `attend` for a bf16 query and bf16 K/V, D = 32 * NV, on AVX512-BF16: both products on
 // `vdpbf16ps`, as extend_attention.cpp's tiles. Per block of up to 64 slots and KV head: each
-// query's scores are dot products of bf16 pairs summed in fp32 (16 at a time by reduce16), the
-// online softmax runs in fp32 once per block, and the probabilities, rounded to bf16, weigh the
-// values two slots at a time (the slots' V rows interleaved by vpunpck{l,h}wd), into two sets
-// of accumulators (even and odd pairs) so that the products do not wait on each other. The
-// accumulators keep the dims in that interleaved order (vector 2c + h, lane 4L + e: dim
-// 32c + 8L + 4h + e) until the end.
+// query's scores are dot products of bf16 pairs summed in fp32 (16 at a time by reduce16) and
+// its online softmax runs in fp32 once per block; then one pass over the block's V rows weighs
+// them by up to three (D = 64) or two (D = 128) queries' probabilities, rounded to bf16, at
+// once (weigh_values_bf16), so each V row is loaded and interleaved once per pass, not once
+// per query.
 template <int NV>
 void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const c10::BFloat16* k_buf,
                  const c10::BFloat16* v_buf, const int64_t* row, int64_t t0, int64_t t1,
                  float scale, float* m, float* l, float* acc, const int64_t* next_slots,
                  int64_t next_count) {
   constexpr int64_t D = 32 * NV, kSlots = 4 * kBlock16;
+  constexpr int QC = NV == 2 ? 3 : 2;  // queries per values' pass (accumulators in registers)
   const int64_t HG = H * G, W = H * D;
   const std::vector<c10::BFloat16> zero(W, c10::BFloat16(0.f));
   std::vector<float> acc_p(HG * D, 0.f);
+  std::vector<uint32_t> pw(G * (kSlots / 2));  // each query's probabilities, as bf16 pairs
+  std::vector<float> corr(G);
   const c10::BFloat16* krow[kSlots];
   const c10::BFloat16* vrow[kSlots];
-  __m512i pv[kSlots / 2][2 * NV];    // slot pairs' V rows of one head, interleaved
-  alignas(64) uint32_t pw[kSlots / 2];  // the probabilities of slot pairs, as bf16 pairs
   for (int64_t i = 0; i < HG; ++i) {
     m[i] = kNegInf;
     l[i] = 0.f;
@@ -328,14 +368,6 @@ void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const c10::BFloat
       vrow[i] = i < n ? v_buf + row[base + i] * W : zero.data();
     }
     for (int64_t h = 0; h < H; ++h) {
-      for (int64_t j = 0; j < pairs; ++j) {
-        for (int c = 0; c < NV; ++c) {
-          const __m512i a = _mm512_loadu_si512(vrow[2 * j] + h * D + 32 * c);
-          const __m512i b = _mm512_loadu_si512(vrow[2 * j + 1] + h * D + 32 * c);
-          pv[j][2 * c] = _mm512_unpacklo_epi16(a, b);
-          pv[j][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-        }
-      }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hg = h * G + g;
         __m512i qv[NV];
@@ -357,40 +389,24 @@ void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const c10::BFloat
           spf.issue();
         }
         const float new_m = std::max(m[hg], _mm512_reduce_max_ps(vmax));
-        const float corr = std::exp(m[hg] - new_m);  // exp(-inf) = 0 on the first block
+        corr[g] = std::exp(m[hg] - new_m);  // exp(-inf) = 0 on the first block
         const __m512 vm = _mm512_set1_ps(new_m);
         __m512 psum = _mm512_setzero_ps();
+        uint32_t* pg = pw.data() + g * (kSlots / 2);
         for (int64_t v = 0; v < groups; ++v) {
           const __m512 p = _mm512_maskz_mov_ps(radixserve_vec::first(n - v * kBlock16),
                                                radixserve_vec::exp16(_mm512_sub_ps(sv[v], vm)));
           psum = _mm512_add_ps(psum, p);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pw + 8 * v),
-                             (__m256i)_mm512_cvtneps_pbh(p));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + 8 * v),
+                              (__m256i)_mm512_cvtneps_pbh(p));
         }
-        l[hg] = l[hg] * corr + _mm512_reduce_add_ps(psum);
+        l[hg] = l[hg] * corr[g] + _mm512_reduce_add_ps(psum);
         m[hg] = new_m;
-        float* a = acc_p.data() + hg * D;
-        __m512 o[2 * NV], o2[2 * NV];
-        const __m512 vc = _mm512_set1_ps(corr);
-        for (int k = 0; k < 2 * NV; ++k) {
-          o[k] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * k), vc);
-          o2[k] = _mm512_setzero_ps();
-        }
-        int64_t j = 0;
-        for (; j + 1 < pairs; j += 2) {
-          const __m512i w = _mm512_set1_epi32(static_cast<int>(pw[j]));
-          const __m512i w2 = _mm512_set1_epi32(static_cast<int>(pw[j + 1]));
-          for (int k = 0; k < 2 * NV; ++k) {
-            o[k] = dot_bf16(o[k], w, pv[j][k]);
-            o2[k] = dot_bf16(o2[k], w2, pv[j + 1][k]);
-          }
-        }
-        if (j < pairs) {
-          const __m512i w = _mm512_set1_epi32(static_cast<int>(pw[j]));
-          for (int k = 0; k < 2 * NV; ++k) o[k] = dot_bf16(o[k], w, pv[j][k]);
-        }
-        for (int k = 0; k < 2 * NV; ++k) _mm512_storeu_ps(a + 16 * k, _mm512_add_ps(o[k], o2[k]));
       }
+      for (int64_t g0 = 0; g0 < G; g0 += QC)
+        weigh_values_bf16<NV, QC>(vrow, h * D, pairs, pw.data() + g0 * (kSlots / 2), kSlots / 2,
+                                  corr.data() + g0, acc_p.data() + (h * G + g0) * D,
+                                  std::min<int64_t>(QC, G - g0));
     }
   }
   for (int64_t hg = 0; hg < HG; ++hg) {  // back to the dims' order
