@@ -118,7 +118,7 @@ def load_model(
     else:
         logger.info("loading weights from %s (%s)", model_path, load_format)
         model.load_weights(_iter_weights(model_path, load_format, q4_blocks))
-    if load_format == "gguf" and not quantization and tp is None:
+    if load_format == "gguf" and not quantization and tp is None and device == "cpu":
         _hint_stored_quantization(model_path, dtype)
     if quantization:
         from radixserve.layers.quantization import quantize_model
