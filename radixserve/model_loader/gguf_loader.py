@@ -186,10 +186,14 @@ def iter_gguf_weights(
     logger.info("dequantized GGUF weights in %.1f s", time.perf_counter() - start)
 
 
-_BLOCK_LINEAR = re.compile(
-    r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight"
-)
+# A block's linear layers: the layer modules that map to an HF *_proj.
+_LINEAR_MODULES = {gg for gg, hf in _LAYER_MODULES.items() if hf.endswith("_proj")}
 _Q4 = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
+
+def _is_block_linear_weight(gguf_name: str) -> bool:
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    return match is not None and match[2] in _LINEAR_MODULES and match[3] == "weight"
 
 
 def stored_quantization(path: str | GGUFReader) -> tuple[str | None, list[str]]:
@@ -197,7 +201,7 @@ def stored_quantization(path: str | GGUFReader) -> tuple[str | None, list[str]]:
     int4 when every one is Q4_0 / Q4_1 (int4 keeps their codes), int8 when every one is Q8_0
     or Q4 (Q8_0's codes come back exactly from int8's groups of 32), else None."""
     reader = path if isinstance(path, GGUFReader) else open_gguf(path)
-    kinds = [t.tensor_type for t in reader.tensors if _BLOCK_LINEAR.fullmatch(t.name)]
+    kinds = [t.tensor_type for t in reader.tensors if _is_block_linear_weight(t.name)]
     names = sorted({k.name for k in kinds})
     if kinds and all(k in _Q4 for k in kinds):
         return "int4", names
