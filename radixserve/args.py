@@ -168,6 +168,16 @@ class ServerArgs:
         "Run CPU decode steps layer by layer in Python instead of in one C++ call (the "
         "cpu_paged backend's captured step; it gives the same tokens, faster).",
     )
+    disable_cuda_graph: bool = _f(
+        False,
+        "Run CUDA decode steps eagerly instead of replaying the CUDA graphs captured at "
+        "start-up (one per batch-size bucket and KV-length bucket).",
+    )
+    cuda_graph_max_bs: int | None = _f(
+        None,
+        "Largest decode batch replayed from a CUDA graph (larger ones run eagerly); default "
+        "min(128, --max-running-requests).",
+    )
     quantization: str | None = _f(
         None,
         "Quantized linear layers, CPU only: weight-only int8 (groups of 32) or int4 (groups of "
@@ -270,6 +280,8 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be positive")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
+            raise ValueError("--cuda-graph-max-bs must be positive")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

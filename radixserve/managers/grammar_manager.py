@@ -40,11 +40,11 @@ class GrammarManager:
         return self._backend
 
     def key_of(self, req: Req) -> tuple[str, str] | None:
-        from radixserve.constrained.xgrammar_backend import grammar_key
-
         sp = req.sampling_params
         if sp.json_schema is None and sp.regex is None and sp.ebnf is None:
             return None
+        from radixserve.constrained.xgrammar_backend import grammar_key
+
         return grammar_key(sp)
 
     def add(self, req: Req) -> str | None:

@@ -28,6 +28,7 @@ from radixserve.mem_cache.memory_pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
+from radixserve.model_executor.cuda_graph_runner import CudaGraphRunner
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_loader.loader import (
     detect_load_format,
@@ -129,7 +130,19 @@ class ModelRunner:
             decode_step = CpuDecodeStep.build(self.model)
             if decode_step is not None:
                 self.model.model.decode_step = decode_step
+        self.cuda_graph_runner: CudaGraphRunner | None = None
+        if self.device == "cuda" and not server_args.disable_cuda_graph:
+            self.cuda_graph_runner = self._init_cuda_graphs()
         self.sampler = Sampler()
+
+    def _init_cuda_graphs(self) -> CudaGraphRunner | None:
+        if not isinstance(self.attn_backend, TorchNativeAttnBackend):
+            logger.info("decode steps run eagerly: the %s backend", self.attn_backend.name)
+            return None
+        if self.tp.world_size > 1:
+            logger.info("decode steps run eagerly: tensor parallelism")
+            return None
+        return CudaGraphRunner(self)
 
     # -- w8a8_int8 --------------------------------------------------------------------------------
     CALIBRATION_TOKENS = 512
@@ -226,10 +239,12 @@ class ModelRunner:
         self.max_running_requests = sa.max_running_requests or min(
             DEFAULT_MAX_RUNNING_REQUESTS, max(1, total // 2)
         )
+        # The scheduler's tables stay in host memory on every device: a step copies the rows
+        # it reads to the device (ModelWorkerBatch.kv_rows); only the KV itself lives there.
         self.req_to_token_pool = ReqToTokenPool(
-            self.max_running_requests, self.context_len + 8, self.device
+            self.max_running_requests, self.context_len + 8, "cpu"
         )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, sa.page_size, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(total, sa.page_size, "cpu")
         self.token_to_kv_pool = MHATokenToKVPool(
             total,
             cfg.num_hidden_layers,
@@ -284,6 +299,8 @@ class ModelRunner:
     # -- forward --------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+            return LogitsOutput(self.cuda_graph_runner.replay(fb))
         hidden = self.forward_hidden(fb)
         last = hidden if fb.forward_mode.is_decode() else hidden[fb.last_token_indices()]
         logits = self.model.compute_logits(last).float()

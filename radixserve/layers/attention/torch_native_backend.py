@@ -65,6 +65,16 @@ class TorchNativeAttnBackend(AttentionBackend):
             kv_index, q_index, token_pos, mask.unsqueeze(1), cascade
         )
 
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        """Decode metadata from the batch's device tensors alone (no host lists, no host sync),
+        so a CUDA graph can capture it (model_executor/cuda_graph_runner.py): the KV width is
+        fb.kv_rows's (the graph's KV-length bucket), each row masked by fb.seq_lens."""
+        width = fb.kv_rows.shape[1]
+        valid = torch.arange(width, device=fb.kv_rows.device)[None, :] < fb.seq_lens[:, None]
+        kv_index = torch.where(valid, fb.kv_rows, 0)
+        none = kv_index.new_empty(0)  # decode reads no query index
+        fb.attn_metadata = TorchNativeMetadata(kv_index, none, none, valid[:, None, None, :])
+
     def forward(
         self,
         q: torch.Tensor,
