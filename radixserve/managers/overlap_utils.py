@@ -7,9 +7,12 @@ on the worker right before its forward. The scheduler never waits on a token to 
 
 ForwardThread runs the steps in launch order on one thread, so the scheduler's Python (result
 processing, streaming, scheduling) runs while torch computes (its ops release the GIL). On CUDA
-the thread issues its work on its own stream after the scheduler's stream. A step's sampling
-can be launched later than its forward (`launch_sample`): the grammar mask and the penalties
-of a step need the previous step's tokens, which only result processing commits.
+the thread issues its work on its own stream after the scheduler's stream and never waits for
+the device: a step's inputs go up through pinned memory, its sampled tensors come back the same
+way with an event (HostCopy) that only the scheduler waits on, so the thread queues step N+1
+behind step N while N runs. A step's sampling can be launched later than its forward
+(`launch_sample`): the grammar mask and the penalties of a step need the previous step's
+tokens, which only result processing commits.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from typing import Any
 
 import torch
 
-from radixserve.layers.sampler import SamplingBatchInfo
+from radixserve.layers.sampler import SampleOutput, SamplingBatchInfo
 from radixserve.managers.tp_worker import GenerationBatchResult
-from radixserve.model_executor.forward_batch import ModelWorkerBatch
+from radixserve.model_executor.forward_batch import ModelWorkerBatch, int64_on
 from radixserve.model_executor.model_runner import InputLogprobs
 
 
@@ -57,12 +60,13 @@ class FutureMap:
             f"future slot {slot} belongs to {self.owner[slot]}, read by {(row, rid)}"
         )
 
-    def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Replace every input id -k by the token stored in slot k."""
-        futures = input_ids < 0
-        if not bool(futures.any()):
-            return input_ids
-        return torch.where(futures, self.buf[(-input_ids).clamp(min=0)], input_ids)
+    def resolve(self, input_ids: list[int]) -> torch.Tensor:
+        """The step's input ids on the device, every id -k replaced by the token stored in
+        slot k. Whether there are futures is read from the host list: no device sync."""
+        ids = int64_on(input_ids, self.buf.device.type)
+        if min(input_ids, default=0) >= 0:
+            return ids
+        return torch.where(ids < 0, self.buf[(-ids).clamp(min=0)], ids)
 
     def store(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         self.buf[slots] = token_ids
@@ -89,14 +93,44 @@ class ForwardFence:
             self._cuda_event.synchronize()
 
 
+class HostCopy:
+    """A sampled step's tensors on their way to the host. On CUDA they are copied into pinned
+    memory without waiting and an event marks the copies done, so the forward thread goes on
+    to queue the next step while this one runs; the scheduler waits on the event when it
+    processes the result. On CPU the tensors are already there."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.event: Any = None
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        if self.stream is None:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def record(self) -> None:
+        if self.stream is not None:
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
 class InFlightStep:
-    """One launched step: its snapshot, then its logits, then its result (or its error)."""
+    """One launched step: its snapshot, then its logits, then its sampled tensors (or its
+    error), and once the scheduler waits for it, its result."""
 
     def __init__(self, mwb: ModelWorkerBatch, slots: list[int], device: str) -> None:
         self.mwb = mwb
-        self.slots = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.slots = int64_on(slots, device)
         self.logits: torch.Tensor | None = None
         self.input_logprobs: InputLogprobs | None = None
+        self.sampled: SampleOutput | None = None
+        self.host_copy: HostCopy | None = None
         self.result: GenerationBatchResult | None = None
         self.error: BaseException | None = None
         self.sample_launched = mwb.sampling_info is not None
@@ -104,7 +138,18 @@ class InFlightStep:
         self.forward_done = ForwardFence()
 
     def wait(self) -> GenerationBatchResult:
+        """The step's result, once its sampled tokens are on the host."""
         self.done.wait()
+        if self.error is None and self.result is None:
+            assert self.sampled is not None and self.host_copy is not None
+            try:
+                self.host_copy.wait()
+                self.result = GenerationBatchResult.from_sample(
+                    self.sampled, self.mwb, self.input_logprobs
+                )
+            except BaseException as e:  # an error the device reports only now
+                self.error = e
+            self.sampled = self.input_logprobs = None
         if self.error is not None:
             raise RuntimeError(f"the forward step failed: {self.error!r}") from self.error
         assert self.result is not None
@@ -154,8 +199,7 @@ class ForwardThread:
 
     def _forward(self, step: InFlightStep) -> None:
         try:
-            ids = torch.tensor(step.mwb.input_ids, dtype=torch.int64, device=self.device)
-            out = self.worker.forward(step.mwb, self.future_map.resolve(ids))
+            out = self.worker.forward(step.mwb, self.future_map.resolve(step.mwb.input_ids))
             step.logits, step.input_logprobs = out.next_token_logits, out.input_logprobs
         except BaseException as e:  # reported by wait(); the scheduler fails loudly there
             step.error = e
@@ -172,9 +216,30 @@ class ForwardThread:
                 assert step.logits is not None
                 out = self.worker.sample(step.logits, info, vocab_mask, step.mwb)
                 self.future_map.store(step.slots, out.next_token_ids)
-                step.result = GenerationBatchResult.from_sample(out, step.mwb, step.input_logprobs)
+                step.host_copy = copy = HostCopy(self.stream)
+                step.sampled = _sample_output_on(copy, out)
+                if step.input_logprobs is not None:
+                    step.input_logprobs = _input_logprobs_on(copy, step.input_logprobs)
+                copy.record()
         except BaseException as e:
             step.error = e
         finally:
             step.logits = None
             step.done.set()
+
+
+def _sample_output_on(copy: HostCopy, out: SampleOutput) -> SampleOutput:
+    top = out.top_logprobs
+    return SampleOutput(
+        copy.copy(out.next_token_ids),
+        None if out.logprobs is None else copy.copy(out.logprobs),
+        None if top is None else (copy.copy(top[0]), copy.copy(top[1])),
+    )
+
+
+def _input_logprobs_on(copy: HostCopy, lp: InputLogprobs) -> InputLogprobs:
+    top = lp.top
+    return InputLogprobs(
+        copy.copy(lp.token_logprobs),
+        None if top is None else (copy.copy(top[0]), copy.copy(top[1])),
+    )

@@ -66,7 +66,7 @@ class ModelWorkerBatch:
 
     def to_forward_batch(self, device: str, input_ids: torch.Tensor | None = None) -> ForwardBatch:
         def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return int64_on(values, device)
 
         return ForwardBatch(
             forward_mode=self.forward_mode,
@@ -75,11 +75,11 @@ class ModelWorkerBatch:
             positions=tensor(self.positions),
             req_pool_indices=tensor(self.req_pool_indices),
             seq_lens=tensor(self.seq_lens),
-            out_cache_loc=self.out_cache_loc.to(device),
+            out_cache_loc=to_device(self.out_cache_loc, device),
             seq_lens_cpu=list(self.seq_lens),
             extend_prefix_lens_cpu=list(self.prefix_lens),
             extend_seq_lens_cpu=list(self.extend_lens),
-            kv_rows=self.kv_rows.to(device),
+            kv_rows=to_device(self.kv_rows, device),
             input_logprob_indices=(
                 None if self.input_logprob_indices is None else tensor(self.input_logprob_indices)
             ),
@@ -88,6 +88,23 @@ class ModelWorkerBatch:
             ),
             top_logprobs_num=self.top_logprobs_num,
         )
+
+
+def to_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory, without waiting: a copy from
+    pageable memory would block the calling thread until the stream's earlier work is done,
+    so the overlap loop's forward thread could not queue a step behind the one running."""
+    if device == "cpu" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def int64_on(values: list[int], device: str) -> torch.Tensor:
+    """`values` as an int64 tensor on `device` (see to_device)."""
+    if device == "cpu":
+        return torch.tensor(values, dtype=torch.int64)
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 @dataclass

@@ -300,3 +300,14 @@ def test_the_forward_runs_with_the_model_threads_while_the_scheduler_runs_on_one
         torch.set_num_threads(before)
     assert run.tokens()["a"] == expected_output([5, 6, 7], 6)
     assert seen and set(seen) == {3}
+
+
+def test_the_future_map_resolves_negative_ids_from_the_host_list():
+    from radixserve.managers.overlap_utils import FutureMap
+
+    fm = FutureMap(max_batch_size=4)
+    slots = fm.alloc([(1, "a"), (2, "b"), (3, "c")])
+    fm.store(torch.tensor(slots), torch.tensor([70, 71, 72]))
+    assert fm.resolve([5, -slots[1], 9, -slots[0]]).tolist() == [5, 71, 9, 70]
+    assert fm.resolve([5, 6]).tolist() == [5, 6]  # no futures: the ids as given
+    assert fm.resolve([]).tolist() == []

@@ -19,7 +19,7 @@ from radixserve.layers.attention.cascade_decode import (
     build_cascade_plan,
     cascade_decode,
 )
-from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.model_executor.forward_batch import ForwardBatch, int64_on
 
 
 @dataclass
@@ -40,9 +40,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         dev = fb.input_ids.device
         bs = fb.batch_size
-        seq_lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int64, device=dev)
-        prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device=dev)
-        ext_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=dev)
+        seq_lens = int64_on(fb.seq_lens_cpu, dev.type)
+        prefix_lens = int64_on(fb.extend_prefix_lens_cpu, dev.type)
+        ext_lens = int64_on(fb.extend_seq_lens_cpu, dev.type)
         max_kv = max(fb.seq_lens_cpu)
         max_q = max(fb.extend_seq_lens_cpu)
         kv_index = fb.kv_rows[:, :max_kv]  # the rows the scheduler copied at launch
