@@ -17,9 +17,14 @@ through the step's rows, padded to the KV bucket, masked by the sequence lengths
 metadata built inside the graph from those buffers (init_forward_metadata_graph), so nothing
 in the captured step reads a host value.
 
+The padded gather costs memory in proportion to batch × KV length (a layer's K and V copies,
+scores and probabilities), so a pair whose gather would not fit in half the device memory left
+after the KV pool is not captured: a long-context model gets graphs for its short rows, and
+its long rows at large batches run eagerly instead of failing at start-up.
+
 Steps a graph does not cover run eagerly: extend and mixed steps, batches above the largest
-bucket, sequences longer than the context bucket. `--disable-cuda-graph` turns it off. With
-`capture=False` (tests, on CPU) the same padded step runs eagerly through the same buffers.
+bucket, pairs not captured. `--disable-cuda-graph` turns it off. With `capture=False` (tests,
+on CPU) the same padded step runs eagerly through the same buffers.
 """
 
 from __future__ import annotations
@@ -77,14 +82,38 @@ class _StaticInputs:
         self.logits = torch.zeros(max_bs, vocab, dtype=torch.float32, device=device)
 
 
+def gather_bytes_per_slot(runner: ModelRunner) -> int:
+    """Bytes one (row, KV position) of a padded decode step holds at once, in one layer: its K
+    and V copies in the model's dtype, fp32 scores and the probabilities, the slot index and
+    the mask."""
+    cfg = runner.model_config
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+    return kv + cfg.num_attention_heads * (4 + 4 + elem) + 8 + 8
+
+
 class CudaGraphRunner:
-    def __init__(self, model_runner: ModelRunner, capture: bool = True) -> None:
+    """`memory_budget`: bytes a graph's padded gather may take (None: half the device memory
+    free at capture; no limit without capture)."""
+
+    def __init__(
+        self, model_runner: ModelRunner, capture: bool = True, memory_budget: int | None = None
+    ) -> None:
         self.runner = model_runner
         sa = model_runner.server_args
         max_bs = min(sa.cuda_graph_max_bs or DEFAULT_MAX_BS, model_runner.max_running_requests)
         self.batch_sizes = batch_size_buckets(max_bs)
         self.kv_lens = kv_len_buckets(model_runner.context_len)
         self.device = model_runner.device
+        if memory_budget is None and capture:
+            memory_budget = torch.cuda.mem_get_info()[0] // 2
+        per_slot = gather_bytes_per_slot(model_runner)
+        self.pairs = {
+            (bs, kv_len)
+            for bs in self.batch_sizes
+            for kv_len in self.kv_lens
+            if memory_budget is None or bs * kv_len * per_slot <= memory_budget
+        }
         with torch.inference_mode():
             self.buffers = _StaticInputs(
                 self.batch_sizes[-1],
@@ -101,12 +130,13 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        total = len(self.batch_sizes) * len(self.kv_lens)
+        total = len(self.pairs)
         logger.info(
-            "capturing %d CUDA graphs for decode: batch sizes %s × KV lengths %s",
+            "capturing %d CUDA graphs for decode: batch sizes %s × KV lengths %s%s",
             total,
             self.batch_sizes,
             self.kv_lens,
+            _skipped_note(len(self.batch_sizes) * len(self.kv_lens) - total),
         )
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
@@ -114,6 +144,8 @@ class CudaGraphRunner:
         # The largest first: later graphs reuse its memory from the shared pool.
         for kv_len in reversed(self.kv_lens):
             for bs in reversed(self.batch_sizes):
+                if (bs, kv_len) not in self.pairs:
+                    continue
                 with torch.cuda.stream(stream):
                     self._step(bs, kv_len)  # warm-up: cuBLAS handles, the rope table's device
                 graph = torch.cuda.CUDAGraph()
@@ -154,19 +186,32 @@ class CudaGraphRunner:
         b.logits[:bs].copy_(runner.model.compute_logits(hidden))
 
     # -- replay ---------------------------------------------------------------------------------
-    def can_run(self, fb: ForwardBatch) -> bool:
-        return (
-            fb.forward_mode.is_decode()
-            and 0 < fb.batch_size <= self.batch_sizes[-1]
-            and max(fb.seq_lens_cpu) <= self.kv_lens[-1]
-            and fb.input_logprob_indices is None
+    def buckets(self, fb: ForwardBatch) -> tuple[int, int] | None:
+        """The (batch size, KV length) graph a step pads to, or None where none covers it."""
+        if (
+            not fb.forward_mode.is_decode()
+            or not 0 < fb.batch_size <= self.batch_sizes[-1]
+            or fb.input_logprob_indices is not None
+        ):
+            return None
+        longest = max(fb.seq_lens_cpu)
+        if longest > self.kv_lens[-1]:
+            return None
+        pair = (
+            self.batch_sizes[bisect.bisect_left(self.batch_sizes, fb.batch_size)],
+            self.kv_lens[bisect.bisect_left(self.kv_lens, longest)],
         )
+        return pair if pair in self.pairs else None
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return self.buckets(fb) is not None
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """The step's next-token logits [B, vocab] fp32, from the graph of its buckets."""
         bs = fb.batch_size
-        graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
-        kv_len = self.kv_lens[bisect.bisect_left(self.kv_lens, max(fb.seq_lens_cpu))]
+        pair = self.buckets(fb)
+        assert pair is not None, "replay of a step no graph covers"
+        graph_bs, kv_len = pair
         b = self.buffers
         b.input_ids[:bs].copy_(fb.input_ids)
         b.positions[:bs].copy_(fb.positions)
@@ -185,3 +230,9 @@ class CudaGraphRunner:
             self._step(graph_bs, kv_len)
         # A copy: the next replay rewrites the buffer while this step's sampling may wait.
         return b.logits[:bs].clone()
+
+
+def _skipped_note(skipped: int) -> str:
+    if not skipped:
+        return ""
+    return f" ({skipped} larger pairs run eagerly: their padded KV gather exceeds the memory left)"

@@ -80,7 +80,7 @@ class Replays:
         graphs.replay = checked
 
 
-def _harness(model: str, device: str, check_logits: bool = True, **kwargs):
+def _harness(model: str, device: str, check_logits: bool = True, budget=None, **kwargs):
     kwargs.setdefault("max_total_tokens", 6000)
     h = SchedulerHarness(
         model_path=model, device=device, attention_backend="torch_native", **kwargs
@@ -88,11 +88,13 @@ def _harness(model: str, device: str, check_logits: bool = True, **kwargs):
     runner = h.scheduler.tp_worker.model_runner
     if device == "cpu":
         assert runner.cuda_graph_runner is None  # CPU steps never capture
-        runner.cuda_graph_runner = CudaGraphRunner(runner, capture=False)
+        runner.cuda_graph_runner = CudaGraphRunner(runner, capture=False, memory_budget=budget)
     else:
+        if budget is not None:
+            runner.cuda_graph_runner = CudaGraphRunner(runner, memory_budget=budget)
         graphs = runner.cuda_graph_runner
         assert graphs is not None and graphs.captured
-        assert len(graphs.graphs) == len(graphs.batch_sizes) * len(graphs.kv_lens)
+        assert sorted(graphs.graphs) == sorted(graphs.pairs)
     h.replays = Replays(runner, check_logits)
     return h
 
@@ -183,6 +185,38 @@ def test_the_second_wave_decodes_on_cached_prefixes(tiny_llama_dir, prompts, ref
     h.run_until_idle()
     _check(h, first, reference)
     _check(h, second, reference)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pairs_over_the_memory_budget_run_eagerly(tiny_llama_dir, prompts, reference, device):
+    """A budget of 4 rows × 512 KV positions' gather: pairs past it (16 rows at any length,
+    4 rows past 512 positions) are not captured and their steps run eagerly; the tokens are
+    the same."""
+    from radixserve.model_executor.cuda_graph_runner import gather_bytes_per_slot
+
+    h = _harness(tiny_llama_dir, device)  # only to size the budget from the tiny model
+    budget = 4 * 512 * gather_bytes_per_slot(h.scheduler.tp_worker.model_runner)
+    h = _harness(tiny_llama_dir, device, budget=budget)
+    graphs = h.scheduler.tp_worker.model_runner.cuda_graph_runner
+    assert (4, 512) in graphs.pairs and (4, 1024) not in graphs.pairs
+    assert (16, 256) not in graphs.pairs and (1, 1024) in graphs.pairs
+    decode_steps = []
+    forward = h.scheduler.tp_worker.forward
+
+    def counting(mwb, input_ids=None):
+        decode_steps.append(mwb.forward_mode.is_decode())
+        return forward(mwb, input_ids)
+
+    h.scheduler.tp_worker.forward = counting
+    rng = random.Random(3)
+    rids: list[str] = []
+    pending = list(prompts)
+    while pending or h.scheduler.has_work():
+        if pending and (not rids or rng.random() < 0.3):
+            rids.append(h.submit(pending.pop(0), **_params()))
+        h.step()
+    _check(h, rids, reference)
+    assert 0 < h.replays.count < sum(decode_steps)  # some decode steps ran eagerly
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
