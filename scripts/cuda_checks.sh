@@ -52,18 +52,4 @@ for r in $(seq 1 "$ROUNDS"); do
 done
 stop_servers
 PIDS=()
-$PY - "$OUT/serving.jsonl" << 'PYEOF'
-import json, statistics, sys
-from collections import defaultdict
-rows = defaultdict(list)
-for line in open(sys.argv[1]):
-    d = json.loads(line)
-    loop, c, _ = d["tag"].split("-")
-    rows[(int(c[1:]), loop)].append(d)
-print("| concurrency | loop | output tok/s | median TPOT ms | median ITL ms | mean TTFT ms | runs |")
-print("|---:|---|---:|---:|---:|---:|---:|")
-for (c, loop), ds in sorted(rows.items()):
-    med = lambda k: statistics.median(d[k] for d in ds)
-    print(f"| {c} | {loop} | {med('output_throughput'):.1f} | {med('median_tpot_ms'):.1f} | "
-          f"{med('median_itl_ms'):.1f} | {med('mean_ttft_ms'):.0f} | {len(ds)} |")
-PYEOF
+$PY scripts/serving_table.py "$OUT/serving.jsonl"

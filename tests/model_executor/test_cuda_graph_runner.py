@@ -103,6 +103,19 @@ def _params() -> dict:
     return dict(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
+def _submit_staggered(h, prompts, seed: int, chance: float) -> list[str]:
+    """Submit `prompts` in order while the scheduler steps (the first at once, then one with
+    probability `chance` before each step) and step until it drains; returns their rids."""
+    rng = random.Random(seed)
+    rids: list[str] = []
+    pending = list(prompts)
+    while pending or h.scheduler.has_work():
+        if pending and (not rids or rng.random() < chance):
+            rids.append(h.submit(pending.pop(0), **_params()))
+        h.step()
+    return rids
+
+
 def _check(h, rids, reference, prompts_idx=None) -> None:
     results = h.results()
     for i, rid in enumerate(rids):
@@ -117,12 +130,7 @@ def _check(h, rids, reference, prompts_idx=None) -> None:
 def test_submitted_together_and_staggered(tiny_llama_dir, prompts, reference, device, overlap):
     h = _harness(tiny_llama_dir, device, disable_overlap_schedule=not overlap)
     rids = [h.submit(p, **_params()) for p in prompts[:5]]
-    rng = random.Random(1)
-    pending = list(prompts[5:])
-    while pending or h.scheduler.has_work():
-        if pending and rng.random() < 0.4:
-            rids.append(h.submit(pending.pop(0), **_params()))
-        h.step()
+    rids += _submit_staggered(h, prompts[5:], seed=1, chance=0.4)
     _check(h, rids, reference)
     assert h.replays.padded > 0  # batch sizes between the buckets were padded
 
@@ -141,14 +149,7 @@ def test_submitted_together_and_staggered(tiny_llama_dir, prompts, reference, de
 )
 def test_configurations_are_token_exact(tiny_llama_dir, prompts, reference, device, config):
     h = _harness(tiny_llama_dir, device, **config)
-    rng = random.Random(2)
-    rids: list[str] = []
-    pending = list(prompts)
-    while pending or h.scheduler.has_work():
-        if pending and (not rids or rng.random() < 0.3):
-            rids.append(h.submit(pending.pop(0), **_params()))
-        h.step()
-    _check(h, rids, reference)
+    _check(h, _submit_staggered(h, prompts, seed=2, chance=0.3), reference)
     runner = h.scheduler.tp_worker.model_runner
     largest = min(config.get("cuda_graph_max_bs", 128), runner.max_running_requests)
     assert runner.cuda_graph_runner.batch_sizes[-1] == largest
@@ -208,14 +209,7 @@ def test_pairs_over_the_memory_budget_run_eagerly(tiny_llama_dir, prompts, refer
         return forward(mwb, input_ids)
 
     h.scheduler.tp_worker.forward = counting
-    rng = random.Random(3)
-    rids: list[str] = []
-    pending = list(prompts)
-    while pending or h.scheduler.has_work():
-        if pending and (not rids or rng.random() < 0.3):
-            rids.append(h.submit(pending.pop(0), **_params()))
-        h.step()
-    _check(h, rids, reference)
+    _check(h, _submit_staggered(h, prompts, seed=3, chance=0.3), reference)
     assert 0 < h.replays.count < sum(decode_steps)  # some decode steps ran eagerly
 
 
