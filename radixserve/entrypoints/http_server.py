@@ -214,6 +214,9 @@ def startup_summary(args: ServerArgs, info: dict[str, Any]) -> str:
         f"overlap {'on' if info.get('overlap') else 'off'}",
         f"speculation {spec if spec else 'off'}",
     ]
+    if info.get("device") == "cuda":
+        bs = info.get("cuda_graph_max_bs")
+        parts.append(f"CUDA graphs {f'up to batch {bs}' if bs else 'off'}")
     if args.dp_size > 1:  # the figures above are each replica's
         parts.append(f"{args.dp_size} data-parallel replicas ({args.load_balance_method})")
     return "serving " + ", ".join(parts)

@@ -673,6 +673,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         runner = self.tp_worker.model_runner
         args = self.server_args
         backend = getattr(runner, "attn_backend", None)
+        graphs = getattr(runner, "cuda_graph_runner", None)
         return {
             "dtype": str(getattr(runner, "dtype", "")).removeprefix("torch."),
             "device": self.tp_worker.device,
@@ -682,6 +683,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             "chunked_prefill_size": self.chunked_prefill_size,
             "overlap": self.enable_overlap,
             "speculative_algorithm": args.speculative_algorithm,
+            # decode steps replayed from CUDA graphs: the largest batch a graph covers
+            "cuda_graph_max_bs": graphs.batch_sizes[-1] if graphs is not None else None,
         }
 
     def get_server_info(self) -> dict[str, Any]:

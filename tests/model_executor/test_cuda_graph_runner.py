@@ -224,3 +224,15 @@ def test_disable_cuda_graph_runs_eagerly(tiny_llama_dir, prompts, reference):
     results = h.results()
     assert [results[r] for r in rids] == reference
     h.scheduler.assert_drained()
+
+
+def test_the_startup_line_says_whether_decode_steps_replay_cuda_graphs():
+    from radixserve.args import ServerArgs
+    from radixserve.entrypoints.http_server import startup_summary
+
+    args = ServerArgs(model_path="some/model")
+    assert "CUDA graphs up to batch 128" in startup_summary(
+        args, {"device": "cuda", "cuda_graph_max_bs": 128}
+    )
+    assert "CUDA graphs off" in startup_summary(args, {"device": "cuda"})
+    assert "CUDA graphs" not in startup_summary(args, {"device": "cpu"})
