@@ -236,3 +236,46 @@ def test_the_startup_line_says_whether_decode_steps_replay_cuda_graphs():
     )
     assert "CUDA graphs off" in startup_summary(args, {"device": "cuda"})
     assert "CUDA graphs" not in startup_summary(args, {"device": "cpu"})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_more_running_requests_than_the_largest_graph(tiny_llama_dir, device):
+    """160 requests decode at once (above the 128-row bucket: those steps run eagerly), then
+    fewer as they finish at different lengths (replayed, padded): the tokens are those of the
+    eager runs, and every slot comes back."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(3, 40))] for _ in range(160)]
+    lengths = [rng.randrange(1, 25) for _ in prompts]
+
+    def run(h) -> list[list[int]]:
+        rids = [
+            h.submit(p, max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+        results = h.results()
+        return [results[r] for r in rids]
+
+    eager = run(
+        SchedulerHarness(
+            model_path=tiny_llama_dir,
+            device=device,
+            attention_backend="torch_native",
+            max_total_tokens=12000,
+            disable_cuda_graph=True,
+        )
+    )
+    h = _harness(tiny_llama_dir, device, check_logits=False, max_total_tokens=12000)
+    sizes: list[int] = []
+    forward = h.scheduler.tp_worker.forward
+
+    def recording(mwb, input_ids=None):
+        if mwb.forward_mode.is_decode():
+            sizes.append(mwb.batch_size)
+        return forward(mwb, input_ids)
+
+    h.scheduler.tp_worker.forward = recording
+    assert run(h) == eager
+    assert max(sizes) > 128  # some steps were too large for a graph
+    assert h.replays.count == sum(1 for n in sizes if n <= 128) > 0
