@@ -101,10 +101,7 @@ def to_device(t: torch.Tensor, device: str) -> torch.Tensor:
 
 def int64_on(values: list[int], device: str) -> torch.Tensor:
     """`values` as an int64 tensor on `device` (see to_device)."""
-    if device == "cpu":
-        return torch.tensor(values, dtype=torch.int64)
-    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
-    return host.to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 @dataclass
