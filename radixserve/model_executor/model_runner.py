@@ -133,7 +133,7 @@ class ModelRunner:
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if self.device == "cuda" and not server_args.disable_cuda_graph:
             self.cuda_graph_runner = self._init_cuda_graphs()
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_kernels=self.fused_ops)
 
     def _init_cuda_graphs(self) -> CudaGraphRunner | None:
         if not isinstance(self.attn_backend, TorchNativeAttnBackend):

@@ -1,7 +1,8 @@
 """The fused element-wise kernels (csrc/fused_ops.cpp) against the reference forms they replace
 (RMSNorm with and without the residual add, rotary embedding, SiLU·mul), in every dtype, at
-decode and prefill row counts, on the strided views the model hands them; the model's logits
-with them on and off; and clear errors on bad inputs."""
+decode and prefill row counts, on the strided views the model hands them; the greedy sampler's
+argmax against torch.argmax (ties, NaN, -inf rows); the model's logits with them on and off;
+and clear errors on bad inputs."""
 
 from __future__ import annotations
 
@@ -113,6 +114,62 @@ def test_silu_and_mul_holds_over_the_whole_range_of_the_exp(ops, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (7, 1), (7, 17), (65, 1000), (3, 151936)])
+def test_argmax_rows_is_torch_argmax(ops, dtype, rows, vocab):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    # Rows of a wider buffer (the head's output sliced), and coarse values with many ties.
+    wide = torch.randn(rows, vocab + 13, generator=gen).to(dtype)[:, 5 : 5 + vocab]
+    assert torch.equal(ops.argmax_rows(wide), wide.argmax(-1))
+    ties = torch.randint(0, 3, (rows, vocab), generator=gen).to(dtype)
+    assert torch.equal(ops.argmax_rows(ties), ties.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_picks_as_torch_at_the_edges(ops, dtype):
+    """The first of equal maxima in every lane position; NaN above everything, the first NaN;
+    -inf rows (a grammar mask) give 0; +inf beats finite values."""
+    V = 100
+    x = torch.zeros(8, V, dtype=dtype)
+    x[0, [3, 40, 99]] = 5
+    x[1, [70, 17, 18]] = 5
+    x[2, 99] = 1
+    x[3, [50, 20]] = float("nan")
+    x[3, 10] = float("inf")
+    x[4] = float("-inf")
+    x[5] = float("-inf")
+    x[5, 98] = -1e4
+    x[6, 33] = float("inf")
+    x[7, :] = float("nan")
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    assert ops.argmax_rows(x).tolist() == [3, 17, 99, 20, 0, 98, 33, 0]
+    for pos in range(V):  # one maximum at every position, past the 64-wide blocks too
+        y = torch.zeros(1, V, dtype=dtype)
+        y[0, pos] = 1
+        assert ops.argmax_rows(y).item() == pos
+
+
+def test_the_sampler_takes_the_kernel_for_greedy_rows(ops):
+    from radixserve.layers.sampler import Sampler, SamplingBatchInfo
+    from radixserve.sampling_params import SamplingParams
+
+    class _Req:
+        def __init__(self, temperature):
+            self.sampling_params = SamplingParams(temperature=temperature, max_new_tokens=4)
+            self.origin_input_ids, self.output_ids, self.eos_token_ids = [1], [], [0]
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)).bfloat16()
+    greedy = SamplingBatchInfo.from_reqs([_Req(0.0) for _ in range(5)], 300, "cpu")
+    want = logits.float().argmax(-1)
+    assert torch.equal(Sampler(cpu_kernels=True)(logits, greedy).next_token_ids, want)
+    assert torch.equal(Sampler()(logits, greedy).next_token_ids, want)
+    mixed = SamplingBatchInfo.from_reqs([_Req(0.0), _Req(1.0)] * 2 + [_Req(0.0)], 300, "cpu")
+    got = Sampler(cpu_kernels=True)(logits, mixed).next_token_ids
+    assert got[[0, 2, 4]].tolist() == want[[0, 2, 4]].tolist()
+
+
 def test_bad_inputs_are_clear_errors(ops):
     w = torch.ones(64)
     with pytest.raises(RuntimeError, match="weight must be"):
@@ -128,6 +185,8 @@ def test_bad_inputs_are_clear_errors(ops):
         ops.rotary_embedding(q, torch.randn(2, 2, 32), torch.randn(2, 64), torch.randn(2, 64))
     with pytest.raises(RuntimeError, match=r"\[T, 2I\]"):
         ops.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match=r"\[T, V\] with V > 0"):
+        ops.argmax_rows(torch.randn(2, 0))
 
 
 def _runner(model_path: str, backend: str, dtype: str) -> ModelRunner:

@@ -8,6 +8,7 @@
 // rotary_embedding(q [T, Hq, D], k [T, Hk, D], cos [T, D], sin [T, D]) -> ()
 //     neox (rotate-half) layout, in place; q and k may be strided views (the qkv projection's)
 // silu_and_mul(x [T, 2I]) -> out [T, I] = silu(x[:, :I]) * x[:, I:]
+// argmax_rows(x [T, V]) -> out [T] int64: torch.argmax(x, dim=-1) (the greedy sampler's)
 //
 // Each computes what the reference computes, rounding where it rounds: RMSNorm in fp32 and the
 // weight applied in the input dtype, the residual added in the input dtype, the rotary's
@@ -53,6 +54,67 @@ void norm_row(const scalar_t* in, const scalar_t* w, scalar_t* out, int64_t n, f
     const float h = rounded<scalar_t>(static_cast<float>(in[i]) * inv);
     out[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * h);
   }
+}
+
+// The index of a row's largest value, as torch.argmax picks it: the first of equal maxima,
+// and a NaN counts as larger than everything (the first NaN wins). Two passes: the maximum of
+// the non-NaN values and whether any NaN is there, then the first position that holds it
+// (ATen's argmax carries an index through every comparison and runs ~3-10x slower).
+template <typename scalar_t>
+int64_t argmax_row_scalar(const scalar_t* x, int64_t n) {
+  float m = -INFINITY;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    m = v > m ? v : m;
+    nan = nan || v != v;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (nan ? v != v : v == m) return i;
+  }
+  return 0;
+}
+
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* x, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if constexpr (radixserve_vec::kVector16<scalar_t>) {
+    using radixserve_vec::first;
+    using radixserve_vec::load16;
+    // vmaxps returns its second operand when either is NaN: max(v, m) skips NaN lanes.
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m512 a = load16(x + i), b = load16(x + i + 16), c = load16(x + i + 32),
+                   d = load16(x + i + 48);
+      nan |= _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, d, _CMP_UNORD_Q);
+      m0 = _mm512_max_ps(a, m0);
+      m1 = _mm512_max_ps(b, m1);
+      m2 = _mm512_max_ps(c, m2);
+      m3 = _mm512_max_ps(d, m3);
+    }
+    for (; i < n; i += 16) {
+      const __mmask16 k = first(n - i);
+      const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), k, load16(x + i, k));
+      nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+      m0 = _mm512_max_ps(a, m0);
+    }
+    const float m =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+    const __m512 mv = _mm512_set1_ps(m);
+    for (i = 0; i < n; i += 16) {
+      const __mmask16 k = first(n - i);
+      const __m512 a = load16(x + i, k);
+      const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(k, a, a, _CMP_UNORD_Q)
+                                : _mm512_mask_cmp_ps_mask(k, a, mv, _CMP_EQ_OQ);
+      if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+    }
+    return 0;  // not reached: the maximum is in the row
+  }
+#endif
+  return argmax_row_scalar(x, n);
 }
 
 }  // namespace
@@ -216,6 +278,21 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x must be [T, V] with V > 0 and unit stride");
+  const int64_t T = x.size(0), V = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(V), [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) op[t] = argmax_row<scalar_t>(xp + t * stride, V);
+    });
+  });
+  return out;
+}
+
 }  // namespace radixserve
 
 TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
@@ -223,6 +300,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   lib.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   lib.def("silu_and_mul(Tensor x) -> Tensor");
+  lib.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
@@ -230,4 +308,5 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
   lib.impl("add_rms_norm", &radixserve::add_rms_norm);
   lib.impl("rotary_embedding", &radixserve::rotary_embedding);
   lib.impl("silu_and_mul", &radixserve::silu_and_mul);
+  lib.impl("argmax_rows", &radixserve::argmax_rows);
 }

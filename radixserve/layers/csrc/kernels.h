@@ -48,5 +48,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor argmax_rows(const at::Tensor& x);
 
 }  // namespace radixserve
