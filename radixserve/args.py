@@ -573,8 +573,8 @@ def cpu_has_bf16() -> bool:
 
 
 def cpu_has_amx() -> bool:
-    """True when the CPU has AMX's bf16 tile unit (oneDNN's GEMMs then outrun AVX512-BF16's
-    dot products, which layers/linear.py's bf16 tiles use)."""
+    """True when the CPU has AMX's bf16 tile unit (layers/linear.py's bf16 tiles then run on
+    it, and oneDNN's GEMMs where they cannot)."""
     return "amx_bf16" in _cpuinfo()
 
 

@@ -17,13 +17,16 @@ it. SmolLM2-135M's shapes (2 cores, Zen 4): the output head 6.3 → 2.8 ms at 1 
 32, 14.2 → 11.1 at 64; an MLP weight (3072 × 576) 0.62 → 0.38 ms at 32 rows; about 1.1× from
 300 rows on.
 
-On such a CPU without AMX, where radixserve's kernels are built (the cpu_paged fast path), the
-packed copy is radixserve's own instead (`bf16_tiles`: tiles of 16 outputs for AVX512-BF16's
-dot products, csrc/bf16_linear.cpp), whose one kernel serves every row count: 1.35× oneDNN's
-rate at 1 row (it reads a decode step's weights at ≈ 42 GB/s), 1.27× at 8, 1.13× at 32-64,
-even from 256 rows on; and a row's result does not depend on the batch. With AMX, oneDNN's
-GEMMs run on the tile unit, beyond what vector dot products reach: there the oneDNN copy
-stays.
+Where radixserve's kernels are built with AVX512-BF16 (the cpu_paged fast path), the packed
+copy is radixserve's own instead (`bf16_tiles`: tiles of 16 outputs, csrc/bf16_linear.cpp),
+whose one kernel serves every row count, and a row's result does not depend on the batch.
+Without AMX it runs on AVX512-BF16's dot products: on Zen 4, 1.35× oneDNN's rate at 1 row (it
+reads a decode step's weights at ≈ 42 GB/s), 1.27× at 8, 1.13× at 32-64, even from 256 rows
+on. With AMX the same tiles are the tile unit's weight operand, and weights whose K is a
+multiple of 32 run there (others keep oneDNN's copy, which uses the tile unit too): on a
+2-core Xeon with AMX, SmolLM2-135M's decode step 1.39× oneDNN's rate at 1 row (oneDNN spends
+≈ 20 µs a call at few rows), 1.29× at 8, 1.11-1.19× at 32-64, its 256-token prefills 1.2×
+("bf16 tiles on AMX" in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -60,23 +63,31 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def bf16_tiles(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] bf16 as bf16_linear.cpp's tiles [N/16, K/2, 32] (tile t, pair p, lane
-    2i + j: weight[16t + i, 2p + j]), where that kernel runs: radixserve's kernels built with
-    AVX512-BF16, a CPU without AMX, N a multiple of 16 and K even. Else None."""
+    2i + j: weight[16t + i, 2p + j]), where that kernel runs (bf16_tiles_supported), N a
+    multiple of 16 and K even; on a CPU with AMX, K a multiple of 32 (the tile unit's step).
+    Else None."""
     n, k = weight.shape
     if n % 16 or k % 2 or n == 0 or not bf16_tiles_supported():
         return None
+    if cpu_has_amx() and k % 32:
+        return None  # vdpbf16ps would run it: oneDNN's GEMM on the tile unit is faster
+    return tile_layout(weight)
+
+
+def tile_layout(weight: torch.Tensor) -> torch.Tensor:
+    """The tiles' layout of weight [N, K] (N a multiple of 16, K even), wherever it runs."""
+    n, k = weight.shape
     w = weight.detach().to(torch.bfloat16)
     return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
 
 
 def bf16_tiles_supported() -> bool:
-    """Whether bf16 weights take bf16_tiles' layout here: a CPU without AMX, radixserve's
-    kernels built with AVX512-BF16 (loaded already on the fast path, prepack_linears' caller)."""
-    return (
-        not cpu_has_amx()
-        and cpu_kernels_available()
-        and bool(torch.ops.radixserve.bf16_tiled_supported())
-    )
+    """Whether bf16 weights take bf16_tiles' layout here: radixserve's kernels built with
+    AVX512-BF16 (loaded already on the fast path, prepack_linears' caller), and on a CPU with
+    AMX built with AMX too, the process granted the tile state."""
+    if not (cpu_kernels_available() and torch.ops.radixserve.bf16_tiled_supported()):
+        return False
+    return not cpu_has_amx() or bool(torch.ops.radixserve.bf16_tiled_amx())
 
 
 def linear(

@@ -142,7 +142,9 @@ def test_tiled_mlps_fuse_the_silu_into_the_gate_up_kernel(
     the product followed by silu_and_mul."""
     if quantization is None:
         if not bf16_tiles_supported():
-            pytest.skip("bf16 tiles need radixserve's kernels built with AVX512-BF16, no AMX")
+            pytest.skip(
+                "bf16 tiles need radixserve's kernels built with AVX512-BF16 (and AMX on an AMX CPU)"
+            )
         fused_op = "radixserve::bf16_tiled_silu_mul"
     elif not quant.tiled_supported():
         pytest.skip("the tiled kernels are built for CPUs with AVX-512 VNNI only")

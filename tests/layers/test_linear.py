@@ -1,7 +1,7 @@
 """Prepacked bf16 linear weights (layers/linear.py): radixserve's bf16 tiles where their kernel
 runs (csrc/bf16_linear.cpp), else oneDNN's blocked copy, made once; products through either agree
 with F.linear, the tiles' rows do not depend on the batch and their MLP kernel applies the SiLU
-bitwise as silu_and_mul; a model's Linears (and a tied output head) switch to the packed copy
+bitwise as silu_and_mul, on AVX512-BF16's dot products and (where the CPU has it) on AMX; a model's Linears (and a tied output head) switch to the packed copy
 and let their plain weights go, as accurate against fp32 as the plain bf16 model; nothing is
 packed where bf16 matmuls are not native."""
 
@@ -19,6 +19,7 @@ from radixserve.layers.linear import (
     linear,
     prepack,
     prepack_linears,
+    tile_layout,
 )
 
 
@@ -32,7 +33,9 @@ def native_bf16():
 @pytest.fixture
 def tiles_run(native_bf16):
     if not bf16_tiles_supported():
-        pytest.skip("bf16 tiles need radixserve's kernels built with AVX512-BF16, and no AMX")
+        pytest.skip(
+            "bf16 tiles need radixserve's kernels built with AVX512-BF16 (and AMX on an AMX CPU)"
+        )
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
@@ -55,35 +58,41 @@ def test_prepacked_products_agree_with_f_linear(native_bf16, rows, n, k, bias, f
 
 def test_bf16_tiles_layout_and_where_they_apply(tiles_run, monkeypatch):
     w = torch.arange(48 * 6, dtype=torch.float32).reshape(48, 6).bfloat16()
+    monkeypatch.setattr(linear_mod, "cpu_has_amx", lambda: False)  # any even K on vdpbf16ps
     t = bf16_tiles(w)
-    assert t.shape == (3, 3, 32) and t.is_contiguous()
+    assert t.shape == (3, 3, 32) and t.is_contiguous() and torch.equal(t, tile_layout(w))
     for tile, pair, i, j in [(0, 0, 0, 0), (0, 0, 0, 1), (1, 2, 5, 1), (2, 1, 15, 0)]:
         assert t[tile, pair, 2 * i + j] == w[16 * tile + i, 2 * pair + j]
     assert bf16_tiles(torch.zeros(40, 6, dtype=torch.bfloat16)) is None  # not whole tiles
     assert bf16_tiles(torch.zeros(48, 5, dtype=torch.bfloat16)) is None  # an odd K
     assert prepack(torch.zeros(40, 6, dtype=torch.bfloat16)).is_mkldnn  # oneDNN's copy there
-    monkeypatch.setattr(linear_mod, "cpu_has_amx", lambda: True)  # oneDNN runs on AMX
+    # On an AMX CPU the tiles take K in steps of 32 (the tile unit's) and oneDNN the rest.
+    monkeypatch.setattr(linear_mod, "cpu_has_amx", lambda: True)
     assert bf16_tiles(w) is None and prepack(w).is_mkldnn
+    w64 = torch.zeros(48, 64, dtype=torch.bfloat16)
+    on_amx = bool(torch.ops.radixserve.bf16_tiled_amx())  # this build has AMX, granted
+    assert (bf16_tiles(w64) is not None) == on_amx and prepack(w64).is_mkldnn != on_amx
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n", [176, 464])
-def test_a_rows_tile_product_does_not_depend_on_the_batch(tiles_run, bias, n):
+@pytest.mark.parametrize("k", [96, 80])
+def test_a_rows_tile_product_does_not_depend_on_the_batch(tiles_run, bias, n, k):
     """One fixed order of sums per output: each row bitwise the same alone, in any batch of
     any size (passes of 4 rows and the tails of 1-3; one or two rows in passes of up to 12 or
-    8 tiles), at any position."""
+    8 tiles; on AMX, K = 96: blocks of 32 rows in two tiles of 16 and the tails, pairs of
+    tiles and an odd one), at any position. K = 80 runs on vdpbf16ps on every CPU."""
     gen = torch.Generator().manual_seed(5)
     # 11 tiles: passes of 4 tiles and a tail of 3 on one thread, 2 on another, one pass at
     # one row; 29: 12 + 3 / 12 + 2 tiles at one row, 8 + 7 / 8 + 6 at two
-    k = 96
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    packed = bf16_tiles(w)
+    packed = tile_layout(w)
     x = torch.randn(300, k, generator=gen).bfloat16()
     alone = torch.cat(
         [torch.ops.radixserve.bf16_tiled_linear(x[i : i + 1], packed, b) for i in range(300)]
     )
-    for m in (2, 3, 4, 5, 9, 64, 300):
+    for m in (2, 3, 4, 5, 9, 17, 33, 64, 300):
         got = torch.ops.radixserve.bf16_tiled_linear(x[300 - m :], packed, b)
         assert torch.equal(got, alone[300 - m :]), m
     ref = x.double() @ w.double().t() + (b.double() if bias else 0)
@@ -91,11 +100,11 @@ def test_a_rows_tile_product_does_not_depend_on_the_batch(tiles_run, bias, n):
     assert torch.ops.radixserve.bf16_tiled_linear(x[:0], packed, b).shape == (0, n)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 6, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 6, 17, 64, 300])
 @pytest.mark.parametrize("inter", [96, 240])  # 6 / 15 gate tiles (passes of up to 6 or 4)
 def test_the_tiled_mlp_kernel_is_the_product_then_silu_and_mul(tiles_run, rows, inter):
     gen = torch.Generator().manual_seed(rows)
-    hidden = 64
+    hidden = 64  # a multiple of 32: on AMX where the CPU has it
     lin = Linear(hidden, 2 * inter, bias=False).bfloat16()
     with torch.no_grad():
         lin.weight.copy_(torch.randn(2 * inter, hidden, generator=gen))
@@ -109,7 +118,7 @@ def test_the_tiled_mlp_kernel_is_the_product_then_silu_and_mul(tiles_run, rows, 
 
 
 def test_bf16_tiled_ops_refuse_bad_inputs(tiles_run):
-    wt = bf16_tiles(torch.zeros(32, 8, dtype=torch.bfloat16))
+    wt = tile_layout(torch.zeros(32, 8, dtype=torch.bfloat16))
     op = torch.ops.radixserve.bf16_tiled_linear
     with pytest.raises(RuntimeError, match="x has 6 columns"):
         op(torch.zeros(2, 6, dtype=torch.bfloat16), wt)
@@ -120,7 +129,7 @@ def test_bf16_tiled_ops_refuse_bad_inputs(tiles_run):
     with pytest.raises(RuntimeError, match="whole tiles"):
         torch.ops.radixserve.bf16_tiled_silu_mul(
             torch.zeros(2, 8, dtype=torch.bfloat16),
-            bf16_tiles(torch.zeros(48, 8, dtype=torch.bfloat16)),
+            tile_layout(torch.zeros(48, 8, dtype=torch.bfloat16)),
         )
 
 

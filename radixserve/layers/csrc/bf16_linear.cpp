@@ -1,5 +1,5 @@
-// bf16 linear layers on AVX512-BF16 (`vdpbf16ps`), for CPUs without AMX: one kernel for every
-// row count, from a decode step's one row to a prefill's thousands.
+// bf16 linear layers on AVX512-BF16 (`vdpbf16ps`), or on AMX's tile unit where the CPU has it:
+// one kernel for every row count, from a decode step's one row to a prefill's thousands.
 //
 // oneDNN's bf16 product through torch (a prepacked weight, mkldnn::_linear_pointwise) reads a
 // decode step's weights at 24-30 GB/s at one row, where a plain sum of the same bytes reads
@@ -16,12 +16,14 @@
 //   bf16_tiled_linear(x [M, K] bf16, wt [N/16, K/2, 32] bf16, bias [N] bf16 or None) -> [M, N]
 //     bf16: wt's tile t, pair p, lane 2i + j holds weight[16 t + i, 2 p + j]; each output is
 //     its bias (if any) plus its K products summed in fp32 in one fixed order (pairs in turn,
-//     vdpbf16ps's two products per pair), then rounded to nearest even. A row's result does
-//     not depend on the other rows or their number.
+//     vdpbf16ps's two products per pair; with AMX and K a multiple of 32, the tile unit's
+//     order over 32 products at a time, the bias added last), then rounded to nearest even. A
+//     row's result does not depend on the other rows or their number.
 //   bf16_tiled_silu_mul(x, wt) -> [M, N/2]: wt an MLP's [gate; up] weight in tiles; the
 //     result silu_and_mul's (fused_ops.cpp) of the product, bitwise: silu(gate) * up with the
 //     bf16 roundings silu_and_mul finds between the steps.
-//   bf16_tiled_supported() says whether this build has them.
+//   bf16_tiled_supported() says whether this build has them; bf16_tiled_amx() whether their
+//     products run on AMX here (this build has it and Linux granted the tile state).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,6 +40,11 @@
 #include <immintrin.h>
 
 #include "vec_math.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RADIXSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -132,6 +139,138 @@ void tile_rows(const uint16_t* w, int64_t ts, int64_t up, const uint32_t* x, int
   }
 }
 
+
+#if defined(RADIXSERVE_AMX)
+// On a CPU with AMX the same tiles feed the tile unit: a tile's 16 pairs of K by 16 outputs
+// (1 KB, 64 bytes a pair) is exactly the B operand `tdpbf16ps` reads, and 32 activations of
+// up to 16 rows its A operand. One step multiplies up to 32 rows (two A tiles) by two weight
+// tiles (linear: adjacent tiles; silu_mul: a gate tile and its up tile) into four fp32
+// accumulator tiles, over K in chunks of 32. The products' sum order is the tile unit's, not
+// vdpbf16ps's; like it, a row's result depends on that row alone, since every row count runs
+// here.
+
+// Linux lends a process the tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); where it refuses, the vdpbf16ps kernel runs.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: accumulators (rows tile a, weight tile c: 2a + c), 4-5: activations of rows
+// 0-15 and 16-31, 6-7: the two weight tiles. rows1 == 0: one activation tile.
+void configure_tiles(int rows0, int rows1) {
+  TileConfig cfg;
+  for (int a = 0; a < 2; ++a) {
+    const int r = a ? rows1 : rows0;
+    cfg.rows[2 * a] = cfg.rows[2 * a + 1] = cfg.rows[4 + a] = static_cast<uint8_t>(r);
+    cfg.colsb[2 * a] = cfg.colsb[2 * a + 1] = cfg.colsb[4 + a] = r ? 64 : 0;
+  }
+  cfg.rows[6] = cfg.rows[7] = 16;
+  cfg.colsb[6] = cfg.colsb[7] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// c [32, 32] fp32 = rows 0 .. 16 + (kTwo ? 16 : 0) of x (K bf16 a row) times the weight tiles
+// at w0 (columns 0-15) and w1 (columns 16-31), KP pairs (a multiple of 16).
+template <bool kTwo>
+void amx_step(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1, int64_t KP,
+              float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t xstride = K * 2;
+  for (int64_t p = 0; p < KP; p += 16) {
+    _tile_loadd(6, w0 + p * 2 * kTile, 64);
+    _tile_loadd(4, x + 2 * p, xstride);
+    _tile_loadd(7, w1 + p * 2 * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwo) {
+      _tile_loadd(5, x + 16 * K + 2 * p, xstride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + kTile, 128);
+  if constexpr (kTwo) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + kTile, 128);
+  }
+}
+
+template <bool kSiluMul>
+void amx_product(const at::Tensor& x, const at::Tensor& wt, const float* bp, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), tiles = wt.size(0), KP = wt.size(1);
+  const int64_t ts = KP * 2 * kTile, n_out = y.size(1);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(wt.data_ptr<at::BFloat16>());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  // linear: items are pairs of adjacent tiles (the last may be alone); silu_mul: gate tiles,
+  // each with its up tile `items` tiles further.
+  const int64_t items = kSiluMul ? tiles / 2 : (tiles + 1) / 2;
+  at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
+    alignas(64) float c[32 * 32];
+    int rows0 = -1, rows1 = -1;
+    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+      const int64_t block = std::min(kRowBlock, M - r0);
+      for (int64_t it = lo; it < hi; ++it) {
+        const int64_t t0 = kSiluMul ? it : 2 * it;
+        const int64_t t1 = kSiluMul ? it + items : std::min(2 * it + 1, tiles - 1);
+        const uint16_t* w0 = wp + t0 * ts;
+        const uint16_t* w1 = wp + t1 * ts;
+        for (int64_t r = r0; r < r0 + block; r += 32) {
+          const int rows = static_cast<int>(std::min<int64_t>(32, r0 + block - r));
+          const int a0 = std::min(rows, 16), a1 = rows - a0;
+          if (a0 != rows0 || a1 != rows1) {
+            configure_tiles(a0, a1);
+            rows0 = a0;
+            rows1 = a1;
+          }
+          if (a1) {
+            amx_step<true>(xp + r * K, K, w0, w1, KP, c);
+          } else {
+            amx_step<false>(xp + r * K, K, w0, w1, KP, c);
+          }
+          for (int i = 0; i < rows; ++i) {
+            const float* ci = c + i * 32;
+            at::BFloat16* yi = yp + (r + i) * n_out;
+            if constexpr (kSiluMul) {
+              const __m512 gate = round16<at::BFloat16>(_mm512_loadu_ps(ci));
+              const __m512 silu = round16<at::BFloat16>(silu16(gate));
+              const __m512 upv = round16<at::BFloat16>(_mm512_loadu_ps(ci + kTile));
+              store16(yi + t0 * kTile, _mm512_mul_ps(silu, upv));
+            } else {
+              for (int64_t t : {t0, t1}) {
+                __m512 v = _mm512_loadu_ps(ci + (t == t0 ? 0 : kTile));
+                if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + t * kTile));
+                store16(yi + t * kTile, v);
+                if (t1 == t0) break;
+              }
+            }
+          }
+        }
+      }
+    }
+    if (rows0 >= 0) _tile_release();
+  });
+}
+#endif
+
 template <bool kSiluMul>
 at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt,
                          const std::optional<at::Tensor>& bias_in) {
@@ -143,6 +282,12 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt,
   at::Tensor bias;
   if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+#if defined(RADIXSERVE_AMX)
+  if (KP % 16 == 0 && amx_permitted()) {
+    amx_product<kSiluMul>(x, wt, bp, y);
+    return y;
+  }
+#endif
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wt.data_ptr<at::BFloat16>());
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
@@ -233,6 +378,14 @@ namespace radixserve {
 
 bool bf16_tiled_supported() { return kTiles; }
 
+bool bf16_tiled_amx() {
+#if defined(RADIXSERVE_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 at::Tensor bf16_tiled_linear(const at::Tensor& x, const at::Tensor& wt,
                              const std::optional<at::Tensor>& bias) {
   return tiled_op<false>("bf16_tiled_linear", x, wt, bias);
@@ -248,6 +401,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("bf16_tiled_linear(Tensor x, Tensor wt, Tensor? bias=None) -> Tensor");
   lib.def("bf16_tiled_silu_mul(Tensor x, Tensor wt) -> Tensor");
   lib.def("bf16_tiled_supported", &radixserve::bf16_tiled_supported);
+  lib.def("bf16_tiled_amx", &radixserve::bf16_tiled_amx);
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {

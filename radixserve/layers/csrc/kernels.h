@@ -15,6 +15,8 @@ at::Tensor bf16_tiled_linear(const at::Tensor& x, const at::Tensor& wt,
                              const std::optional<at::Tensor>& bias);
 at::Tensor bf16_tiled_silu_mul(const at::Tensor& x, const at::Tensor& wt);
 bool bf16_tiled_supported();
+// Whether the tiles' products run on AMX here (built with it, the tile state granted).
+bool bf16_tiled_amx();
 
 // decode_attention.cpp
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_buf,
