@@ -70,12 +70,23 @@ async def warmup(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest
         raise WarmupError(f"warmup failed: {records[0].error}")
 
 
+FLUSH_TRIES = 20  # a server refuses to flush while requests run: 5 s for the last to drain
+
+
 async def _flush_cache(client: httpx.AsyncClient) -> None:
-    try:
-        resp = await client.post("/flush_cache")
-        status = f"HTTP {resp.status_code}"
-    except httpx.HTTPError as e:
-        status = f"{type(e).__name__}: {e}"
+    """POST /flush_cache. The server refuses (HTTP 400) while requests run, and the previous
+    run's last request may still be finishing there after its client saw the final chunk, so
+    a refusal is retried for a few seconds before the run goes on with a warm cache."""
+    for attempt in range(FLUSH_TRIES):
+        try:
+            resp = await client.post("/flush_cache")
+            status = f"HTTP {resp.status_code}"
+        except httpx.HTTPError as e:
+            status = f"{type(e).__name__}: {e}"
+            break
+        if resp.status_code != 400 or attempt == FLUSH_TRIES - 1:
+            break
+        await asyncio.sleep(0.25)
     if status != "HTTP 200":
         print(f"warning: /flush_cache failed ({status}); the cache stays warm", file=sys.stderr)
 

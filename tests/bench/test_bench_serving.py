@@ -301,3 +301,26 @@ def test_real_server_chunk_arrivals_are_measured():
     assert rec.ttft >= 0.09
     assert all(gap >= 0.04 for gap in rec.itl)
     assert rec.latency >= rec.ttft + 0.14
+
+
+@pytest.mark.parametrize("refusals", [2, 100])
+def test_a_refused_flush_is_retried_until_the_last_request_drains(refusals, monkeypatch, capsys):
+    """The server answers 400 while a request still runs (the previous run's last one can be
+    finishing after its client saw the final chunk): the flush is retried, and only a server
+    that keeps refusing leaves the run with a warm cache and a warning."""
+    monkeypatch.setattr(serving, "FLUSH_TRIES", 5)
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return httpx.Response(400 if len(calls) <= refusals else 200, text="busy")
+
+    async def flush() -> None:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            await serving._flush_cache(client)
+
+    asyncio.run(flush())
+    assert calls == ["/flush_cache"] * min(refusals + 1, 5)
+    warned = "flush_cache failed (HTTP 400)" in capsys.readouterr().err
+    assert warned == (refusals >= 5)
