@@ -68,6 +68,11 @@ def compare_layers(rank: int, world: int, port: int, overrides: dict) -> None:
         close(s_layer.mlp(x), d_layer.mlp(x), "mlp (column gate_up + row down)")
         close(sharded.compute_logits(x), dense.compute_logits(x), "lm head")
         check_attention_projections(d_layer.self_attn, s_layer.self_attn, x, cfg, tp.rank, world)
+    # Leave together and close the groups: a rank that exits with gloo's threads still running
+    # (its peer still in a collective, or the group never destroyed) can abort in C++
+    # ("terminate called without an active exception") after its checks passed.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def check_attention_projections(dense, sharded, x, cfg, rank, world) -> None:
