@@ -145,6 +145,9 @@ def test_argmax_rows_picks_as_torch_at_the_edges(ops, dtype):
     x[7, :] = float("nan")
     assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
     assert ops.argmax_rows(x).tolist() == [3, 17, 99, 20, 0, 98, 33, 0]
+    if dtype == torch.float32:  # fp64 (the portable loop) compares in fp64, as torch does
+        close = torch.tensor([[1.0, 1.0 + 1e-12, 1.0]], dtype=torch.float64)
+        assert ops.argmax_rows(close).item() == 1 == close.argmax(-1).item()
     for pos in range(V):  # one maximum at every position, past the 64-wide blocks too
         y = torch.zeros(1, V, dtype=dtype)
         y[0, pos] = 1

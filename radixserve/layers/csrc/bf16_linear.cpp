@@ -139,7 +139,6 @@ void tile_rows(const uint16_t* w, int64_t ts, int64_t up, const uint32_t* x, int
   }
 }
 
-
 #if defined(RADIXSERVE_AMX)
 // On a CPU with AMX the same tiles feed the tile unit: a tile's 16 pairs of K by 16 outputs
 // (1 KB, 64 bytes a pair) is exactly the B operand `tdpbf16ps` reads, and 32 activations of

@@ -17,11 +17,13 @@
 // them to pay for waking the thread pool (decode steps run inline).
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "kernels.h"
 #include "vec_math.h"
@@ -62,15 +64,16 @@ void norm_row(const scalar_t* in, const scalar_t* w, scalar_t* out, int64_t n, f
 // (ATen's argmax carries an index through every comparison and runs ~3-10x slower).
 template <typename scalar_t>
 int64_t argmax_row_scalar(const scalar_t* x, int64_t n) {
-  float m = -INFINITY;
+  using T = at::opmath_type<scalar_t>;  // double stays double: no two values merged
+  T m = -std::numeric_limits<T>::infinity();
   bool nan = false;
   for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
+    const T v = static_cast<T>(x[i]);
     m = v > m ? v : m;
     nan = nan || v != v;
   }
   for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
+    const T v = static_cast<T>(x[i]);
     if (nan ? v != v : v == m) return i;
   }
   return 0;
