@@ -171,8 +171,9 @@ def prepack_linears(model: nn.Module) -> int:
 
 def packed_form(model: nn.Module) -> str:
     """Which packed copies prepack_linears gave `model`'s Linears, for the start-up log."""
+    tiles = "bf16 tiles on AMX" if cpu_has_amx() else "bf16 tiles"
     forms = {
-        "oneDNN's layout" if m.packed.is_mkldnn else "bf16 tiles"
+        "oneDNN's layout" if m.packed.is_mkldnn else tiles
         for m in model.modules()
         if type(m) is Linear and m.packed is not None
     }

@@ -216,3 +216,15 @@ def test_the_cpu_fast_path_prepacks_at_start_up(native_bf16, tiny_llama_dir):
     ).resolve()
     runner = ModelRunner(args)
     assert all(m.packed is not None for m in runner.model.modules() if type(m) is Linear)
+
+
+def test_the_start_up_line_names_the_packed_forms(tiles_run):
+    from radixserve.args import cpu_has_amx
+    from radixserve.layers.linear import packed_form
+
+    tiled, odd = Linear(64, 32, bias=False).bfloat16(), Linear(40, 40, bias=False).bfloat16()
+    model = torch.nn.Sequential(tiled, odd)
+    assert packed_form(model) == "none"
+    assert prepack_linears(model) == 2 and odd.packed.is_mkldnn and not tiled.packed.is_mkldnn
+    tiles = "bf16 tiles on AMX" if cpu_has_amx() else "bf16 tiles"
+    assert packed_form(model) == f"{tiles} and oneDNN's layout"
