@@ -59,6 +59,7 @@ class FakeModelRunner:
         self.kv_pos = torch.full((total_tokens + page_size,), -1, dtype=torch.int64)
         # The per-slot buffers a hierarchical cache copies between tiers (its K and V).
         self.token_to_kv_pool = SimpleNamespace(k_buffer=[self.kv], v_buffer=[self.kv_pos])
+        self.fused_ops = False  # torch's ops (a real runner's flag for radixserve's kernels)
         self.sampler = Sampler()
 
     def sample(self, logits, info, return_logprob=False, top_logprobs_num=0):

@@ -82,6 +82,7 @@ class SpecWorker:
             vocab_mask,
             mwb.return_logprob,
             mwb.top_logprobs_num,
+            cpu_kernels=self.target.model_runner.fused_ops,
         )
         self.move_accepted_kv(mwb, spec, out.accepted_nodes)
         return out

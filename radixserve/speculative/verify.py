@@ -26,7 +26,12 @@ from typing import Any
 
 import torch
 
-from radixserve.layers.sampler import SamplingBatchInfo, sampling_probs, seeded_generator
+from radixserve.layers.sampler import (
+    SamplingBatchInfo,
+    argmax_rows,
+    sampling_probs,
+    seeded_generator,
+)
 from radixserve.speculative.spec_info import DraftTree, SpecVerifyOutput
 
 
@@ -66,9 +71,11 @@ def verify_trees(
     vocab_mask: torch.Tensor | None = None,
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
+    cpu_kernels: bool = False,
 ) -> SpecVerifyOutput:
     """`logits` [num_nodes, V]: the target's logits of every node, trees back to back.
-    `vocab_mask` [B, V] (grammar) applies to the root rows (grammar requests draft nothing)."""
+    `vocab_mask` [B, V] (grammar) applies to the root rows (grammar requests draft nothing).
+    `cpu_kernels`: the argmax through radixserve's kernel (the target runs the fused ops)."""
     views = node_views(reqs, trees)
     info = SamplingBatchInfo.from_reqs(views, vocab_size, str(logits.device))
     starts = [0]
@@ -79,7 +86,7 @@ def verify_trees(
         full[torch.tensor(starts[:-1])] = vocab_mask.cpu()
         info.vocab_mask = full.to(logits.device)
     logits = info.apply_logits_processors(logits.float())
-    argmax = logits.argmax(dim=-1).tolist()
+    argmax = argmax_rows(logits, cpu_kernels).tolist()
     probs = None if info.is_all_greedy else sampling_probs(logits, info)
     greedy = info.greedy.tolist()
     out = SpecVerifyOutput([], [])

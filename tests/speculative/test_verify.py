@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from radixserve.layers.cpu_kernels import load_cpu_kernels
 from radixserve.sampling_params import SamplingParams
 from radixserve.speculative.spec_info import DraftTree
 from radixserve.speculative.verify import verify_trees
@@ -29,7 +30,10 @@ def _logits_from(probs: list[list[float]]) -> torch.Tensor:
     return torch.tensor(probs).log()
 
 
-def test_greedy_walks_the_tree_and_adds_the_targets_bonus():
+@pytest.mark.parametrize("cpu_kernels", [False, True])  # torch's argmax, radixserve's kernel
+def test_greedy_walks_the_tree_and_adds_the_targets_bonus(cpu_kernels):
+    if cpu_kernels:
+        load_cpu_kernels()
     # Root 3 with children 4 and 5; 5 has child 0. Target argmax: root -> 5, node(5) -> 0,
     # node(0) -> 2 (the bonus).
     tree = DraftTree([3, 4, 5, 0], [-1, 0, 0, 2])
@@ -37,16 +41,20 @@ def test_greedy_walks_the_tree_and_adds_the_targets_bonus():
     rows[0, 5] = rows[2, 0] = rows[3, 2] = 5.0
     rows[1, 1] = 5.0
     req = FakeReq(SamplingParams(temperature=0.0))
-    out = verify_trees(rows, [req], [tree], V)
+    out = verify_trees(rows, [req], [tree], V, cpu_kernels=cpu_kernels)
     assert out.accepted_nodes == [[2, 3]]
     assert out.tokens == [[5, 0, 2]]
 
 
-def test_greedy_rejects_at_the_root_and_commits_one_token():
+@pytest.mark.parametrize("cpu_kernels", [False, True])
+def test_greedy_rejects_at_the_root_and_commits_one_token(cpu_kernels):
+    if cpu_kernels:
+        load_cpu_kernels()
     tree = DraftTree.chain([3, 4, 4])
     rows = torch.zeros(3, V)
     rows[:, 1] = 1.0
-    out = verify_trees(rows, [FakeReq(SamplingParams(temperature=0.0))], [tree], V)
+    req = FakeReq(SamplingParams(temperature=0.0))
+    out = verify_trees(rows, [req], [tree], V, cpu_kernels=cpu_kernels)
     assert out.tokens == [[1]] and out.accepted_nodes == [[]]
 
 
