@@ -90,10 +90,6 @@ class SamplingBatchInfo:
         )
 
     # -- logits processors -------------------------------------------------------------------
-    @property
-    def has_processors(self) -> bool:
-        return bool(self.processed_rows) or self.vocab_mask is not None
-
     def apply_logits_processors(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalties, logit_bias, min_new_tokens and grammar masks, per row. Returns logits."""
         if self.processed_rows:
@@ -199,9 +195,6 @@ class Sampler:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
     ) -> SampleOutput:
-        if info.is_all_greedy and not return_logprob and not info.has_processors:
-            # The argmax of the model's dtype is the argmax of its fp32 widening: no copy.
-            return SampleOutput(argmax_rows(logits, self.cpu_kernels))
         logits = info.apply_logits_processors(logits.float())
         if info.is_all_greedy:
             next_ids = argmax_rows(logits, self.cpu_kernels)
