@@ -3,7 +3,9 @@ reference: new tokens attending a cached prefix and each other causally, through
 slots in a paged pool (pages of 1 and 16), GQA and plain multi-head, head sizes 64 and 128,
 query counts on and off the 64-row tile, long rows, and clear errors on what it does not take.
 It exists only in builds for CPUs with AVX512-BF16; elsewhere these tests skip (the backend
-then keeps SDPA, which test_cpu_paged_attention.py checks)."""
+then keeps SDPA, which test_cpu_paged_attention.py checks). On a CPU with AMX the kernels'
+products run on the tile unit; every kernel test runs there both ways (set_attention_amx), and
+the AMX case skips elsewhere."""
 
 from __future__ import annotations
 
@@ -14,11 +16,26 @@ from radixserve.layers.cpu_kernels import load_cpu_kernels
 
 
 @pytest.fixture(scope="module")
-def extend():
+def extend_default():
     load_cpu_kernels()
     if not torch.ops.radixserve.extend_attention_supported():
         pytest.skip("this CPU has no AVX512-BF16: the extend kernel is not built here")
     return torch.ops.radixserve.extend_attention
+
+
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def extend(request, extend_default):
+    """The kernel with its products on AVX512-BF16's dot products, or on AMX's tile unit."""
+    ops = torch.ops.radixserve
+    amx = request.param == "amx"
+    before = ops.set_attention_amx(amx)
+    try:
+        if amx and not ops.extend_attention_amx():
+            pytest.skip("this build or CPU has no AMX (or Linux refused the tile state)")
+        assert ops.extend_attention_amx() is False or amx  # the switch holds
+        yield extend_default
+    finally:
+        ops.set_attention_amx(before)
 
 
 def _slots(length: int, page_size: int, pool_pages: int, gen) -> torch.Tensor:
@@ -48,6 +65,9 @@ def _reference(q, k_buf, v_buf, slots, scale):
         ((9, 3, 64), 513, 2),  # a short chunk after a long prefix
         ((9, 3, 64), 40, 90),  # a prefix off the tile size
         ((9, 3, 64), 1536, 512),  # a chunk of a long prompt
+        ((9, 3, 64), 8, 600),  # 16-row groups across the AMX path's 512-key chunks
+        ((9, 3, 64), 480, 100),  # a chunk boundary inside the new tokens
+        ((9, 3, 64), 0, 17),  # one full 16-row group and one row
         ((4, 4, 128), 0, 130),  # no GQA, head size 128
         ((14, 2, 64), 31, 77),  # seven query heads per KV head
         ((8, 1, 128), 1000, 65),  # one KV head
@@ -115,7 +135,7 @@ def test_extend_kernel_rejects_what_it_does_not_take(extend):
 
 @pytest.mark.real_model
 def test_bf16_real_model_prefill_is_as_close_to_fp32_as_sdpa(
-    extend, default_model_path, default_tokenizer
+    extend_default, default_model_path, default_tokenizer
 ):
     """SmolLM2's prefill logits in bf16 with prompts through this kernel are as close to the
     fp32 model's as with torch's SDPA in its place, and pick the same next tokens. (Greedy

@@ -3,7 +3,11 @@
 // probabilities-times-values product both on `vdpbf16ps` (bf16 pairs summed into fp32), an
 // online softmax in fp32 (base 2) in between, the running output in fp32. The probabilities are
 // rounded to bf16 for the second product, as flash-attention does on GPUs. K and V are read through
-// the row's slots in the paged pool and packed once per call for the two products.
+// the row's slots in the paged pool and packed once per call for the two products. On a CPU
+// with AMX both products run on its tile unit instead (`tdpbf16ps`, from the same packed
+// tiles), 16 query rows at a time over chunks of 512 keys, the softmax on the vector units:
+// SmolLM2-135M's 1,024-token prefill attention 4x faster on a 2-core Xeon (docs/performance.md,
+// "Prefill attention on AMX's tile unit").
 //
 // extend_attention(q [N, Hq, D] bf16, k_buf [S, Hkv, D] bf16, v_buf [S, Hkv, D] bf16,
 //                  slots [L] int64, scale) -> out [N, Hq, D] bf16
@@ -20,7 +24,10 @@
 //   their private suffixes (decode_attention's output).
 // D is 64 or 128; Hq a multiple of Hkv (GQA: query head h reads KV head h / (Hq / Hkv)).
 // extend_attention_supported() says whether this build has the kernels (they need a CPU with
-// AVX512-BF16; elsewhere callers keep torch's SDPA and decode_attention).
+// AVX512-BF16; elsewhere callers keep torch's SDPA and decode_attention);
+// extend_attention_amx() whether their products run on AMX here (built with it, the tile
+// state granted, not switched off); set_attention_amx(on) switches that for the process and
+// returns the previous setting (the tests run both paths on one machine).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,13 +38,19 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
+
+#include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define RADIXSERVE_EXTEND_BF16 1
 #include <immintrin.h>
 
 #include "vec_math.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RADIXSERVE_EXTEND_AMX 1
+#endif
 #endif
 
 namespace {
@@ -46,6 +59,7 @@ namespace {
 
 constexpr int64_t kBQ = 64;  // query rows of a tile
 constexpr int64_t kBK = 64;  // keys of a tile: four vectors of 16 scores
+constexpr int64_t kChunk = 512;  // AMX: keys per softmax pass of 16 rows (eight tiles)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
@@ -160,6 +174,64 @@ inline void accumulate_rows(const uint32_t* p, const uint32_t* vp, const float* 
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * D + v * 16, acc[r][v]);
 }
 
+#if defined(RADIXSERVE_EXTEND_AMX)
+// On a CPU with AMX both products run on the tile unit (`tdpbf16ps`), 16 query rows at a time,
+// from the same packed tiles: pair i of 16 keys (a row of kp) is the B operand's row i for the
+// scores, and keys 2j, 2j + 1 of 16 dimensions (a row of vp) its row j for the output. Tiles
+// 0-3 hold fp32 results (16 rows x 16 keys, or x 16 dimensions), 4 the A operand (16 rows x 32
+// bf16: queries, or probabilities), 6 and 7 the B operands in turn. The online softmax between
+// the two products stays on the vector units, as does the rescaling of the running output.
+
+// Whether extend attention runs on AMX: the build has it, Linux granted the tile state
+// (bf16_tiled_amx), and set_attention_amx has not turned it off (tests compare both paths).
+std::atomic<bool> g_attention_amx{true};
+
+bool attention_amx() {
+  static const bool granted = radixserve::bf16_tiled_amx();
+  return granted && g_attention_amx.load(std::memory_order_relaxed);
+}
+
+// Every tile 16 rows of 64 bytes.
+void configure_attention_tiles() {
+  alignas(64) uint8_t cfg[64] = {};
+  cfg[0] = 1;  // palette 1
+  for (int t = 0; t < 8; ++t) {
+    cfg[16 + 2 * t] = 64;  // bytes per row (colsb, 16-bit little-endian)
+    cfg[48 + t] = 16;      // rows
+  }
+  _tile_loadconfig(cfg);
+}
+
+// One B tile into tile 6 (even c) or 7 (odd c), then result tile c += A (tile 4) . B. (GCC's
+// tile intrinsics are macros that paste their tile numbers into the assembly: literals only.)
+#define RADIXSERVE_AMX_DOT(c, bt, b, stride) \
+  do {                                       \
+    _tile_loadd(bt, b, stride);              \
+    _tile_dpbf16ps(c, 4, bt);                \
+  } while (0)
+
+#else
+bool attention_amx() { return false; }
+#endif
+
+// Buffers the tile unit reads or writes start on a cache line, so that no tile row straddles
+// two lines (malloc aligns to 16 bytes): the packed tiles and a tile's scratch.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+};
+template <typename T>
+using Buffer = std::vector<T, LineAligned<T>>;
+
 // A tile's query rows: row r's query vector (bf16, D values) and which keys it sees: those
 // below limit0 + r when causal, below limit0 otherwise.
 struct TileRows {
@@ -171,21 +243,166 @@ struct TileRows {
 
 // Per-thread buffers of one tile.
 struct TileScratch {
-  std::vector<uint32_t> q, p;
-  std::vector<float> s, o, m, l, lv, alpha;
+  Buffer<uint32_t> q, p;
+  Buffer<float> s, o, m, l, lv, alpha;
   explicit TileScratch(int64_t D)
-      : q(kBQ * D / 2), p(kBQ * kBK / 2), s(kBQ * kBK), o(kBQ * D), m(kBQ), l(kBQ),
+      : q(kBQ * D / 2), p(std::max(kBQ * kBK, 16 * kChunk) / 2),
+        s(std::max(kBQ * kBK, 16 * kChunk)), o(kBQ * D), m(kBQ), l(kBQ),
         lv(kBQ * 16), alpha(kBQ) {}
 };
+
+#if defined(RADIXSERVE_EXTEND_AMX)
+// Scores of 16 query rows (bf16 pairs, [16][D/2]) against one tile's 64 keys (unscaled), into
+// the first 64 columns of s [16][kChunk].
+template <int NV>
+inline void score_rows_amx(const uint32_t* q, const uint32_t* kp, float* s) {
+  constexpr int64_t half = NV * 8;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < half; i += 16) {  // 32 dimensions: 16 pairs
+    _tile_loadd(4, q + i, half * 4);
+    const uint32_t* k = kp + i * kBK;
+    RADIXSERVE_AMX_DOT(0, 6, k, kBK * 4);
+    RADIXSERVE_AMX_DOT(1, 7, k + 16, kBK * 4);
+    RADIXSERVE_AMX_DOT(2, 6, k + 32, kBK * 4);
+    RADIXSERVE_AMX_DOT(3, 7, k + 48, kBK * 4);
+  }
+  _tile_stored(0, s, kChunk * 4);
+  _tile_stored(1, s + 16, kChunk * 4);
+  _tile_stored(2, s + 32, kChunk * 4);
+  _tile_stored(3, s + 48, kChunk * 4);
+}
+
+// o [16][D] += p . V for 16 rows over `pairs` pairs of keys (a multiple of 16; vp the first
+// pair's packed values, the tiles of a chunk one after the other): p as bf16 pairs
+// [16][kChunk/2]. The result tiles are loaded and stored once for the whole chunk.
+template <int NV>
+inline void accumulate_rows_amx(const uint32_t* p, const uint32_t* vp, int64_t pairs, float* o) {
+  constexpr int64_t D = NV * 16;
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {  // 64 dimensions: four result tiles
+    _tile_loadd(0, o + c0, D * 4);
+    _tile_loadd(1, o + c0 + 16, D * 4);
+    _tile_loadd(2, o + c0 + 32, D * 4);
+    _tile_loadd(3, o + c0 + 48, D * 4);
+    for (int64_t j = 0; j < pairs; j += 16) {  // 32 keys: 16 pairs
+      _tile_loadd(4, p + j, kChunk / 2 * 4);
+      const uint32_t* v = vp + j * D + c0;
+      RADIXSERVE_AMX_DOT(0, 6, v, D * 4);
+      RADIXSERVE_AMX_DOT(1, 7, v + 16, D * 4);
+      RADIXSERVE_AMX_DOT(2, 6, v + 32, D * 4);
+      RADIXSERVE_AMX_DOT(3, 7, v + 48, D * 4);
+    }
+    _tile_stored(0, o + c0, D * 4);
+    _tile_stored(1, o + c0 + 16, D * 4);
+    _tile_stored(2, o + c0 + 32, D * 4);
+    _tile_stored(3, o + c0 + 48, D * 4);
+  }
+}
+
+// attend_tile on the tile unit (the same results up to summation order and the bf16 rounding
+// of the probabilities). Each 16 rows go on their own, through the keys the last of them sees
+// (in a causal tile the first rows stop earlier), in chunks of up to kChunk keys: the chunk's
+// scores (tile unit), then per row its maximum over them, the old output's factor and the
+// probabilities (vector units), then the chunk's output product (tile unit) with the output
+// tiles loaded and stored once per chunk. A row's keys past its limit get probability 0.
+template <int NV>
+void attend_tile_amx(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, float scale,
+                     TileScratch& w) {
+  constexpr int64_t D = NV * 16, half = D / 2;
+  const float scale2 = scale * 1.44269504088896341f;  // log2(e)
+  const __m512 sc2 = _mm512_set1_ps(scale2);
+  uint32_t* pt = w.p.data();
+  float* s = w.s.data();
+  for (int64_t g = 0; g < tr.rows; g += 16) {
+    const int64_t n = std::min<int64_t>(16, tr.rows - g);  // rows past n: zero queries, dropped
+    uint32_t* qt = w.q.data() + g * half;
+    float* o = w.o.data() + g * D;
+    for (int64_t r = 0; r < 16; ++r) {
+      if (r < n)
+        std::memcpy(qt + r * half, tr.q[g + r], D * sizeof(uint16_t));
+      else
+        std::memset(qt + r * half, 0, D * sizeof(uint16_t));
+    }
+    std::memset(o, 0, 16 * D * sizeof(float));
+    int64_t limit[16];  // keys below limit[r] are row r's (padding rows: the last row's)
+    float m[16], l[16];
+    for (int64_t r = 0; r < 16; ++r) {
+      limit[r] = tr.causal ? tr.limit0 + g + std::min(r, n - 1) : tr.limit0;
+      m[r] = kNegInf;
+      l[r] = 0.f;
+    }
+    const int64_t keys = limit[15];  // the most any row of the 16 sees
+    for (int64_t k0 = 0; k0 < keys; k0 += kChunk) {
+      const int64_t width = std::min(kChunk, keys - k0);
+      const int64_t nt = (width + kBK - 1) / kBK;
+      for (int64_t j = 0; j < nt; ++j)
+        score_rows_amx<NV>(qt, kp + (k0 / kBK + j) * half * kBK, s + j * kBK);
+      bool rescale = false;
+      float alpha[16];
+      for (int64_t r = 0; r < 16; ++r) {
+        const float* sr = s + r * kChunk;
+        uint32_t* pr = pt + r * (kChunk / 2);
+        const int64_t seen = std::clamp<int64_t>(limit[r] - k0, 0, width);
+        const int64_t full = seen / 16, vecs = nt * (kBK / 16);
+        const __mmask16 tail = static_cast<__mmask16>((1u << (seen % 16)) - 1);
+        alpha[r] = 1.f;
+        if (seen == 0) {  // none of this chunk's keys: probabilities 0
+          std::memset(pr, 0, vecs * 16 * sizeof(uint16_t));
+          continue;
+        }
+        __m512 mx = _mm512_set1_ps(kNegInf);
+        for (int64_t c = 0; c < full; ++c) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + c * 16));
+        if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(sr + full * 16));
+        const float mn = std::max(m[r], _mm512_reduce_max_ps(mx) * scale2);  // scale2 > 0
+        if (mn != m[r]) {
+          alpha[r] = m[r] == kNegInf ? 0.f : std::exp2(m[r] - mn);
+          rescale = true;
+          m[r] = mn;
+        }
+        const __m512 nm = _mm512_set1_ps(mn);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < vecs; ++c) {
+          const __mmask16 valid = c < full ? 0xFFFF : (c == full ? tail : 0);
+          const __m512 p = radixserve_vec::exp2_16_masked(
+              valid, _mm512_fmsub_ps(_mm512_loadu_ps(sr + c * 16), sc2, nm));
+          sum = _mm512_add_ps(sum, p);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr) + c, (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+      }
+      if (rescale) {
+        for (int64_t r = 0; r < 16; ++r) {
+          if (alpha[r] == 1.f) continue;
+          const __m512 a = _mm512_set1_ps(alpha[r]);
+          for (int64_t v = 0; v < NV; ++v)
+            _mm512_storeu_ps(o + r * D + v * 16,
+                             _mm512_mul_ps(_mm512_loadu_ps(o + r * D + v * 16), a));
+        }
+      }
+      accumulate_rows_amx<NV>(pt, vp + (k0 / 2) * D, nt * (kBK / 2), o);
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      w.m[g + r] = m[r];
+      w.l[g + r] = l[r];
+    }
+  }
+}
+#endif
 
 // The tile's rows over every key they see (kp, vp: one KV head's packed tiles). Leaves the
 // unnormalized output in w.o [rows, D], the maximum score in w.m and the sum in w.l. The
 // softmax runs in base 2: scores are scaled by scale * log2(e), so w.m is the maximum in
 // units of log2 (a row's log-sum-exp is w.m * ln 2 + log w.l) and each probability is one
 // exp2_16_masked, whose 6e-6 error is far below the bf16 rounding the probabilities get.
+// amx: both products on the tile unit (attention_amx), the calling thread's tiles configured.
 template <int NV>
 void attend_tile(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, float scale,
-                 TileScratch& w) {
+                 bool amx, TileScratch& w) {
+#if defined(RADIXSERVE_EXTEND_AMX)
+  if (amx) return attend_tile_amx<NV>(tr, kp, vp, scale, w);
+#endif
   constexpr int64_t D = NV * 16, half = D / 2;
   constexpr int RS = 4;        // rows per score micro-tile (16 accumulators)
   constexpr int RA = 16 / NV;  // rows per accumulate micro-tile (16 accumulators)
@@ -288,14 +505,22 @@ void pack_rows(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* cons
 }
 
 // Run items 0 .. items - 1 on the thread pool, handed out one at a time (tiles of unequal cost
-// share the threads evenly), each thread with its own scratch.
+// share the threads evenly), each thread with its own scratch, and its tiles configured where
+// the products run on AMX (f's third argument).
 template <typename F>
 void for_each_item(int64_t items, int64_t D, const F& f) {
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  const bool amx = attention_amx();
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     TileScratch w(D);
-    for (int64_t i = next++; i < items; i = next++) f(i, w);
+#if defined(RADIXSERVE_EXTEND_AMX)
+    if (amx) configure_attention_tiles();
+#endif
+    for (int64_t i = next++; i < items; i = next++) f(i, amx, w);
+#if defined(RADIXSERVE_EXTEND_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 
@@ -306,12 +531,12 @@ void extend_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_buf
   constexpr int64_t D = NV * 16;
   const int64_t tiles = (L + kBK - 1) / kBK, prefix = L - N, G = Hq / Hkv;
   const int64_t head_words = tiles * kBK * D / 2;
-  std::vector<uint32_t> kp(Hkv * head_words), vp(Hkv * head_words);
+  Buffer<uint32_t> kp(Hkv * head_words), vp(Hkv * head_words);
   const int64_t* rows[1] = {slots};
   pack_rows(k_buf, v_buf, rows, &L, Hkv, tiles, Hkv, D, kp.data(), vp.data());
   // Items: (query tile, query head), the costliest (last) query tiles first.
   const int64_t qtiles = (N + kBQ - 1) / kBQ;
-  for_each_item(qtiles * Hq, D, [&](int64_t i, TileScratch& w) {
+  for_each_item(qtiles * Hq, D, [&](int64_t i, bool amx, TileScratch& w) {
     const int64_t q0 = (qtiles - 1 - i / Hq) * kBQ, h = i % Hq;
     TileRows tr;
     tr.rows = std::min(kBQ, N - q0);
@@ -319,7 +544,7 @@ void extend_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_buf
     tr.causal = true;
     for (int64_t r = 0; r < tr.rows; ++r) tr.q[r] = q + ((q0 + r) * Hq + h) * D;
     attend_tile<NV>(tr, kp.data() + (h / G) * head_words, vp.data() + (h / G) * head_words,
-                    scale, w);
+                    scale, amx, w);
     for (int64_t r = 0; r < tr.rows; ++r) {
       const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
       uint16_t* dst = out + ((q0 + r) * Hq + h) * D;
@@ -339,7 +564,7 @@ void cascade_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_bu
   constexpr int64_t D = NV * 16;
   const int64_t tiles = (Lmax + kBK - 1) / kBK;
   const int64_t head_words = tiles * kBK * D / 2;
-  std::vector<uint32_t> kp(NG * Hkv * head_words), vp(NG * Hkv * head_words);
+  Buffer<uint32_t> kp(NG * Hkv * head_words), vp(NG * Hkv * head_words);
   std::vector<const int64_t*> rows(NG);
   for (int64_t g = 0; g < NG; ++g) rows[g] = prefix_rows + g * Lmax;
   pack_rows(k_buf, v_buf, rows.data(), prefix_lens, NG * Hkv, tiles, Hkv, D, kp.data(),
@@ -352,7 +577,7 @@ void cascade_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_bu
       item_row0.push_back(r0);
     }
   const int64_t per_head = static_cast<int64_t>(item_group.size());
-  for_each_item(per_head * Hkv, D, [&](int64_t i, TileScratch& w) {
+  for_each_item(per_head * Hkv, D, [&](int64_t i, bool amx, TileScratch& w) {
     const int64_t g = item_group[i / Hkv], r0 = item_row0[i / Hkv], h = i % Hkv;
     const int64_t* mem = members + group_start[g];
     TileRows tr;
@@ -364,7 +589,7 @@ void cascade_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_bu
       tr.q[r] = q + ((b * Hkv + h) * G + gi) * D;
     }
     attend_tile<NV>(tr, kp.data() + (g * Hkv + h) * head_words,
-                    vp.data() + (g * Hkv + h) * head_words, scale, w);
+                    vp.data() + (g * Hkv + h) * head_words, scale, amx, w);
     for (int64_t r = 0; r < tr.rows; ++r) {  // merge with the suffix's (out, lse)
       const int64_t b = mem[(r0 + r) / G], gi = (r0 + r) % G;
       const int64_t at = (b * Hkv + h) * G + gi;
@@ -395,6 +620,23 @@ bool extend_attention_supported() {
 #if defined(RADIXSERVE_EXTEND_BF16)
   return true;
 #else
+  return false;
+#endif
+}
+
+bool extend_attention_amx() {
+#if defined(RADIXSERVE_EXTEND_BF16)
+  return attention_amx();
+#else
+  return false;
+#endif
+}
+
+bool set_attention_amx(bool on) {
+#if defined(RADIXSERVE_EXTEND_AMX)
+  return g_attention_amx.exchange(on);
+#else
+  (void)on;
   return false;
 #endif
 }
@@ -503,6 +745,8 @@ void cascade_prefix_attention(const at::Tensor& q, const at::Tensor& k_buf,
 
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.def("extend_attention_supported", &radixserve::extend_attention_supported);
+  m.def("extend_attention_amx", &radixserve::extend_attention_amx);
+  m.def("set_attention_amx", &radixserve::set_attention_amx);
   m.def("extend_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slots, float scale) -> Tensor");
   m.def(
       "cascade_prefix_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor members, "
