@@ -17,6 +17,7 @@ import torch
 from radixserve.args import ServerArgs, physical_core_count
 from radixserve.distributed.parallel_state import TpGroup, local_head_counts
 from radixserve.layers.attention.base import AttentionBackend
+from radixserve.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.decode_step import CpuDecodeStep
 from radixserve.layers.fused_ops import set_fused_ops
@@ -126,6 +127,14 @@ class ModelRunner:
             packed = prepack_linears(self.model)
             if packed:
                 logger.info("prepacked %d bf16 weights (%s)", packed, packed_form(self.model))
+            if isinstance(self.attn_backend, CpuPagedAttnBackend):
+                where = self.attn_backend.tile_kernels_run_on(
+                    self.dtype,
+                    to_torch_dtype(server_args.kv_cache_dtype),
+                    self.model_config.head_dim,
+                )
+                if where:
+                    logger.info("prompts and shared prefixes attend on %s (bf16 tiles)", where)
         if self.fused_ops and not server_args.disable_cpu_decode_step:
             decode_step = CpuDecodeStep.build(self.model)
             if decode_step is not None:

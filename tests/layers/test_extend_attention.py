@@ -280,3 +280,19 @@ def test_cascade_kernel_rejects_bad_groups(extend):
             lse,
             0.1,
         )
+
+
+def test_the_start_up_line_says_where_prompts_attend(extend):
+    """ModelRunner logs where prompts and shared prefixes attend: on the tile unit, on the dot
+    products, or (None) not through these kernels at all."""
+    from radixserve.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
+
+    backend = CpuPagedAttnBackend("cpu")
+    amx = torch.ops.radixserve.extend_attention_amx()
+    where = "AMX's tile unit" if amx else "AVX512-BF16's dot products"
+    bf16 = torch.bfloat16
+    assert backend.tile_kernels_run_on(bf16, bf16, 64) == where
+    assert backend.tile_kernels_run_on(bf16, bf16, 128) == where
+    assert backend.tile_kernels_run_on(torch.float32, torch.float32, 64) is None
+    assert backend.tile_kernels_run_on(bf16, torch.float32, 64) is None  # an fp32 KV pool
+    assert backend.tile_kernels_run_on(bf16, bf16, 96) is None  # a head size they do not take

@@ -100,6 +100,19 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
             self.extend_kernel = torch.ops.radixserve.extend_attention
             self.cascade_kernel = torch.ops.radixserve.cascade_prefix_attention
 
+    def tile_kernels_run_on(
+        self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int
+    ) -> str | None:
+        """Where a model of this dtype, KV pool dtype and head size attends prompts and shared
+        prefixes through the bf16 tile kernels (for the start-up log), or None where they do
+        not apply (SDPA and the Python cascade then)."""
+        if not (self.extend_kernel is not None and dtype == kv_dtype == torch.bfloat16):
+            return None
+        if head_dim not in (64, 128):
+            return None
+        amx = torch.ops.radixserve.extend_attention_amx()
+        return "AMX's tile unit" if amx else "AVX512-BF16's dot products"
+
     def _bf16_tiles(self, q: torch.Tensor, k_buf: torch.Tensor, layer: AttentionLayer) -> bool:
         """Whether this layer's attention may take the bf16 tile kernels."""
         return (
