@@ -129,18 +129,24 @@ def load_model(
 
 
 def _hint_stored_quantization(model_path: str, dtype: str) -> None:
-    """Say so when a GGUF's weights could run as stored: they were just dequantized."""
+    """Say so when a GGUF's weights could run as stored: they were just dequantized. On a CPU
+    with AMX, bf16 multiplies on the tile unit and the stored codes on VNNI, so there bf16
+    stays the faster form for prompts and full batches (docs/performance.md: int4 prefills at
+    about half bf16's rate on a 2-core Xeon, and its decode step falls behind from ~64 rows)."""
+    from radixserve import args as rs_args
     from radixserve.model_loader.gguf_loader import stored_quantization
 
     method, kinds = stored_quantization(model_path)
     if method:
+        amx = dtype == "bfloat16" and rs_args.cpu_has_amx()
         logger.info(
             "this GGUF stores its block weights as %s, dequantized here to %s; "
             "--quantization %s runs them as stored, as llama.cpp does (a fraction of the "
-            "weight bytes per step: faster for few users)",
+            "weight bytes per step: faster for few users%s)",
             "/".join(kinds),
             dtype,
             method,
+            "; with AMX, as here, bf16 runs prompts and full batches faster" if amx else "",
         )
 
 

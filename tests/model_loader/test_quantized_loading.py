@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from test_gguf_loader import LAYER_QTYPES, PROJ_HF, write_tiny_gguf
 
+import radixserve.args as rs_args
 from radixserve.args import ServerArgs
 from radixserve.layers.quantization import QuantizedLinear, dequantize_int4, quantize_int4
 from radixserve.model_loader.gguf_loader import iter_gguf_weights, stored_quantization
@@ -160,3 +161,14 @@ def test_loading_a_quantized_gguf_says_which_flag_runs_it_as_stored(
     caplog.clear()
     load_model(files["q4"], "gguf", "float32", "cpu", quantization="int4")
     assert not [r for r in caplog.records if "runs them as stored" in r.getMessage()]
+    # On a CPU with AMX, bf16 (on the tile unit) stays ahead for prompts and full batches.
+    for amx, dtype, said in (
+        (True, "bfloat16", True),
+        (False, "bfloat16", False),
+        (True, "float32", False),
+    ):
+        monkeypatch.setattr(rs_args, "cpu_has_amx", lambda amx=amx: amx)
+        caplog.clear()
+        load_model(files["q4"], "gguf", dtype, "cpu")
+        hints = [m for r in caplog.records if "runs them as stored" in (m := r.getMessage())]
+        assert len(hints) == 1 and ("with AMX, as here, bf16 runs" in hints[0]) == said, hints
