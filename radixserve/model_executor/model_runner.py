@@ -129,9 +129,7 @@ class ModelRunner:
                 logger.info("prepacked %d bf16 weights (%s)", packed, packed_form(self.model))
             if isinstance(self.attn_backend, CpuPagedAttnBackend):
                 where = self.attn_backend.tile_kernels_run_on(
-                    self.dtype,
-                    to_torch_dtype(server_args.kv_cache_dtype),
-                    self.model_config.head_dim,
+                    self.dtype, self.token_to_kv_pool.dtype, self.model_config.head_dim
                 )
                 if where:
                     logger.info("prompts and shared prefixes attend on %s (bf16 tiles)", where)
