@@ -339,14 +339,13 @@ void attend_tile_amx(const TileRows& tr, const uint32_t* kp, const uint32_t* vp,
       const int64_t nt = (width + kBK - 1) / kBK;
       for (int64_t j = 0; j < nt; ++j)
         score_rows_amx<NV>(qt, kp + (k0 / kBK + j) * half * kBK, s + j * kBK);
-      bool rescale = false;
       float alpha[16];
       for (int64_t r = 0; r < 16; ++r) {
         const float* sr = s + r * kChunk;
         uint32_t* pr = pt + r * (kChunk / 2);
         const int64_t seen = std::clamp<int64_t>(limit[r] - k0, 0, width);
         const int64_t full = seen / 16, vecs = nt * (kBK / 16);
-        const __mmask16 tail = static_cast<__mmask16>((1u << (seen % 16)) - 1);
+        const __mmask16 tail = radixserve_vec::first(seen % 16);
         alpha[r] = 1.f;
         if (seen == 0) {  // none of this chunk's keys: probabilities 0
           std::memset(pr, 0, vecs * 16 * sizeof(uint16_t));
@@ -358,7 +357,6 @@ void attend_tile_amx(const TileRows& tr, const uint32_t* kp, const uint32_t* vp,
         const float mn = std::max(m[r], _mm512_reduce_max_ps(mx) * scale2);  // scale2 > 0
         if (mn != m[r]) {
           alpha[r] = m[r] == kNegInf ? 0.f : std::exp2(m[r] - mn);
-          rescale = true;
           m[r] = mn;
         }
         const __m512 nm = _mm512_set1_ps(mn);
@@ -372,14 +370,12 @@ void attend_tile_amx(const TileRows& tr, const uint32_t* kp, const uint32_t* vp,
         }
         l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
       }
-      if (rescale) {
-        for (int64_t r = 0; r < 16; ++r) {
-          if (alpha[r] == 1.f) continue;
-          const __m512 a = _mm512_set1_ps(alpha[r]);
-          for (int64_t v = 0; v < NV; ++v)
-            _mm512_storeu_ps(o + r * D + v * 16,
-                             _mm512_mul_ps(_mm512_loadu_ps(o + r * D + v * 16), a));
-        }
+      for (int64_t r = 0; r < 16; ++r) {  // the rows whose maximum moved
+        if (alpha[r] == 1.f) continue;
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int64_t v = 0; v < NV; ++v)
+          _mm512_storeu_ps(o + r * D + v * 16,
+                           _mm512_mul_ps(_mm512_loadu_ps(o + r * D + v * 16), a));
       }
       accumulate_rows_amx<NV>(pt, vp + (k0 / 2) * D, nt * (kBK / 2), o);
     }
