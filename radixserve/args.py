@@ -16,6 +16,9 @@ from typing import Any
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# fp8 KV caches (SGLang's names): one byte per K/V element, no scales (e4m3 saturates at ±448,
+# e5m2 at ±57344); the CPU kernels widen them to bf16 (exactly) or fp32 as they read them.
+KV_CACHE_DTYPES = (*DTYPES, "fp8_e5m2", "fp8_e4m3")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_paged")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
@@ -49,7 +52,12 @@ class ServerArgs:
     dtype: str = _f(
         "auto", "Model dtype; auto = bf16 on CUDA and on CPUs with AVX512-BF16/AMX.", DTYPES
     )
-    kv_cache_dtype: str = _f("auto", "KV cache dtype; auto = the model dtype.", DTYPES)
+    kv_cache_dtype: str = _f(
+        "auto",
+        "KV cache dtype; auto = the model dtype. fp8_e5m2 halves a bf16 cache's bytes "
+        "(2 mantissa bits; perplexity in docs/performance.md).",
+        KV_CACHE_DTYPES,
+    )
     device: str = _f("auto", "Device; auto = cuda when available, else cpu.", DEVICES)
     context_length: int | None = _f(None, "Maximum context length (default: from the model).")
     served_model_name: str | None = _f(None, "Model name reported by the API.")

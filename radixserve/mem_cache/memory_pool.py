@@ -5,7 +5,8 @@
 * TokenToKVPoolAllocator: free list over slots 1..size (slot 0 takes padding writes).
   Page-aware when page_size > 1: allocation hands out whole pages, freeing returns pages whose
   slots are all free again.
-* MHATokenToKVPool: per-layer K and V tensors [size + 1, num_kv_heads, head_dim].
+* MHATokenToKVPool: per-layer K and V tensors [size + 1, num_kv_heads, head_dim], in the
+  model's dtype or, with --kv-cache-dtype fp8_e5m2 / fp8_e4m3, one byte per element (no scales).
 
 Owned by the Scheduler (through TpModelWorker/ModelRunner); the RadixCache frees into the
 allocator. Nothing here needs a model or a GPU.
@@ -14,6 +15,19 @@ allocator. Nothing here needs a model or a GPU.
 from __future__ import annotations
 
 import torch
+
+# The fp8 KV dtypes (--kv-cache-dtype fp8_e5m2 / fp8_e4m3) and their largest finite values.
+FP8_MAX = {torch.float8_e5m2: 57344.0, torch.float8_e4m3fn: 448.0}
+
+
+def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a KV pool's dtype. An fp8 pool saturates at its largest finite value: a plain cast
+    makes e5m2's inf past it (torch's e4m3fn cast saturates on CPU; this does not rely on it),
+    and one infinite key makes its rows' softmax NaN."""
+    limit = FP8_MAX.get(dtype)
+    if limit is not None and x.dtype != dtype:
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 class ReqToTokenPool:
@@ -152,8 +166,8 @@ class MHATokenToKVPool:
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = to_kv_dtype(k, self.dtype)
+        self.v_buffer[layer_id][loc] = to_kv_dtype(v, self.dtype)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the K/V of slots `src` into slots `dst`, every layer (speculative decoding

@@ -262,9 +262,10 @@ class ModelRunner:
             sa.page_size,
         )
         logger.info(
-            "KV pool: %d tokens (%.1f MiB), %d request rows",
+            "KV pool: %d tokens (%.1f MiB, %s), %d request rows",
             total,
             total * per_token / 2**20,
+            sa.kv_cache_dtype,
             self.max_running_requests,
         )
 

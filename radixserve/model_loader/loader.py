@@ -22,7 +22,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e5m2": torch.float8_e5m2,  # KV cache only (args.KV_CACHE_DTYPES)
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
 
 
 def to_torch_dtype(name: str) -> torch.dtype:

@@ -107,6 +107,41 @@ def test_fp32_query_over_a_bf16_pool_stays_exact(kernel, d):
     assert torch.allclose(lse, ref_lse, atol=2e-5)
 
 
+def fp8_pool(shape, fp8, gen, scale=3.0):
+    """A random fp8 pool holding every byte pattern's class: zeros, subnormals, both signs,
+    the largest finite values (e4m3fn's 0x7F/0xFF are NaN and never stored)."""
+    buf = (torch.randn(*shape, generator=gen) * scale).to(fp8)
+    bits = buf.view(torch.uint8).view(-1)
+    special = [0x00, 0x80, 0x01, 0x02, 0x03, 0x81, 0x83, 0x04, 0x84]
+    special += [0x7E, 0xFE] if fp8 == torch.float8_e4m3fn else [0x7B, 0xFB]
+    bits[: len(special)] = torch.tensor(special, dtype=torch.uint8)
+    return buf
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e5m2, torch.float8_e4m3fn])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 40])
+def test_fp8_pool_equals_its_widened_copy(kernel, fp8, q_dtype, d):
+    """An fp8 pool (--kv-cache-dtype fp8_e5m2 / fp8_e4m3) is widened exactly as it is read:
+    the same output and lse, bit for bit, as the same values in a bf16 pool (bf16 queries on
+    the bf16 kernel) or an fp32 pool (fp32 queries, and a head size no bf16 kernel takes)."""
+    gen = torch.Generator().manual_seed(d)
+    size, hkv, grp = 3000, 3, 3
+    k_buf, v_buf = fp8_pool((size, hkv, d), fp8, gen), fp8_pool((size, hkv, d), fp8, gen)
+    lens = [1, 70, 1500, 129]
+    rows = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    for i, n in enumerate(lens):
+        rows[i, :n] = torch.randperm(size, generator=gen)[:n]
+    rows[:, 0] = 0  # slot 0 holds the special bytes
+    start, end = torch.zeros(len(lens), dtype=torch.long), torch.tensor(lens)
+    q = torch.randn(len(lens), hkv, grp, d, generator=gen).to(q_dtype)
+    wide = torch.bfloat16 if q_dtype == torch.bfloat16 else torch.float32
+    out, lse = kernel(q, k_buf, v_buf, rows, start, end, d**-0.5, 0)
+    ref_out, ref_lse = kernel(q, k_buf.to(wide), v_buf.to(wide), rows, start, end, d**-0.5, 0)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 def test_empty_ranges_and_bad_inputs(kernel):
     k_buf = torch.randn(10, 1, 64)
     q = torch.randn(2, 1, 2, 64)
@@ -152,9 +187,20 @@ def _batch(mode, pool, rows, prefixes, ext, out_loc):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (model dtype, KV pool dtype): the pool's own dtype, and fp8 pools (--kv-cache-dtype fp8_*),
+# which the torch-native backend widens with torch's casts and the kernels with their own.
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float8_e5m2),
+    (torch.float32, torch.float8_e5m2),
+]
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPE_PAIRS)
 @pytest.mark.parametrize("shared", [0, 1, 2])  # groups sharing a >= 64-slot prefix
-def test_backend_decode_equals_torch_native(kernel, dtype, shared):
+def test_backend_decode_equals_torch_native(kernel, dtype, kv_dtype, shared):
     """The cpu_paged backend's decode step (with its cascade over shared prefixes) against the
     torch-native backend's on the same pool: same attention output, same KV written."""
     from radixserve.layers.attention.cpu_paged_backend import CpuPagedAttnBackend
@@ -183,9 +229,9 @@ def test_backend_decode_equals_torch_native(kernel, dtype, shared):
     outs, pools = [], []
     for backend in (TorchNativeAttnBackend("cpu"), CpuPagedAttnBackend("cpu")):
         g2 = torch.Generator().manual_seed(99)
-        pool = MHATokenToKVPool(size, 1, 3, 64, dtype, "cpu", 1)
-        pool.k_buffer[0].copy_(torch.randn(size + 1, 3, 64, generator=g2).to(dtype))
-        pool.v_buffer[0].copy_(torch.randn(size + 1, 3, 64, generator=g2).to(dtype))
+        pool = MHATokenToKVPool(size, 1, 3, 64, kv_dtype, "cpu", 1)
+        pool.k_buffer[0].copy_(torch.randn(size + 1, 3, 64, generator=g2).to(kv_dtype))
+        pool.v_buffer[0].copy_(torch.randn(size + 1, 3, 64, generator=g2).to(kv_dtype))
         fb = _batch(ForwardMode.DECODE, pool, rows, [n - 1 for n in lens], [1] * len(lens), out_loc)
         backend.init_forward_metadata(fb)
         if isinstance(backend, CpuPagedAttnBackend):
@@ -231,7 +277,7 @@ def test_auto_backend_falls_back_to_torch_native_where_the_kernel_cannot_build(m
         create_attention_backend("cpu_paged", "cpu")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPE_PAIRS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(
     ("heads", "mode", "prefixes", "ext"),
@@ -243,7 +289,7 @@ def test_auto_backend_falls_back_to_torch_native_where_the_kernel_cannot_build(m
     ],
 )
 def test_backend_ragged_extend_equals_torch_native(
-    kernel, dtype, page_size, heads, mode, prefixes, ext
+    kernel, dtype, kv_dtype, page_size, heads, mode, prefixes, ext
 ):
     """Extend and mixed steps run ragged (one-token rows through the decode kernel, longer rows
     one SDPA each, causal from their cached prefix) and match the torch-native backend's padded
@@ -266,9 +312,9 @@ def test_backend_ragged_extend_equals_torch_native(
     outs, pools = [], []
     for backend in (TorchNativeAttnBackend("cpu"), CpuPagedAttnBackend("cpu")):
         g2 = torch.Generator().manual_seed(7)
-        pool = MHATokenToKVPool(size, 1, hkv, d, dtype, "cpu", page_size)
-        pool.k_buffer[0].copy_(torch.randn(size + page_size, hkv, d, generator=g2).to(dtype))
-        pool.v_buffer[0].copy_(torch.randn(size + page_size, hkv, d, generator=g2).to(dtype))
+        pool = MHATokenToKVPool(size, 1, hkv, d, kv_dtype, "cpu", page_size)
+        pool.k_buffer[0].copy_(torch.randn(size + page_size, hkv, d, generator=g2).to(kv_dtype))
+        pool.v_buffer[0].copy_(torch.randn(size + page_size, hkv, d, generator=g2).to(kv_dtype))
         fb = _batch(mode, pool, rows, prefixes, ext, out_loc)
         backend.init_forward_metadata(fb)
         outs.append(backend.forward(q, k, v, layer, fb))

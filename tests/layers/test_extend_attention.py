@@ -241,6 +241,34 @@ def test_cascade_kernel_merges_each_groups_prefix_into_the_suffix_result(extend,
     assert torch.allclose(lse, want_lse, atol=1e-2, rtol=0)
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e5m2, torch.float8_e4m3fn])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_pools_are_widened_exactly(extend, fp8, d):
+    """An fp8 pool (--kv-cache-dtype fp8_e5m2 / fp8_e4m3) gives both kernels the same results,
+    bit for bit, as the same values in a bf16 pool: its bytes are widened to bf16 exactly as
+    the tiles are packed (zeros, subnormals and the largest values included)."""
+    from test_cpu_paged_attention import fp8_pool
+
+    gen = torch.Generator().manual_seed(d)
+    hq, hkv, size = 6, 2, 1200
+    k8, v8 = fp8_pool((size, hkv, d), fp8, gen), fp8_pool((size, hkv, d), fp8, gen)
+    kb, vb = k8.bfloat16(), v8.bfloat16()
+    slots = torch.randperm(size, generator=gen)[:700]
+    slots[0] = 0  # slot 0 holds the special bytes
+    q = torch.randn(150, hq, d, generator=gen).bfloat16()
+    out = extend(q, k8, v8, slots, d**-0.5)
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out, extend(q, kb, vb, slots, d**-0.5))
+    qc = torch.randn(3, hkv, hq // hkv, d, generator=gen).bfloat16()
+    args = (torch.tensor([2, 0]), torch.tensor([0, 2]), slots[None, :500], torch.tensor([500]))
+    results = []
+    for k, v in ((k8, v8), (kb, vb)):
+        out, lse = torch.zeros(qc.shape), torch.full(qc.shape[:3], float("-inf"))
+        torch.ops.radixserve.cascade_prefix_attention(qc, k, v, *args, out, lse, d**-0.5)
+        results.append((out, lse))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_cascade_kernel_rejects_bad_groups(extend):
     q = torch.zeros(4, 3, 3, 64, dtype=torch.bfloat16)
     k = torch.zeros(100, 3, 64, dtype=torch.bfloat16)
@@ -295,4 +323,7 @@ def test_the_start_up_line_says_where_prompts_attend(extend):
     assert backend.tile_kernels_run_on(bf16, bf16, 128) == where
     assert backend.tile_kernels_run_on(torch.float32, torch.float32, 64) is None
     assert backend.tile_kernels_run_on(bf16, torch.float32, 64) is None  # an fp32 KV pool
+    for fp8 in (torch.float8_e5m2, torch.float8_e4m3fn):  # widened to bf16 as they are read
+        assert backend.tile_kernels_run_on(bf16, fp8, 64) == where
+        assert backend.tile_kernels_run_on(torch.float32, fp8, 64) is None
     assert backend.tile_kernels_run_on(bf16, bf16, 96) is None  # a head size they do not take

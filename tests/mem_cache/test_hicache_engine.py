@@ -5,6 +5,7 @@ storage tier serves a prefix to a restarted engine; integrity checks run every s
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -99,12 +100,16 @@ def test_greedy_identical_with_and_without_hierarchical_cache(tiny_model):
     assert hi_cached > base_cached
 
 
-def test_file_storage_serves_a_restarted_engine(tiny_model, tmp_path):
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_file_storage_serves_a_restarted_engine(tiny_model, tmp_path, kv):
+    """Also with a one-byte KV cache (--kv-cache-dtype fp8_e4m3): its blocks are its bytes, in
+    a directory of their own (the namespace names the dtype)."""
     flags = dict(
         enable_hierarchical_cache=True,
         hicache_storage_backend="file",
         hicache_storage_dir=str(tmp_path),
         hicache_storage_block_size=32,
+        kv_cache_dtype=kv,
     )
     prompt = [random.Random(9).randrange(3, 320) for _ in range(150)]
     with _engine(tiny_model, **flags) as first:
@@ -117,3 +122,10 @@ def test_file_storage_serves_a_restarted_engine(tiny_model, tmp_path):
     assert b["output_ids"] == a["output_ids"]
     assert b["meta_info"]["cached_tokens"] == 128  # four whole blocks, read from storage
     assert info["hicache_storage_hit_tokens"] == 128
+    (namespace,) = os.listdir(tmp_path)
+    blocks = [f for f in os.listdir(tmp_path / namespace) if f.endswith(".kv")]
+    # a block: 32 tokens x 2 layers x K and V x the tiny model's 2 KV heads x 16 dims
+    element = 1 if kv == "fp8_e4m3" else 4
+    assert {(tmp_path / namespace / f).stat().st_size for f in blocks} == {
+        32 * 2 * 2 * 32 * element
+    }

@@ -6,7 +6,9 @@ and the step's req_to_token rows to `torch.ops.radixserve.decode_attention`
 rows (all KV heads) read once, GQA query heads grouped under their KV head, long rows split
 into segments across threads and merged by log-sum-exp. No padded copy of the context is made.
 With bf16 queries and pool, head_dim 64 or 128 and a CPU with AVX512-BF16, the scores and the
-probabilities-times-values product run on the bf16 dot-product instructions.
+probabilities-times-values product run on the bf16 dot-product instructions. "bf16 pool" here
+and below includes an fp8 pool (`--kv-cache-dtype fp8_e5m2` / `fp8_e4m3`): the kernels widen
+its bytes to bf16 (exactly) as they read them.
 
 Requests that share a cached prefix (cascade): the shared slots are attended once per group,
 with the group's queries stacked as extra query heads of one request, and merged with each
@@ -40,6 +42,9 @@ from radixserve.layers.attention.cascade_decode import shared_prefix_groups
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.cpu_kernels import load_cpu_kernels
 from radixserve.model_executor.forward_batch import ForwardBatch
+
+# KV pool dtypes the bf16 tile kernels read (fp8 widened to bf16 as it is packed).
+_TILE_KV = (torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn)
 
 
 @dataclass
@@ -106,7 +111,9 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         """Where a model of this dtype, KV pool dtype and head size attends prompts and shared
         prefixes through the bf16 tile kernels (for the start-up log), or None where they do
         not apply (SDPA and the Python cascade then)."""
-        if not (self.extend_kernel is not None and dtype == kv_dtype == torch.bfloat16):
+        if not (
+            self.extend_kernel is not None and dtype == torch.bfloat16 and kv_dtype in _TILE_KV
+        ):
             return None
         if head_dim not in (64, 128):
             return None
@@ -117,7 +124,8 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         """Whether this layer's attention may take the bf16 tile kernels."""
         return (
             self.extend_kernel is not None
-            and q.dtype == k_buf.dtype == torch.bfloat16
+            and q.dtype == torch.bfloat16
+            and k_buf.dtype in _TILE_KV
             and layer.head_dim in (64, 128)
         )
 

@@ -10,9 +10,9 @@
 // lse = -inf, so that callers can merge several ranges (the cascade's shared prefix and
 // private suffix) exactly. split_tokens <= 0 picks the segment length from the thread count.
 //
-// Each segment is attended by one of three loops: a bf16 query over a bf16 pool with D of 64
-// or 128, on a CPU with AVX512-BF16, by attend_bf16 (both products on vdpbf16ps, the
-// probabilities rounded to bf16 for the second, as the torch-native backend and
+// Each segment is attended by one of three loops: a bf16 query over a bf16 or fp8 pool
+// with D of 64 or 128, on a CPU with AVX512-BF16, by attend_bf16 (both products on
+// vdpbf16ps, the probabilities rounded to bf16 for the second, as the torch-native backend and
 // extend_attention.cpp round them); other queries and pools with D % 8 == 0 by attend_avx2
 // (fp32 throughout, the pool's rows widened); the rest by the scalar attend.
 
@@ -39,11 +39,22 @@ struct Segment {
   int64_t b, t0, t1;
 };
 
+// The fp8 formats a KV pool may hold (--kv-cache-dtype fp8_e5m2 / fp8_e4m3; no scales).
+template <typename T>
+constexpr bool kFp8 = std::is_same_v<T, c10::Float8_e5m2> || std::is_same_v<T, c10::Float8_e4m3fn>;
+
 // The row of one slot as floats: in place for fp32 pools, converted into `buf` otherwise.
 template <typename kv_t>
 inline const float* row_as_float(const kv_t* src, float* buf, int64_t n) {
   if constexpr (std::is_same_v<kv_t, float>) {
     return src;
+#if defined(__AVX2__) && defined(__F16C__)
+  } else if constexpr (kFp8<kv_t>) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, radixserve_vec::fp8_to_ps8(src + i));
+    for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+#endif
   } else {
     for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
     return buf;
@@ -330,27 +341,35 @@ inline void weigh_values_bf16(const c10::BFloat16* const* vrow, int64_t hD, int6
   }
 }
 
-// `attend` for a bf16 query and bf16 K/V, D = 32 * NV, on AVX512-BF16: both products on
-// `vdpbf16ps`, as extend_attention.cpp's tiles. Per block of up to 64 slots and KV head: each
+// `attend` for a bf16 query and a bf16 or fp8 pool, D = 32 * NV, on AVX512-BF16: both products
+// on `vdpbf16ps`, as extend_attention.cpp's tiles. An fp8 pool's rows of a block are widened
+// to bf16 (exactly) into scratch as the block starts, every KV head at once. Per block of up to 64 slots and KV head: each
 // query's scores are dot products of bf16 pairs summed in fp32 (16 at a time by reduce16) and
 // its online softmax runs in fp32 once per block; then one pass over the block's V rows weighs
 // them by up to three (D = 64) or two (D = 128) queries' probabilities, rounded to bf16, at
 // once (weigh_values_bf16), so each V row is loaded and interleaved once per pass, not once
 // per query.
-template <int NV>
-void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const c10::BFloat16* k_buf,
-                 const c10::BFloat16* v_buf, const int64_t* row, int64_t t0, int64_t t1,
-                 float scale, float* m, float* l, float* acc, const int64_t* next_slots,
-                 int64_t next_count) {
+template <int NV, typename kv_t>
+void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const kv_t* k_buf,
+                 const kv_t* v_buf, const int64_t* row, int64_t t0, int64_t t1, float scale,
+                 float* m, float* l, float* acc, const int64_t* next_slots, int64_t next_count) {
   constexpr int64_t D = 32 * NV, kSlots = 4 * kBlock16;
   constexpr int QC = NV == 2 ? 3 : 2;  // queries per values' pass (accumulators in registers)
+  constexpr bool widen = kFp8<kv_t>;
+  static_assert(widen || std::is_same_v<kv_t, c10::BFloat16>, "a bf16 or fp8 pool");
   const int64_t HG = H * G, W = H * D;
   const std::vector<c10::BFloat16> zero(W, c10::BFloat16(0.f));
+  // An fp8 pool's rows of one KV head in a block, widened (K, then V: 16 or 32 KB, in L1).
+  std::vector<c10::BFloat16> wide(widen ? 2 * kSlots * D : 0);
+  using wide_t = std::conditional_t<widen, kv_t, c10::Float8_e5m2>;
+  const radixserve_vec::Fp8ToBf16<wide_t> widen_row;
   std::vector<float> acc_p(HG * D, 0.f);
   std::vector<uint32_t> pw(G * (kSlots / 2));  // each query's probabilities, as bf16 pairs
   std::vector<float> corr(G);
-  const c10::BFloat16* krow[kSlots];
-  const c10::BFloat16* vrow[kSlots];
+  const kv_t* krow[kSlots];  // the block's slots' rows in the pool (every KV head)
+  const kv_t* vrow[kSlots];
+  const c10::BFloat16* khead[kSlots];  // their rows of the KV head at hand, as bf16
+  const c10::BFloat16* vhead[kSlots];
   for (int64_t i = 0; i < HG; ++i) {
     m[i] = kNegInf;
     l[i] = 0.f;
@@ -362,12 +381,26 @@ void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const c10::BFloat
     const bool last = base + n >= t1;
     SpreadPrefetch spf(k_buf, v_buf, last ? next_slots : row + base + n,
                        std::min(kSlots, last ? next_count : t1 - base - n),
-                       W * static_cast<int64_t>(sizeof(c10::BFloat16)), H * G * groups);
-    for (int64_t i = 0; i < groups * kBlock16; ++i) {
-      krow[i] = i < n ? k_buf + row[base + i] * W : zero.data();
-      vrow[i] = i < n ? v_buf + row[base + i] * W : zero.data();
+                       W * static_cast<int64_t>(sizeof(kv_t)), H * G * groups);
+    for (int64_t i = 0; i < n; ++i) {
+      krow[i] = k_buf + row[base + i] * W;
+      vrow[i] = v_buf + row[base + i] * W;
     }
+    for (int64_t i = n; i < groups * kBlock16; ++i) khead[i] = vhead[i] = zero.data();
     for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = 0; i < n; ++i) {
+        if constexpr (widen) {
+          c10::BFloat16* kd = wide.data() + i * D;
+          c10::BFloat16* vd = wide.data() + (kSlots + i) * D;
+          widen_row(krow[i] + h * D, reinterpret_cast<uint16_t*>(kd), D);
+          widen_row(vrow[i] + h * D, reinterpret_cast<uint16_t*>(vd), D);
+          khead[i] = kd;
+          vhead[i] = vd;
+        } else {
+          khead[i] = krow[i] + h * D;
+          vhead[i] = vrow[i] + h * D;
+        }
+      }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hg = h * G + g;
         __m512i qv[NV];
@@ -377,7 +410,7 @@ void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const c10::BFloat
         for (int64_t v = 0; v < groups; ++v) {
           __m512 P[kBlock16];
           for (int64_t i = 0; i < kBlock16; ++i) {
-            const c10::BFloat16* k = krow[v * kBlock16 + i] + h * D;
+            const c10::BFloat16* k = khead[v * kBlock16 + i];
             __m512 d = _mm512_setzero_ps();
             for (int c = 0; c < NV; ++c) d = dot_bf16(d, qv[c], _mm512_loadu_si512(k + 32 * c));
             P[i] = d;
@@ -404,7 +437,7 @@ void attend_bf16(const c10::BFloat16* q, int64_t H, int64_t G, const c10::BFloat
         m[hg] = new_m;
       }
       for (int64_t g0 = 0; g0 < G; g0 += QC)
-        weigh_values_bf16<NV, QC>(vrow, h * D, pairs, pw.data() + g0 * (kSlots / 2), kSlots / 2,
+        weigh_values_bf16<NV, QC>(vhead, 0, pairs, pw.data() + g0 * (kSlots / 2), kSlots / 2,
                                   corr.data() + g0, acc_p.data() + (h * G + g0) * D,
                                   std::min<int64_t>(QC, G - g0));
     }
@@ -436,12 +469,15 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   const int64_t B = q_in.size(0), H = q_in.size(1), G = q_in.size(2), D = q_in.size(3);
   TORCH_CHECK(k_buf.size(1) == H && k_buf.size(2) == D, "q and KV buffers disagree on heads/dim");
   TORCH_CHECK(kv_rows_in.dim() == 2 && kv_rows_in.size(0) == B, "kv_rows must be [B, L]");
-  // A bf16 query over a bf16 pool with D of 64 or 128 takes attend_bf16 (its products on
-  // vdpbf16ps need the query in bf16 as it came: an fp32 query is not rounded for it); the
+  // A bf16 query over a bf16 or fp8 pool with D of 64 or 128 takes attend_bf16 (its products
+  // on vdpbf16ps need the query in bf16 as it came: an fp32 query is not rounded for it); the
   // other loops take the query in fp32.
 #if defined(RADIXSERVE_DECODE_BF16)
-  const bool bf16_path = q_in.scalar_type() == at::kBFloat16 &&
-                         k_buf.scalar_type() == at::kBFloat16 && (D == 64 || D == 128);
+  const bool bf16_path =
+      q_in.scalar_type() == at::kBFloat16 &&
+      (k_buf.scalar_type() == at::kBFloat16 || k_buf.scalar_type() == at::kFloat8_e5m2 ||
+       k_buf.scalar_type() == at::kFloat8_e4m3fn) &&
+      (D == 64 || D == 128);
 #else
   constexpr bool bf16_path = false;
 #endif
@@ -496,7 +532,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
 
   const float* qp = bf16_path ? nullptr : q.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_buf.scalar_type(), "decode_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND4(at::kBFloat16, at::kHalf, at::kFloat8_e5m2, at::kFloat8_e4m3fn,
+                                  k_buf.scalar_type(), "decode_attention", [&] {
     const scalar_t* kp = k_buf.data_ptr<scalar_t>();
     const scalar_t* vp = v_buf.data_ptr<scalar_t>();
     at::parallel_for(0, n, serial ? n + 1 : 1, [&](int64_t lo, int64_t hi) {
@@ -509,14 +546,14 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
           next_count = segs[i + 1].t1 - segs[i + 1].t0;
         }
 #if defined(RADIXSERVE_DECODE_BF16)
-        if (bf16_path) {  // scalar_t is c10::BFloat16 here (the pool's type was checked)
-          const c10::BFloat16* qb = q.data_ptr<c10::BFloat16>() + s.b * HG * D;
-          const auto* kb = reinterpret_cast<const c10::BFloat16*>(kp);
-          const auto* vb = reinterpret_cast<const c10::BFloat16*>(vp);
-          auto* const fn = D == 64 ? &attend_bf16<2> : &attend_bf16<4>;
-          fn(qb, H, G, kb, vb, rows + s.b * L, s.t0, s.t1, fscale, seg_m.data() + i * HG,
-             seg_l.data() + i * HG, seg_acc.data() + i * HG * D, next_slots, next_count);
-          continue;
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || kFp8<scalar_t>) {
+          if (bf16_path) {
+            const c10::BFloat16* qb = q.data_ptr<c10::BFloat16>() + s.b * HG * D;
+            auto* const fn = D == 64 ? &attend_bf16<2, scalar_t> : &attend_bf16<4, scalar_t>;
+            fn(qb, H, G, kp, vp, rows + s.b * L, s.t0, s.t1, fscale, seg_m.data() + i * HG,
+               seg_l.data() + i * HG, seg_acc.data() + i * HG * D, next_slots, next_count);
+            continue;
+          }
         }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)

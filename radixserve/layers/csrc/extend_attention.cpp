@@ -9,8 +9,9 @@
 // SmolLM2-135M's 1,024-token prefill attention 4x faster on a 2-core Xeon (docs/performance.md,
 // "Prefill attention on AMX's tile unit").
 //
-// extend_attention(q [N, Hq, D] bf16, k_buf [S, Hkv, D] bf16, v_buf [S, Hkv, D] bf16,
-//                  slots [L] int64, scale) -> out [N, Hq, D] bf16
+// extend_attention(q [N, Hq, D] bf16, k_buf [S, Hkv, D], v_buf [S, Hkv, D] (bf16, or fp8
+//                  e5m2 / e4m3fn widened to bf16 as they are packed), slots [L] int64, scale)
+//   -> out [N, Hq, D] bf16
 //   Prefill: a request's N new tokens (the row's last N) attend its cached prefix and,
 //   causally, each other: query i sits at position L - N + i and sees keys 0 ..= L - N + i.
 // cascade_prefix_attention(q [B, Hkv, G, D] bf16, k_buf, v_buf, members [M] int64,
@@ -39,6 +40,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -95,16 +97,34 @@ inline void transpose16(const __m512i in[16], __m512i out[16]) {
 // word holds a bf16 pair, the lower address in its low half, as vdpbf16ps pairs them):
 //   kp[tile][i][j] = (K[j][2i], K[j][2i + 1])   [D/2][kBK]: a vector is 16 keys' pair i
 //   vp[tile][j][d] = (V[2j][d], V[2j + 1][d])   [kBK/2][D]: a vector is 16 dims of keys 2j, 2j+1
-// Keys past the row's end are zero. D is a multiple of 32.
-void pack_tile(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* slots, int64_t L,
+// Keys past the row's end are zero. D is a multiple of 32. The pool's elements (kv_t) are bf16
+// bits (uint16_t), or fp8 (e5m2 / e4m3fn) whose rows are first widened to bf16, exactly.
+template <typename kv_t>
+void pack_tile(const kv_t* k_buf, const kv_t* v_buf, const int64_t* slots, int64_t L,
                int64_t Hkv, int64_t D, int64_t h, int64_t tile, uint32_t* kp, uint32_t* vp) {
+  constexpr bool widen = !std::is_same_v<kv_t, uint16_t>;
   const int64_t W = Hkv * D, j0 = tile * kBK, half = D / 2;
+  thread_local std::vector<uint16_t> wide;  // an fp8 tile's K rows, then its V rows
+  if (widen && static_cast<int64_t>(wide.size()) < 2 * kBK * D) wide.resize(2 * kBK * D);
   const uint16_t* krow[kBK];
   const uint16_t* vrow[kBK];
   for (int64_t j = 0; j < kBK; ++j) {
-    const bool in = j0 + j < L;
-    krow[j] = in ? k_buf + slots[j0 + j] * W + h * D : nullptr;
-    vrow[j] = in ? v_buf + slots[j0 + j] * W + h * D : nullptr;
+    if (j0 + j >= L) {
+      krow[j] = vrow[j] = nullptr;
+      continue;
+    }
+    const kv_t* k = k_buf + slots[j0 + j] * W + h * D;
+    const kv_t* v = v_buf + slots[j0 + j] * W + h * D;
+    if constexpr (widen) {
+      const radixserve_vec::Fp8ToBf16<kv_t> widen_row;
+      widen_row(k, wide.data() + j * D, D);
+      widen_row(v, wide.data() + (kBK + j) * D, D);
+      krow[j] = wide.data() + j * D;
+      vrow[j] = wide.data() + (kBK + j) * D;
+    } else {
+      krow[j] = k;
+      vrow[j] = v;
+    }
   }
   const __m512i zero = _mm512_setzero_si512();
   __m512i in[16], out[16];
@@ -486,7 +506,8 @@ void attend_tile(const TileRows& tr, const uint32_t* kp, const uint32_t* vp, flo
 
 // Pack the tiles of `rows` rows of slots (one per KV head, or per group and KV head):
 // row i reads slots[i / Hkv] up to len[i / Hkv], KV head i % Hkv. kp/vp: [rows][tiles][...].
-void pack_rows(const uint16_t* k_buf, const uint16_t* v_buf, const int64_t* const* slots,
+template <typename kv_t>
+void pack_rows(const kv_t* k_buf, const kv_t* v_buf, const int64_t* const* slots,
                const int64_t* lens, int64_t rows, int64_t tiles, int64_t Hkv, int64_t D,
                uint32_t* kp, uint32_t* vp) {
   const int64_t tile_words = kBK * D / 2;
@@ -520,8 +541,8 @@ void for_each_item(int64_t items, int64_t D, const F& f) {
   });
 }
 
-template <int NV>
-void extend_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_buf,
+template <int NV, typename kv_t>
+void extend_bf16(const uint16_t* q, const kv_t* k_buf, const kv_t* v_buf,
                  const int64_t* slots, int64_t N, int64_t L, int64_t Hq, int64_t Hkv, float scale,
                  uint16_t* out) {
   constexpr int64_t D = NV * 16;
@@ -552,8 +573,8 @@ void extend_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_buf
   });
 }
 
-template <int NV>
-void cascade_bf16(const uint16_t* q, const uint16_t* k_buf, const uint16_t* v_buf,
+template <int NV, typename kv_t>
+void cascade_bf16(const uint16_t* q, const kv_t* k_buf, const kv_t* v_buf,
                   const int64_t* members, const int64_t* group_start, const int64_t* prefix_rows,
                   const int64_t* prefix_lens, int64_t NG, int64_t Lmax, int64_t Hkv, int64_t G,
                   float scale, float* out, float* lse) {
@@ -643,12 +664,28 @@ void check_pool(const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t D, con
               " needs a CPU with AVX512-BF16 (this build has no such kernel)");
   TORCH_CHECK(k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes(), op,
               ": k_buf and v_buf [S, Hkv, D]");
-  TORCH_CHECK(k_buf.scalar_type() == at::kBFloat16 && v_buf.scalar_type() == at::kBFloat16, op,
-              " runs on bf16 queries and a bf16 KV pool");
+  const at::ScalarType t = k_buf.scalar_type();
+  TORCH_CHECK(v_buf.scalar_type() == t && (t == at::kBFloat16 || t == at::kFloat8_e5m2 ||
+                                           t == at::kFloat8_e4m3fn),
+              op, " runs on bf16 queries and a bf16 or fp8 KV pool");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), op, ": contiguous KV buffers");
   TORCH_CHECK(k_buf.size(2) == D && (D == 64 || D == 128), "head_dim must be 64 or 128, got ",
               D);
 }
+
+#if defined(RADIXSERVE_EXTEND_BF16)
+// f(k, v) over the pool's elements: bf16 bits (uint16_t) or an fp8 type.
+template <typename F>
+void with_pool(const at::Tensor& k_buf, const at::Tensor& v_buf, const F& f) {
+  if (k_buf.scalar_type() == at::kFloat8_e5m2)
+    f(k_buf.data_ptr<c10::Float8_e5m2>(), v_buf.data_ptr<c10::Float8_e5m2>());
+  else if (k_buf.scalar_type() == at::kFloat8_e4m3fn)
+    f(k_buf.data_ptr<c10::Float8_e4m3fn>(), v_buf.data_ptr<c10::Float8_e4m3fn>());
+  else
+    f(static_cast<const uint16_t*>(k_buf.data_ptr()),
+      static_cast<const uint16_t*>(v_buf.data_ptr()));
+}
+#endif
 
 void check_slots(const int64_t* sp, int64_t n, int64_t S) {
   for (int64_t t = 0; t < n; ++t)
@@ -661,7 +698,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   TORCH_CHECK(q.dim() == 3, "extend_attention: q [N, Hq, D]");
   check_pool(k_buf, v_buf, q.size(2), "extend_attention");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16,
-              "extend_attention runs on bf16 queries and a bf16 KV pool");
+              "extend_attention runs on bf16 queries and a bf16 or fp8 KV pool");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots: [L] int64");
   const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_buf.size(1), L = slots.size(0);
@@ -673,14 +710,14 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   at::Tensor out = at::empty_like(qc);
 #if defined(RADIXSERVE_EXTEND_BF16)
   const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_buf.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_buf.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float fs = static_cast<float>(scale);
-  if (D == 64)
-    extend_bf16<4>(qp, kp, vp, sp, N, L, Hq, Hkv, fs, op);
-  else
-    extend_bf16<8>(qp, kp, vp, sp, N, L, Hq, Hkv, fs, op);
+  with_pool(k_buf, v_buf, [&](const auto* kp, const auto* vp) {
+    if (D == 64)
+      extend_bf16<4>(qp, kp, vp, sp, N, L, Hq, Hkv, fs, op);
+    else
+      extend_bf16<8>(qp, kp, vp, sp, N, L, Hq, Hkv, fs, op);
+  });
 #endif
   return out;
 }
@@ -694,7 +731,7 @@ void cascade_prefix_attention(const at::Tensor& q, const at::Tensor& k_buf,
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3);
   check_pool(k_buf, v_buf, D, "cascade_prefix_attention");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16,
-              "cascade_prefix_attention runs on bf16 queries and a bf16 KV pool");
+              "cascade_prefix_attention runs on bf16 queries and a bf16 or fp8 KV pool");
   TORCH_CHECK(k_buf.size(1) == Hkv, "cascade_prefix_attention: q's KV heads are the pool's");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out: [B, Hkv, G, D] fp32, contiguous");
@@ -725,15 +762,15 @@ void cascade_prefix_attention(const at::Tensor& q, const at::Tensor& k_buf,
   if (NG == 0) return;
 #if defined(RADIXSERVE_EXTEND_BF16)
   const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_buf.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_buf.data_ptr<at::BFloat16>());
   const float fs = static_cast<float>(scale);
-  if (D == 64)
-    cascade_bf16<4>(qp, kp, vp, mp, gp, rp, lp, NG, Lmax, Hkv, G, fs, out.data_ptr<float>(),
-                    lse.data_ptr<float>());
-  else
-    cascade_bf16<8>(qp, kp, vp, mp, gp, rp, lp, NG, Lmax, Hkv, G, fs, out.data_ptr<float>(),
-                    lse.data_ptr<float>());
+  with_pool(k_buf, v_buf, [&](const auto* kp, const auto* vp) {
+    if (D == 64)
+      cascade_bf16<4>(qp, kp, vp, mp, gp, rp, lp, NG, Lmax, Hkv, G, fs, out.data_ptr<float>(),
+                      lse.data_ptr<float>());
+    else
+      cascade_bf16<8>(qp, kp, vp, mp, gp, rp, lp, NG, Lmax, Hkv, G, fs, out.data_ptr<float>(),
+                      lse.data_ptr<float>());
+  });
 #endif
 }
 
