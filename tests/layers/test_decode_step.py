@@ -69,25 +69,29 @@ def _compare(runner: ModelRunner, prompts: list[list[int]], steps: int = 3) -> i
 
 
 @pytest.mark.parametrize(
-    "arch,dtype,quantization,page_size",
+    "arch,dtype,quantization,page_size,kv",
     [
-        ("llama", "float32", None, 1),
-        ("llama", "bfloat16", None, 1),
-        ("qwen2", "bfloat16", None, 16),  # bf16 tiles with the qkv bias inside the kernel
-        ("llama", "float32", "int4", 1),
-        ("llama", "float32", "int8", 16),
-        ("llama", "bfloat16", "int4", 16),
-        ("qwen2", "float32", None, 16),
-        ("qwen2", "float32", "int4", 1),
-        ("llama", "bfloat16", "w8a8_int8", 16),
-        ("qwen2", "float32", "w8a8_int8", 1),
+        ("llama", "float32", None, 1, "auto"),
+        ("llama", "bfloat16", None, 1, "auto"),
+        ("qwen2", "bfloat16", None, 16, "auto"),  # bf16 tiles with the qkv bias inside the kernel
+        ("llama", "float32", "int4", 1, "auto"),
+        ("llama", "float32", "int8", 16, "auto"),
+        ("llama", "bfloat16", "int4", 16, "auto"),
+        ("qwen2", "float32", None, 16, "auto"),
+        ("qwen2", "float32", "int4", 1, "auto"),
+        ("llama", "bfloat16", "w8a8_int8", 16, "auto"),
+        ("qwen2", "float32", "w8a8_int8", 1, "auto"),
+        ("llama", "bfloat16", None, 1, "fp8_e4m3"),  # an fp8 KV pool: the same stored bytes
+        ("qwen2", "float32", None, 16, "fp8_e5m2"),
     ],
 )
 def test_the_cpp_step_equals_the_python_layers_bitwise(
-    tiny_llama_dir, tiny_qwen2_dir, arch, dtype, quantization, page_size
+    tiny_llama_dir, tiny_qwen2_dir, arch, dtype, quantization, page_size, kv
 ):
     path = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}[arch]
-    runner = _runner(path, dtype=dtype, quantization=quantization, page_size=page_size)
+    runner = _runner(
+        path, dtype=dtype, quantization=quantization, page_size=page_size, kv_cache_dtype=kv
+    )
     assert _compare(runner, _prompts(5), steps=4) == 4  # every decode step took it
 
 

@@ -172,3 +172,50 @@ def test_real_model_perplexity_within_bounds_of_the_bf16_cache(default_model_pat
         ppl[kv] = math.exp(total / count)
     assert ppl["auto"] < ppl["fp8_e4m3"] < ppl["auto"] * 1.03, ppl
     assert ppl["auto"] < ppl["fp8_e5m2"] < ppl["auto"] * 1.10, ppl
+
+
+def _every_rounding_case() -> torch.Tensor:
+    """Values across every magnitude, every finite fp8 value of both formats, the midpoints
+    between neighbours (ties to even) and one ulp either side of them, and the specials."""
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(2000, generator=gen) * s for s in (1e-6, 1e-3, 0.05, 1, 30, 300, 5e4)]
+    for fp8 in FP8.values():
+        grid = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+        grid = grid[torch.isfinite(grid)].sort().values
+        mids = (grid[1:] + grid[:-1]) / 2
+        up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+        parts += [grid, mids, mids.nextafter(up), mids.nextafter(down)]
+    inf, nan = float("inf"), float("nan")
+    parts.append(torch.tensor([inf, -inf, nan, -nan, 1e30, -1e30, 0.0, -0.0, 464.0, 61440.0]))
+    x = torch.cat(parts)
+    return torch.cat([x, torch.zeros(-len(x) % 192)]).view(-1, 3, 64)
+
+
+@pytest.mark.parametrize("fp8", list(FP8.values()))
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_kernels_store_writes_the_pools_bytes(fp8, src):
+    """torch.ops.radixserve.store_kv (the cpu_paged backend's and the C++ decode step's store
+    into an fp8 pool) writes exactly the bytes of the pool's own clamp, cast and index_put_:
+    ties to even, subnormals, saturation; NaN as NaN; from a strided view of the qkv output."""
+    from radixserve.layers.cpu_kernels import load_cpu_kernels
+
+    load_cpu_kernels()
+    x = _every_rounding_case().to(src)
+    n = x.shape[0]
+    qkv = torch.cat([torch.zeros(n, 64, dtype=src), x.view(n, -1), -x.view(n, -1)], dim=1)
+    k = qkv[:, 64 : 64 + 192].reshape(-1, 3, 64)  # a view with the qkv row's stride
+    v = qkv[:, 64 + 192 :].reshape(-1, 3, 64)
+    assert not k.is_contiguous()
+    loc = torch.randperm(n + 40, generator=torch.Generator().manual_seed(1))[:n]
+    ours = MHATokenToKVPool(n + 40, 1, 3, 64, fp8)
+    theirs = MHATokenToKVPool(n + 40, 1, 3, 64, fp8)
+    torch.ops.radixserve.store_kv(ours.k_buffer[0], ours.v_buffer[0], loc.int(), k, v)
+    theirs.set_kv_buffer(0, loc, k, v)
+    for a, b in ((ours.k_buffer[0], theirs.k_buffer[0]), (ours.v_buffer[0], theirs.v_buffer[0])):
+        nan = torch.isnan(b.float())  # NaN stays NaN (its sign bit is torch clamp's own)
+        assert nan.sum() >= 2 and torch.equal(torch.isnan(a.float()), nan)
+        assert torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+    with pytest.raises(RuntimeError, match="out of the pool"):
+        torch.ops.radixserve.store_kv(ours.k_buffer[0], ours.v_buffer[0], loc + 10**6, k, v)
+    with pytest.raises(RuntimeError, match="pool's heads"):
+        torch.ops.radixserve.store_kv(ours.k_buffer[0], ours.v_buffer[0], loc, k[:, :2], v)

@@ -41,10 +41,12 @@ from radixserve.layers.attention.base import AttentionLayer
 from radixserve.layers.attention.cascade_decode import shared_prefix_groups
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.cpu_kernels import load_cpu_kernels
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.model_executor.forward_batch import ForwardBatch
 
 # KV pool dtypes the bf16 tile kernels read (fp8 widened to bf16 as it is packed).
-_TILE_KV = (torch.bfloat16, torch.float8_e5m2, torch.float8_e4m3fn)
+_FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
+_TILE_KV = (torch.bfloat16, *_FP8)
 
 
 @dataclass
@@ -173,8 +175,12 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
     ) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         assert pool is not None
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if k_buf.dtype in _FP8 and type(pool) is MHATokenToKVPool:
+            # one vectorized pass, the same bytes as the pool's clamp, cast and index_put_
+            torch.ops.radixserve.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        else:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         if not fb.forward_mode.is_decode():
             return self._extend(q, k_buf, v_buf, layer, fb.attn_metadata)  # type: ignore[arg-type]
         md: PagedDecodeMetadata = fb.attn_metadata  # type: ignore[assignment]

@@ -138,14 +138,6 @@ at::Tensor apply(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
 
 // LlamaMLP.forward's silu_and_mul(gate_up_proj(x)): one kernel where the projection is in
 // tiles (QuantizedLinear.silu_and_mul, Linear.silu_and_mul; bitwise the same), else the two.
-// x in a KV pool's dtype, an fp8 pool's saturated at its largest finite value
-// (memory_pool.to_kv_dtype's rule: a plain cast makes e5m2's inf keys, and NaN softmax rows).
-at::Tensor to_kv_dtype(const at::Tensor& x, at::ScalarType dtype) {
-  if (dtype == at::kFloat8_e5m2) return x.clamp(-57344.0, 57344.0).to(dtype);
-  if (dtype == at::kFloat8_e4m3fn) return x.clamp(-448.0, 448.0).to(dtype);
-  return x.to(dtype);
-}
-
 at::Tensor gate_up_silu(const at::Tensor& x, const Linear& lin, const Sizes& sizes) {
   if (lin.kind == kBf16Tiled && !lin.bias.defined() && lin.w.size(0) % 2 == 0) {
     RECORD_FUNCTION("radixserve::bf16_tiled_silu_mul", std::vector<c10::IValue>());
@@ -242,8 +234,7 @@ class DecodeStep : public torch::CustomClassHolder {
       radixserve::rotary_embedding(q, k, cos, sin);
       at::Tensor& k_buf = k_bufs[l];
       at::Tensor& v_buf = v_bufs[l];
-      k_buf.index_put_({out_cache_loc}, to_kv_dtype(k, k_buf.scalar_type()));
-      v_buf.index_put_({out_cache_loc}, to_kv_dtype(v, v_buf.scalar_type()));
+      radixserve::store_kv(k_buf, v_buf, out_cache_loc, k, v);
       at::Tensor attn;
       {
         RECORD_FUNCTION("radixserve::decode_attention", std::vector<c10::IValue>());

@@ -9,6 +9,11 @@
 //     neox (rotate-half) layout, in place; q and k may be strided views (the qkv projection's)
 // silu_and_mul(x [T, 2I]) -> out [T, I] = silu(x[:, :I]) * x[:, I:]
 // argmax_rows(x [T, V]) -> out [T] int64: torch.argmax(x, dim=-1) (the greedy sampler's)
+// store_kv(k_buf [S, Hkv, D], v_buf, loc [T] int64, k [T, Hkv, D], v [T, Hkv, D]) -> ()
+//     k_buf[loc] = k, v_buf[loc] = v in the pool's dtype, converted as memory_pool.to_kv_dtype
+//     converts; for an fp8 pool (saturated at its largest finite value, then rounded to
+//     nearest even as torch's cast rounds: the same bytes, NaN as NaN) in one vectorized pass
+//     where the Python store takes a clamp, a cast and an index_put_ for each buffer
 //
 // Each computes what the reference computes, rounding where it rounds: RMSNorm in fp32 and the
 // weight applied in the input dtype, the residual added in the input dtype, the rotary's
@@ -24,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "kernels.h"
 #include "vec_math.h"
@@ -281,6 +287,114 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor to_kv_dtype(const at::Tensor& x, at::ScalarType dtype) {
+  if (dtype == at::kFloat8_e5m2) return x.clamp(-57344.0, 57344.0).to(dtype);
+  if (dtype == at::kFloat8_e4m3fn) return x.clamp(-448.0, 448.0).to(dtype);
+  return x.to(dtype);
+}
+
+namespace {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 floats as fp8 bytes, exactly as torch's cast (c10's fp8e4m3fn / fp8e5m2_from_fp32_value)
+// rounds them once saturated: M mantissa bits, exponent bias B. Normal results round by
+// integer addition on the bits (to nearest even); those under the smallest normal by a float
+// addition of a power of two that leaves them in the low mantissa bits; NaN stays NaN.
+template <int M, int B, int kMaxBits>
+inline __m128i fp8_bytes(__m512 x) {
+  constexpr int S = 23 - M;
+  const __m512 limit = _mm512_castsi512_ps(_mm512_set1_epi32(kMaxBits));
+  // saturate (operand order keeps NaN: max/min return their second operand for NaN)
+  x = _mm512_min_ps(limit, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), limit), x));
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, S), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(
+      static_cast<uint32_t>(B - 127) * (1u << 23) + (1u << (S - 1)) - 1));
+  const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, bias), odd), S);
+  const __m512i denorm = _mm512_set1_epi32((127 - B + S + 1) << 23);
+  const __m512i small = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm))),
+      denorm);
+  __m512i r = _mm512_mask_mov_epi32(
+      normal, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32((128 - B) << 23)), small);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
+                            _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
+}
+
+template <typename src_t, typename dst_t>
+void store_rows(const at::Tensor& buf, const at::Tensor& x, const int64_t* loc, int64_t T,
+                int64_t W) {
+  dst_t* out = buf.data_ptr<dst_t>();
+  const src_t* in = x.data_ptr<src_t>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, T, row_grain(W), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const src_t* src = in + t * stride;
+      dst_t* dst = out + loc[t] * W;
+      for (int64_t i = 0; i < W; i += 16) {
+        const __mmask16 m = radixserve_vec::first(W - i);
+        const __m512 v = radixserve_vec::load16(src + i, m);
+        if constexpr (std::is_same_v<dst_t, c10::Float8_e5m2>) {
+          _mm_mask_storeu_epi8(dst + i, m, fp8_bytes<2, 15, 0x47600000>(v));  // 57344
+        } else if constexpr (std::is_same_v<dst_t, c10::Float8_e4m3fn>) {
+          _mm_mask_storeu_epi8(dst + i, m, fp8_bytes<3, 7, 0x43E00000>(v));  // 448
+        }
+      }
+    }
+  });
+}
+#endif
+}  // namespace
+
+void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes() &&
+                  v_buf.scalar_type() == k_buf.scalar_type() && k_buf.is_contiguous() &&
+                  v_buf.is_contiguous(),
+              "store_kv: k_buf and v_buf [S, Hkv, D], contiguous, one dtype");
+  TORCH_CHECK(loc.dim() == 1 && (loc.scalar_type() == at::kLong || loc.scalar_type() == at::kInt),
+              "store_kv: loc [T] int64 or int32");
+  const int64_t T = loc.size(0), S = k_buf.size(0);
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == k_buf.size(1) &&
+                    x->size(2) == k_buf.size(2) && x->scalar_type() == k.scalar_type(),
+                "store_kv: k and v [T, Hkv, D] of the pool's heads, one dtype");
+  const at::Tensor lc = loc.to(at::kLong).contiguous();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(0 <= lp[t] && lp[t] < S, "store_kv: slot ", lp[t], " out of the pool (", S, ")");
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const int64_t W = k_buf.size(1) * k_buf.size(2);
+  const at::ScalarType src = k.scalar_type(), dst = k_buf.scalar_type();
+  const bool vector_src = src == at::kFloat || src == at::kBFloat16 || src == at::kHalf;
+  // fp8 pools only: the others' index_put_ of a cast is already what this would be (and
+  // keeps a NaN's bits where this would make bf16's one NaN of c10's rounding)
+  const bool vector_dst = dst == at::kFloat8_e5m2 || dst == at::kFloat8_e4m3fn;
+  if (vector_src && vector_dst && T > 0) {
+    for (int i = 0; i < 2; ++i) {
+      const at::Tensor& buf = i == 0 ? k_buf : v_buf;
+      // rows of heads laid out contiguously (a view of the qkv projection's rows is)
+      at::Tensor x = i == 0 ? k : v;
+      if (x.stride(2) != 1 || x.stride(1) != x.size(2)) x = x.contiguous();
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src, "store_kv", [&] {
+        using src_t = scalar_t;
+        if constexpr (radixserve_vec::kVector16<src_t>) {
+          if (dst == at::kFloat8_e5m2)
+            store_rows<src_t, c10::Float8_e5m2>(buf, x, lp, T, W);
+          else
+            store_rows<src_t, c10::Float8_e4m3fn>(buf, x, lp, T, W);
+        }
+      });
+    }
+    return;
+  }
+#endif
+  k_buf.index_put_({lc}, to_kv_dtype(k, k_buf.scalar_type()));
+  v_buf.index_put_({lc}, to_kv_dtype(v, v_buf.scalar_type()));
+}
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
               "argmax_rows: x must be [T, V] with V > 0 and unit stride");
@@ -304,6 +418,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   lib.def("silu_and_mul(Tensor x) -> Tensor");
   lib.def("argmax_rows(Tensor x) -> Tensor");
+  lib.def("store_kv(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
@@ -312,4 +427,5 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
   lib.impl("rotary_embedding", &radixserve::rotary_embedding);
   lib.impl("silu_and_mul", &radixserve::silu_and_mul);
   lib.impl("argmax_rows", &radixserve::argmax_rows);
+  lib.impl("store_kv", &radixserve::store_kv);
 }

@@ -51,5 +51,9 @@ void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, doub
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
+// x in a KV pool's dtype, an fp8 pool's saturated first (memory_pool.to_kv_dtype's rule).
+at::Tensor to_kv_dtype(const at::Tensor& x, at::ScalarType dtype);
+void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k,
+              const at::Tensor& v);
 
 }  // namespace radixserve
