@@ -85,7 +85,8 @@ class FakeTransfer:
 
     def send(self, peer: dict[str, Any], src: list[int], dst: list[int]) -> Any:
         index = torch.tensor(src, dtype=torch.int64, device=self.kv_pool.device)
-        return torch.stack([buf[index] for buf in _buffers(self.kv_pool)]).cpu()
+        # As bytes: torch cannot unpickle an fp8 tensor (--kv-cache-dtype fp8_*).
+        return torch.stack([buf[index] for buf in _buffers(self.kv_pool)]).cpu().view(torch.uint8)
 
     def receive(self, payload: Any, dst: list[int]) -> None:
         buffers = _buffers(self.kv_pool)
@@ -93,7 +94,9 @@ class FakeTransfer:
             raise TransferError("the KV payload does not match the reserved slots")
         index = torch.tensor(dst, dtype=torch.int64, device=self.kv_pool.device)
         for buf, part in zip(buffers, payload, strict=True):
-            buf[index] = part.to(buf.device, buf.dtype)
+            if part.dtype != torch.uint8 or part.shape[1:-1] != buf.shape[1:-1]:
+                raise TransferError("the KV payload does not match the pool's layout")
+            buf[index] = part.view(buf.dtype).to(buf.device)
 
     def close(self) -> None:
         pass

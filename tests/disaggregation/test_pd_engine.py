@@ -7,6 +7,8 @@ request, and both engines' pools drained afterwards. Plus the transfer backends'
 
 from __future__ import annotations
 
+import pickle
+
 import random
 import threading
 from typing import Any
@@ -147,33 +149,37 @@ def test_a_layout_mismatch_is_named():
     assert error is not None and "dtype" in error and "same model" in error
 
 
-def _pools() -> tuple[MHATokenToKVPool, MHATokenToKVPool]:
-    src = MHATokenToKVPool(64, 2, 2, 8, torch.float32)
-    dst = MHATokenToKVPool(64, 2, 2, 8, torch.float32)
+def _pools(dtype) -> tuple[MHATokenToKVPool, MHATokenToKVPool]:
+    src = MHATokenToKVPool(64, 2, 2, 8, dtype)
+    dst = MHATokenToKVPool(64, 2, 2, 8, dtype)
     for buf in (*src.k_buffer, *src.v_buffer):
-        buf.copy_(torch.randn_like(buf))
+        buf.copy_(torch.randn(buf.shape).to(dtype))
     return src, dst
 
 
 def _check_moved(src, dst, from_slots, to_slots) -> None:
     for a, b in zip((*src.k_buffer, *src.v_buffer), (*dst.k_buffer, *dst.v_buffer), strict=True):
+        a, b = a.view(torch.uint8), b.view(torch.uint8)  # bytes (fp8 has no comparisons)
         assert torch.equal(b[to_slots], a[from_slots])
         untouched = [i for i in range(b.shape[0]) if i not in to_slots]
         assert not b[untouched].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("backend", ["fake", "mooncake"])
-def test_a_backend_moves_exactly_the_slots_asked(backend):
+def test_a_backend_moves_exactly_the_slots_asked(backend, dtype):
+    """Also a one-byte pool (--kv-cache-dtype fp8_*); the fake backend's payload crosses the
+    control channel pickled, as it does between the two schedulers."""
     if backend == "mooncake":
         try:
             from mooncake.engine import TransferEngine  # noqa: F401
         except Exception as e:
             pytest.skip(f"Mooncake's transfer engine does not load: {e!r}")
     cls = {"fake": FakeTransfer, "mooncake": MooncakeTransfer}[backend]
-    src_pool, dst_pool = _pools()
+    src_pool, dst_pool = _pools(dtype)
     sender, receiver = cls(src_pool, "127.0.0.1"), cls(dst_pool, "127.0.0.1")
     from_slots, to_slots = [3, 4, 5, 20, 7], [10, 11, 12, 13, 40]
-    payload = sender.send(receiver.descriptor(), from_slots, to_slots)
+    payload = pickle.loads(pickle.dumps(sender.send(receiver.descriptor(), from_slots, to_slots)))
     receiver.receive(payload, to_slots)
     _check_moved(src_pool, dst_pool, from_slots, to_slots)
     sender.close()
