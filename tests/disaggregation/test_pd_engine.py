@@ -8,7 +8,6 @@ request, and both engines' pools drained afterwards. Plus the transfer backends'
 from __future__ import annotations
 
 import pickle
-
 import random
 import threading
 from typing import Any
