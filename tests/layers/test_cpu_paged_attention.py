@@ -142,6 +142,18 @@ def test_fp8_pool_equals_its_widened_copy(kernel, fp8, q_dtype, d):
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_an_fp8_nan_reads_as_nan(kernel, q_dtype):
+    """e4m3fn's NaN bytes (0x7F / 0xFF: a NaN stored) widen to NaN on every path, as torch's
+    cast widens them, so a NaN key poisons only the rows that attend it."""
+    k_buf = torch.randn(8, 1, 64).to(torch.float8_e4m3fn)
+    k_buf.view(torch.uint8)[3, 0, 5] = 0xFF
+    q = torch.randn(2, 1, 2, 64).to(q_dtype)
+    rows = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    out, _ = kernel(q, k_buf, k_buf, rows, torch.tensor([0, 0]), torch.tensor([3, 3]), 1.0, 0)
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
+
+
 def test_empty_ranges_and_bad_inputs(kernel):
     k_buf = torch.randn(10, 1, 64)
     q = torch.randn(2, 1, 2, 64)

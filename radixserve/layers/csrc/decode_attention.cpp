@@ -342,8 +342,9 @@ inline void weigh_values_bf16(const c10::BFloat16* const* vrow, int64_t hD, int6
 }
 
 // `attend` for a bf16 query and a bf16 or fp8 pool, D = 32 * NV, on AVX512-BF16: both products
-// on `vdpbf16ps`, as extend_attention.cpp's tiles. An fp8 pool's rows of a block are widened
-// to bf16 (exactly) into scratch as the block starts, every KV head at once. Per block of up to 64 slots and KV head: each
+// on `vdpbf16ps`, as extend_attention.cpp's tiles. Per block of up to 64 slots and KV head
+// (an fp8 pool's rows of the head first widened to bf16, exactly, into scratch that stays in
+// L1; widening every head's at the block's start evicted them before their queries came): each
 // query's scores are dot products of bf16 pairs summed in fp32 (16 at a time by reduce16) and
 // its online softmax runs in fp32 once per block; then one pass over the block's V rows weighs
 // them by up to three (D = 64) or two (D = 128) queries' probabilities, rounded to bf16, at

@@ -106,6 +106,7 @@ void pack_tile(const kv_t* k_buf, const kv_t* v_buf, const int64_t* slots, int64
   const int64_t W = Hkv * D, j0 = tile * kBK, half = D / 2;
   thread_local std::vector<uint16_t> wide;  // an fp8 tile's K rows, then its V rows
   if (widen && static_cast<int64_t>(wide.size()) < 2 * kBK * D) wide.resize(2 * kBK * D);
+  const radixserve_vec::Fp8ToBf16<std::conditional_t<widen, kv_t, c10::Float8_e5m2>> widen_row;
   const uint16_t* krow[kBK];
   const uint16_t* vrow[kBK];
   for (int64_t j = 0; j < kBK; ++j) {
@@ -116,7 +117,6 @@ void pack_tile(const kv_t* k_buf, const kv_t* v_buf, const int64_t* slots, int64
     const kv_t* k = k_buf + slots[j0 + j] * W + h * D;
     const kv_t* v = v_buf + slots[j0 + j] * W + h * D;
     if constexpr (widen) {
-      const radixserve_vec::Fp8ToBf16<kv_t> widen_row;
       widen_row(k, wide.data() + j * D, D);
       widen_row(v, wide.data() + (kBK + j) * D, D);
       krow[j] = wide.data() + j * D;

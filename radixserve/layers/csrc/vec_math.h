@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 namespace radixserve_vec {
@@ -26,16 +27,21 @@ inline float hsum8(__m256 v) {
 #if defined(__F16C__)
 // 8 fp8 values of a KV pool (--kv-cache-dtype fp8_e5m2 / fp8_e4m3) widened to fp32, exactly,
 // through vcvtph2ps: e5m2 is an fp16's high byte; e4m3's magnitude shifted into an fp16's
-// place reads 2^-8 of its value (subnormals included), so the result is scaled back.
+// place reads 2^-8 of its value (subnormals included), so the result is scaled back, and its
+// NaN (magnitude 0x7F) is made NaN again.
 inline __m256 fp8_to_ps8(const c10::Float8_e5m2* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
 }
 inline __m256 fp8_to_ps8(const c10::Float8_e4m3fn* p) {
   const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
+  const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
                                  _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F));
+  return _mm256_blendv_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f)),
+                          _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                          _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
 }
 #endif
 
