@@ -78,7 +78,7 @@ def _hf_logits_with_fp8_kv(model, ids, fp8, monkeypatch):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize(("kv", "mean_bound"), [("fp8_e4m3", 0.03), ("fp8_e5m2", 0.06)])
+@pytest.mark.parametrize(("kv", "mean_bound"), [("fp8_e4m3", 0.04), ("fp8_e5m2", 0.08)])
 def test_outputs_follow_transformers_with_the_same_rounding_and_nothing_leaks(
     kv, mean_bound, default_model_path, monkeypatch
 ):
@@ -87,10 +87,12 @@ def test_outputs_follow_transformers_with_the_same_rounding_and_nothing_leaks(
     to the same fp8 and fed the engine's tokens. Not token-exact by design: rounding to fp8 is
     discontinuous, so the 1e-7 by which two fp32 paths differ moves a few of the ~10^4 values
     rounded per token across a rounding boundary, a whole fp8 step (6-25%), and the logprobs
-    move by up to ≈ 0.15 (measured: mean 0.013 for e4m3, 0.031 for e5m2; transformers without
-    the rounding is 2-3x as far). So: every greedy token is transformers' best or within 0.3
-    of it, and the mean logprob difference is bounded. The kernels' widening is bit-exact
-    (tests/layers). Afterwards the pool is whole."""
+    move by up to ≈ 0.15 (measured on one machine: mean 0.013 for e4m3, 0.031 for e5m2;
+    transformers without the rounding is 2-3x as far; the bounds leave room for another CPU's
+    float order). So: every greedy token is transformers' best or within 0.3 of it, and the
+    mean logprob difference is bounded, far under what a wrong value read or stored makes.
+    The kernels' widening and the store are bit-exact (tests/layers, and below). Afterwards
+    the pool is whole."""
     from radixserve import Engine
 
     fp8 = FP8[kv]

@@ -700,7 +700,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   TORCH_CHECK(q.scalar_type() == at::kBFloat16,
               "extend_attention runs on bf16 queries and a bf16 or fp8 KV pool");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots: [L] int64");
-  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t N = q.size(0), Hq = q.size(1);
+  [[maybe_unused]] const int64_t D = q.size(2);  // read only where the kernels are built
   const int64_t Hkv = k_buf.size(1), L = slots.size(0);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(0 < N && N <= L, "extend_attention: 0 < new tokens <= slots");
