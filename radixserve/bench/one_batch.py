@@ -108,13 +108,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for _ in range(ns.warmup):
         run_case(runner, ns.batch_size[0], ns.input_len[0], min(ns.output_len, 4))
     results = []
-    print(f"dtype={args.dtype} device={args.device} threads={torch.get_num_threads()}")
+    kv = runner.server_args.kv_cache_dtype
+    print(
+        f"dtype={args.dtype} kv_cache_dtype={kv} device={args.device} threads={torch.get_num_threads()}"
+    )
     header = f"{'bs':>4} {'in':>6} {'out':>5} {'prefill s':>10} {'prefill tok/s':>14}"
     print(header + f" {'decode ms':>10} {'decode tok/s':>13}")
     for bs in ns.batch_size:
         for il in ns.input_len:
             res = run_case(runner, bs, il, ns.output_len)
             res["dtype"] = args.dtype
+            res["kv_cache_dtype"] = kv
             results.append(res)
             print(
                 f"{bs:>4} {il:>6} {ns.output_len:>5} {res['prefill_latency_s']:>10.3f} "
