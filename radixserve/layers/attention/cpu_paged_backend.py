@@ -41,12 +41,11 @@ from radixserve.layers.attention.base import AttentionLayer
 from radixserve.layers.attention.cascade_decode import shared_prefix_groups
 from radixserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixserve.layers.cpu_kernels import load_cpu_kernels
-from radixserve.mem_cache.memory_pool import MHATokenToKVPool
+from radixserve.mem_cache.memory_pool import FP8_MAX, MHATokenToKVPool
 from radixserve.model_executor.forward_batch import ForwardBatch
 
 # KV pool dtypes the bf16 tile kernels read (fp8 widened to bf16 as it is packed).
-_FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
-_TILE_KV = (torch.bfloat16, *_FP8)
+_TILE_KV = (torch.bfloat16, *FP8_MAX)
 
 
 @dataclass
@@ -113,23 +112,23 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         """Where a model of this dtype, KV pool dtype and head size attends prompts and shared
         prefixes through the bf16 tile kernels (for the start-up log), or None where they do
         not apply (SDPA and the Python cascade then)."""
-        if not (
-            self.extend_kernel is not None and dtype == torch.bfloat16 and kv_dtype in _TILE_KV
-        ):
-            return None
-        if head_dim not in (64, 128):
+        if not self._tiles_take(dtype, kv_dtype, head_dim):
             return None
         amx = torch.ops.radixserve.extend_attention_amx()
         return "AMX's tile unit" if amx else "AVX512-BF16's dot products"
 
-    def _bf16_tiles(self, q: torch.Tensor, k_buf: torch.Tensor, layer: AttentionLayer) -> bool:
-        """Whether this layer's attention may take the bf16 tile kernels."""
+    def _tiles_take(self, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the bf16 tile kernels take queries of `dtype` over a pool of `kv_dtype`."""
         return (
             self.extend_kernel is not None
-            and q.dtype == torch.bfloat16
-            and k_buf.dtype in _TILE_KV
-            and layer.head_dim in (64, 128)
+            and dtype == torch.bfloat16
+            and kv_dtype in _TILE_KV
+            and head_dim in (64, 128)
         )
+
+    def _bf16_tiles(self, q: torch.Tensor, k_buf: torch.Tensor, layer: AttentionLayer) -> bool:
+        """Whether this layer's attention may take the bf16 tile kernels."""
+        return self._tiles_take(q.dtype, k_buf.dtype, layer.head_dim)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if not fb.forward_mode.is_decode():
@@ -176,8 +175,7 @@ class CpuPagedAttnBackend(TorchNativeAttnBackend):
         pool = fb.token_to_kv_pool
         assert pool is not None
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        if k_buf.dtype in _FP8 and type(pool) is MHATokenToKVPool:
-            # one vectorized pass, the same bytes as the pool's clamp, cast and index_put_
+        if type(pool) is MHATokenToKVPool:  # the C++ decode step's store: the pool's bytes
             torch.ops.radixserve.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
         else:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)

@@ -476,8 +476,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
 #if defined(RADIXSERVE_DECODE_BF16)
   const bool bf16_path =
       q_in.scalar_type() == at::kBFloat16 &&
-      (k_buf.scalar_type() == at::kBFloat16 || k_buf.scalar_type() == at::kFloat8_e5m2 ||
-       k_buf.scalar_type() == at::kFloat8_e4m3fn) &&
+      (k_buf.scalar_type() == at::kBFloat16 || radixserve::is_fp8(k_buf.scalar_type())) &&
       (D == 64 || D == 128);
 #else
   constexpr bool bf16_path = false;

@@ -665,9 +665,8 @@ void check_pool(const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t D, con
   TORCH_CHECK(k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes(), op,
               ": k_buf and v_buf [S, Hkv, D]");
   const at::ScalarType t = k_buf.scalar_type();
-  TORCH_CHECK(v_buf.scalar_type() == t && (t == at::kBFloat16 || t == at::kFloat8_e5m2 ||
-                                           t == at::kFloat8_e4m3fn),
-              op, " runs on bf16 queries and a bf16 or fp8 KV pool");
+  TORCH_CHECK(v_buf.scalar_type() == t && (t == at::kBFloat16 || radixserve::is_fp8(t)), op,
+              " runs on bf16 queries and a bf16 or fp8 KV pool");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), op, ": contiguous KV buffers");
   TORCH_CHECK(k_buf.size(2) == D && (D == 64 || D == 128), "head_dim must be 64 or 128, got ",
               D);

@@ -288,21 +288,24 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 at::Tensor to_kv_dtype(const at::Tensor& x, at::ScalarType dtype) {
-  if (dtype == at::kFloat8_e5m2) return x.clamp(-57344.0, 57344.0).to(dtype);
-  if (dtype == at::kFloat8_e4m3fn) return x.clamp(-448.0, 448.0).to(dtype);
-  return x.to(dtype);
+  if (!is_fp8(dtype)) return x.to(dtype);
+  const double limit = fp8_max(dtype);
+  return x.clamp(-limit, limit).to(dtype);
 }
 
 namespace {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // 16 floats as fp8 bytes, exactly as torch's cast (c10's fp8e4m3fn / fp8e5m2_from_fp32_value)
-// rounds them once saturated: M mantissa bits, exponent bias B. Normal results round by
-// integer addition on the bits (to nearest even); those under the smallest normal by a float
-// addition of a power of two that leaves them in the low mantissa bits; NaN stays NaN.
-template <int M, int B, int kMaxBits>
+// rounds them once saturated (M mantissa bits, exponent bias B, from fp8_t's limits). Normal
+// results round by integer addition on the bits (to nearest even); those under the smallest
+// normal by a float addition of a power of two that leaves them in the low mantissa bits; NaN
+// stays NaN.
+template <typename fp8_t>
 inline __m128i fp8_bytes(__m512 x) {
+  using limits = std::numeric_limits<fp8_t>;
+  constexpr int M = limits::digits - 1, B = 2 - limits::min_exponent;  // e5m2: 2, 15; e4m3: 3, 7
   constexpr int S = 23 - M;
-  const __m512 limit = _mm512_castsi512_ps(_mm512_set1_epi32(kMaxBits));
+  const __m512 limit = _mm512_set1_ps(static_cast<float>(limits::max()));
   // saturate (operand order keeps NaN: max/min return their second operand for NaN)
   x = _mm512_min_ps(limit, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), limit), x));
   const __m512i bits = _mm512_castps_si512(x);
@@ -336,11 +339,7 @@ void store_rows(const at::Tensor& buf, const at::Tensor& x, const int64_t* loc, 
       for (int64_t i = 0; i < W; i += 16) {
         const __mmask16 m = radixserve_vec::first(W - i);
         const __m512 v = radixserve_vec::load16(src + i, m);
-        if constexpr (std::is_same_v<dst_t, c10::Float8_e5m2>) {
-          _mm_mask_storeu_epi8(dst + i, m, fp8_bytes<2, 15, 0x47600000>(v));  // 57344
-        } else if constexpr (std::is_same_v<dst_t, c10::Float8_e4m3fn>) {
-          _mm_mask_storeu_epi8(dst + i, m, fp8_bytes<3, 7, 0x43E00000>(v));  // 448
-        }
+        _mm_mask_storeu_epi8(dst + i, m, fp8_bytes<dst_t>(v));
       }
     }
   });
@@ -371,8 +370,7 @@ void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const
   const bool vector_src = src == at::kFloat || src == at::kBFloat16 || src == at::kHalf;
   // fp8 pools only: the others' index_put_ of a cast is already what this would be (and
   // keeps a NaN's bits where this would make bf16's one NaN of c10's rounding)
-  const bool vector_dst = dst == at::kFloat8_e5m2 || dst == at::kFloat8_e4m3fn;
-  if (vector_src && vector_dst && T > 0) {
+  if (vector_src && is_fp8(dst) && T > 0) {
     for (int i = 0; i < 2; ++i) {
       const at::Tensor& buf = i == 0 ? k_buf : v_buf;
       // rows of heads laid out contiguously (a view of the qkv projection's rows is)

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -51,6 +52,13 @@ void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, doub
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
+// The fp8 KV pool dtypes (--kv-cache-dtype fp8_e5m2 / fp8_e4m3: memory_pool.FP8_MAX) and
+// the largest finite value each stores.
+inline bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e5m2 || t == at::kFloat8_e4m3fn; }
+inline double fp8_max(at::ScalarType t) {
+  return t == at::kFloat8_e5m2 ? static_cast<float>(std::numeric_limits<c10::Float8_e5m2>::max())
+                               : static_cast<float>(std::numeric_limits<c10::Float8_e4m3fn>::max());
+}
 // x in a KV pool's dtype, an fp8 pool's saturated first (memory_pool.to_kv_dtype's rule).
 at::Tensor to_kv_dtype(const at::Tensor& x, at::ScalarType dtype);
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k,
