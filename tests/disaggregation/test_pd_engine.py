@@ -227,7 +227,15 @@ def test_more_requests_than_the_decode_pool_holds(model):
     )
     decode = None
     try:
-        decode = Engine(disaggregation_mode="decode", max_total_tokens=1536, **common)
+        # A small reservation ratio: the decode side admits until its pool holds little more
+        # than the prompts, so decoding must retract however the transfers are timed (at the
+        # default ratio 0.7 that hung on timing and was not always reached)
+        decode = Engine(
+            disaggregation_mode="decode",
+            max_total_tokens=1536,
+            schedule_conservativeness=0.1,
+            **common,
+        )
         engines = (prefill, decode, port)
         # min_new_tokens: transformers' reference never stops at EOS (it masks it)
         params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
