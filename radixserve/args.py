@@ -195,6 +195,17 @@ class ServerArgs:
         "integer GEMMs; the output head unquantized).",
         ("int8", "int4", "w8a8_int8"),
     )
+    # LoRA adapters (SGLang's flags)
+    lora_paths: tuple[str, ...] = _f(
+        (),
+        "LoRA adapters to serve over the base model (PEFT directories): name=path, or a path "
+        "that is its own name. A request picks one by name: `lora_path` (/generate and the "
+        "OpenAI endpoints), or the OpenAI `model` as `name` or `<served-model-name>:name`.",
+    )
+    max_loras_per_batch: int = _f(
+        8, "Most distinct LoRA adapters in one batch (requests without one do not count)."
+    )
+    max_lora_rank: int | None = _f(None, "Refuse LoRA adapters of a higher rank (default: any).")
     # Speculative decoding (SGLang's flags)
     speculative_algorithm: str | None = _f(
         None,
@@ -303,6 +314,28 @@ class ServerArgs:
             raise ValueError("--dp-size > 1 with --tp-size > 1 is not supported yet; use one")
         self._check_hierarchical_cache()
         self._check_disaggregation()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_paths, str):  # Engine(lora_paths="dir")
+            object.__setattr__(self, "lora_paths", (self.lora_paths,))
+        elif not isinstance(self.lora_paths, tuple):
+            object.__setattr__(self, "lora_paths", tuple(self.lora_paths or ()))
+        if self.max_loras_per_batch < 1:
+            raise ValueError("--max-loras-per-batch must be >= 1")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("--max-lora-rank must be >= 1")
+        if not self.lora_paths:
+            return
+        if self.speculative_algorithm:
+            raise ValueError("--lora-paths with --speculative-algorithm is not supported yet")
+        from radixserve.lora.adapter import LoRAError, check_adapter_dir, parse_lora_paths
+
+        try:
+            for path in parse_lora_paths(self.lora_paths).values():
+                check_adapter_dir(path)
+        except LoRAError as e:
+            raise ValueError(str(e)) from None
 
     def _check_hierarchical_cache(self) -> None:
         if not self.enable_hierarchical_cache:
@@ -509,6 +542,9 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
+            if str(f.type).startswith("tuple"):  # a list of values (--lora-paths a b)
+                parser.add_argument(flag, nargs="*", default=f.default, help=help_text)
+                continue
             parser.add_argument(
                 flag,
                 *CLI_ALIASES.get(f.name, ()),
@@ -523,6 +559,9 @@ class ServerArgs:
         kwargs = {
             f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)
         }
+        for f in dataclasses.fields(cls):
+            if isinstance(kwargs.get(f.name), list):
+                kwargs[f.name] = tuple(kwargs[f.name])
         return cls(**kwargs).resolve()
 
 

@@ -39,6 +39,8 @@ class GenerateReqInput:
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
     data_parallel_rank: int | None = None  # which --dp-size replica serves it (None: any)
+    # The LoRA adapter (its --lora-paths name; SGLang's field name), or one per prompt.
+    lora_path: str | list[str | None] | None = None
 
     @property
     def is_single(self) -> bool:
@@ -75,6 +77,7 @@ class GenerateReqInput:
             bootstrap_port=_item(self.bootstrap_port, i),
             bootstrap_room=_item(self.bootstrap_room, i),
             data_parallel_rank=self.data_parallel_rank,
+            lora_path=_item(self.lora_path, i),
         )
 
 
@@ -105,6 +108,16 @@ class TokenizedGenerateReqInput:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     data_parallel_rank: int | None = None  # --dp-size: the replica asked for (None: any)
+    lora_id: str | None = None  # the LoRA adapter's name (its KV namespace is in extra_key)
+
+
+@dataclass
+class BatchTokenizedGenerateReqInput:
+    """Sent TokenizerManager → Scheduler: the sub-requests of one batch (or n > 1) in one
+    message, so the scheduler receives them together and can prefill them in one batch (as
+    separate messages, an idle scheduler could wake on the first alone)."""
+
+    batch: list[TokenizedGenerateReqInput]
 
 
 @dataclass

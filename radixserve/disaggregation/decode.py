@@ -141,6 +141,8 @@ class DecodePrealloc(DisaggSide):
             running = len(s.running_batch.reqs) + len(self.waiting_kv)
             if running >= s.max_running_requests or s.req_to_token_pool.available_size() < 1:
                 return
+            if not self._lora_fits(req):
+                return  # --max-loras-per-batch other adapters are decoding
             batch = s._new_batch([req])
             need = batch.new_slots_needed([req], [0], [n])
             if need > s.allocator.available_size() + s.tree_cache.evictable_size() - (
@@ -167,6 +169,13 @@ class DecodePrealloc(DisaggSide):
                     "desc": self.transfer.descriptor(),
                 },
             )
+
+    def _lora_fits(self, req: Req) -> bool:
+        if req.lora_id is None:
+            return True
+        reqs = [*self.s.running_batch.reqs, *self.waiting_kv.values()]
+        loras = {r.lora_id for r in reqs if r.lora_id is not None}
+        return req.lora_id in loras or len(loras) < self.s.server_args.max_loras_per_batch
 
     def _reserved_tokens(self) -> int:
         """What the running and arriving requests are expected to still write (PrefillAdder's

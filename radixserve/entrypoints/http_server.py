@@ -314,8 +314,7 @@ async def list_models(request: Request) -> Response:
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> Response:
     serving: OpenAIServing = _state(request).openai  # type: ignore[assignment]
-    serving.check_model(model_id)
-    return json_response(serving.model_card())
+    return json_response(serving.model_card(serving.check_model(model_id)))
 
 
 def _model_fields(st: AppState) -> dict[str, Any]:

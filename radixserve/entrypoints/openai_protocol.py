@@ -181,6 +181,8 @@ class SamplingFields(RoutingFields):
     """Fields shared by both endpoints; `openai_api.sampling_params` maps them to SGLang names."""
 
     model: str | None = None
+    # A LoRA adapter by name (SGLang's field; `model` may name it too), one per prompt or one.
+    lora_path: str | list[str | None] | None = None
     n: Annotated[int, RANGES["n"]] = 1
     temperature: Annotated[float | None, RANGES["temperature"]] = None
     top_p: Annotated[float | None, RANGES["top_p"]] = None
@@ -355,6 +357,7 @@ class GenerateRequest(RoutingFields):
     logprob_start_len: int = Field(-1, ge=-1)  # -1: no prompt logprobs
     return_text_in_logprobs: bool = False
     priority: int | None = None
+    lora_path: str | list[str | None] | None = None  # a LoRA adapter's name, or one per prompt
     # Added by SGLang's router; no-ops here (the model is the one this server serves).
     model: str | None = Field(None, exclude=True)
     log_metrics: bool = Field(True, exclude=True)

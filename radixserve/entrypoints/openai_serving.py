@@ -66,6 +66,7 @@ from radixserve.entrypoints.openai_responses import (
 )
 from radixserve.entrypoints.openai_tools import ChatParsing, ChoiceParser, final_finish_reason
 from radixserve.io_struct import new_rid
+from radixserve.lora.adapter import parse_lora_paths
 from radixserve.managers.tokenizer_manager import RequestError
 from radixserve.managers.tokenizer_utils import TokenStrings
 
@@ -115,23 +116,63 @@ class OpenAIServing:
             with open(args.chat_template, encoding="utf-8") as f:  # type: ignore[union-attr]
                 self.chat_template = f.read()
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise RequestError(f"The model `{name}` does not exist.", 404)
+    def check_model(self, name: str | None) -> str | None:
+        """None for the base model (or no name); the adapter's name where `name` names a LoRA
+        adapter, as `name` or `<served-model-name>:name`; else 404."""
+        if name is None or name in self.model_names:
+            return None
+        adapters = self.lora_paths
+        if name in adapters:
+            return name
+        base, sep, adapter = name.rpartition(":")
+        if sep and base in self.model_names and adapter in adapters:
+            return adapter
+        raise RequestError(f"The model `{name}` does not exist.", 404)
 
-    def model_card(self) -> ModelCard:
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """The served LoRA adapters: name -> path."""
+        args = getattr(self.tm, "server_args", None)
+        return parse_lora_paths(getattr(args, "lora_paths", None) or ())
+
+    def _lora_of(self, req: CompletionRequest | ChatCompletionRequest) -> Any:
+        """The request's adapter: the one its `model` names, else its `lora_path`."""
+        by_model = self.check_model(req.model)
+        if by_model is None:
+            return req.lora_path
+        if req.lora_path is not None and req.lora_path != by_model:
+            raise RequestError(
+                f"model names the LoRA adapter {by_model!r} but lora_path is {req.lora_path!r}"
+            )
+        return by_model
+
+    def _model_name(self, req: CompletionRequest | ChatCompletionRequest) -> str:
+        """The `model` of the response: the adapter's name as asked, else the served model."""
+        return req.model if self.check_model(req.model) is not None else self.served_model_name  # type: ignore[return-value]
+
+    def model_card(self, name: str | None = None) -> ModelCard:
         ctx = getattr(self.tm, "context_len", None)
+        if name is not None:  # a LoRA adapter
+            path = self.lora_paths[name]
+            return ModelCard(
+                id=name,
+                created=self.created,
+                root=path,
+                parent=self.served_model_name,
+                max_model_len=ctx,
+            )
         return ModelCard(
             id=self.served_model_name, created=self.created, root=self.model_root, max_model_len=ctx
         )
 
     def list_models(self) -> ModelList:
-        return ModelList(data=[self.model_card()])
+        return ModelList(data=[self.model_card(), *map(self.model_card, self.lora_paths)])
 
     # -- completions ------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
-        self.check_model(req.model)
+        lora = self._lora_of(req)
         obj = completion_to_generate(req)
+        obj.lora_path = lora
         prompts, _ = normalize_prompt(req.prompt)
         rid, created = "cmpl-" + new_rid(), int(time.time())
         gen = self.tm.generate_request(obj, None)
@@ -142,7 +183,7 @@ class OpenAIServing:
             return json_response(self._completion_response(req, rid, created, outs, echo))
         first = await first_item(gen, request)
         echo = self._echo_parts(prompts) if req.echo else None
-        model = self.served_model_name
+        model = self._model_name(req)
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
             return CompletionChunk(
@@ -193,7 +234,7 @@ class OpenAIServing:
                 )
             )
         usage = make_usage([o["meta_info"] for o in outs], req.n)
-        model = self.served_model_name
+        model = self._model_name(req)
         return CompletionResponse(
             id=rid, created=created, model=model, choices=choices, usage=usage
         )
@@ -225,11 +266,12 @@ class OpenAIServing:
     async def chat_completions(
         self, req: ChatCompletionRequest, request: Request | None
     ) -> Response:
-        self.check_model(req.model)
+        lora = self._lora_of(req)
         obj = chat_to_generate(req, self.tm, self.chat_template)
+        obj.lora_path = lora
         parsing = ChatParsing.for_request(req, self.tool_call_parser, self.reasoning_parser)
         rid, created = "chatcmpl-" + new_rid(), int(time.time())
-        model = self.served_model_name
+        model = self._model_name(req)
         gen = self.tm.generate_request(obj, None)
         if not req.stream:
             outs = _as_list(await collect(gen, request))
@@ -285,7 +327,7 @@ class OpenAIServing:
                 )
             )
         usage = make_usage([o["meta_info"] for o in outs], req.n)
-        model = self.served_model_name
+        model = self._model_name(req)
         return ChatCompletionResponse(
             id=rid, created=created, model=model, choices=choices, usage=usage
         )

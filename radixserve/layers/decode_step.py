@@ -75,6 +75,7 @@ class CpuDecodeStep:
         md = fb.attn_metadata
         return (
             fb.forward_mode.is_decode()
+            and fb.lora is None  # the adapters' deltas run in the Python layers
             and x.shape[0] > 0
             and isinstance(md, PagedDecodeMetadata)
             and not md.groups

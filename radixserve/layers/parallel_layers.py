@@ -17,6 +17,8 @@ shard; these layers only compute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,8 +38,15 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight))
+    def forward(
+        self, x: torch.Tensor, add_partial: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """`add_partial` adds to this rank's partial product before the all-reduce (a LoRA
+        delta of this rank's input columns, lora/manager.py)."""
+        out = linear(x, self.weight)
+        if add_partial is not None:
+            add_partial(out)
+        out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 

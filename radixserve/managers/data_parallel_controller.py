@@ -35,6 +35,7 @@ from radixserve.args import LOAD_BALANCE_METHODS
 from radixserve.io_struct import (
     AbortReq,
     BatchStrOutput,
+    BatchTokenizedGenerateReqInput,
     FlushCacheReqOutput,
     TokenizedGenerateReqInput,
 )
@@ -140,6 +141,13 @@ class DataParallelController:
     def send_pyobj(self, msg: Any) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
             self.dispatch(msg)
+        elif isinstance(msg, BatchTokenizedGenerateReqInput):
+            for req in msg.batch:  # each replica gets its share as one message
+                self.dispatch(req, send=False)
+            for rank in range(self.dp_size):
+                mine = [r for r in msg.batch if self.rid_to_rank[r.rid] == rank]
+                if mine:
+                    self.senders[rank].send_pyobj(BatchTokenizedGenerateReqInput(mine))
         elif isinstance(msg, AbortReq) and not msg.abort_all and msg.rid in self.rid_to_rank:
             self.senders[self.rid_to_rank[msg.rid]].send_pyobj(msg)
         else:  # abort_all, an abort of an unknown rid, a control request
@@ -154,12 +162,13 @@ class DataParallelController:
             sender.close(linger=linger)
 
     # -- requests -------------------------------------------------------------------------------
-    def dispatch(self, req: TokenizedGenerateReqInput) -> int:
+    def dispatch(self, req: TokenizedGenerateReqInput, send: bool = True) -> int:
         rank = self.select(req)
         self.rid_to_rank[req.rid] = rank
         self.loads[rank] += 1
         self.dispatched[rank] += 1
-        self.senders[rank].send_pyobj(req)
+        if send:
+            self.senders[rank].send_pyobj(req)
         return rank
 
     def select(self, req: TokenizedGenerateReqInput) -> int:

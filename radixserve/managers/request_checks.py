@@ -65,6 +65,13 @@ def verify_request_fields(obj: GenerateReqInput) -> None:
         _expect(name, value, value is None or isinstance(value, str), "a string")
     _verify_prompt_and_rid(obj)
     _verify_bootstrap(obj)
+    lora = obj.lora_path
+    if isinstance(lora, list):
+        ok = not obj.is_single and len(lora) == obj.batch_size
+        ok = ok and all(x is None or isinstance(x, str) for x in lora)
+        _expect("lora_path", lora, ok, "an adapter name, or one (or null) per prompt of a batch")
+    else:
+        _expect("lora_path", lora, lora is None or isinstance(lora, str), "an adapter name")
 
 
 def _verify_bootstrap(obj: GenerateReqInput) -> None:

@@ -60,8 +60,10 @@ class Req:
         priority: int | None = None,
         routing_key: str | None = None,
         logprob_start_len: int = -1,
+        lora_id: str | None = None,
     ) -> None:
         self.rid = rid
+        self.lora_id = lora_id
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
@@ -458,6 +460,7 @@ class ScheduleBatch:
             top_logprobs_num=max((r.top_logprobs_num for r in self.reqs), default=0),
             rids=[r.rid for r in self.reqs],
             spec_info=self.spec_info,
+            lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id for r in self.reqs) else None,
             **self._input_logprob_fields(),
         )
 

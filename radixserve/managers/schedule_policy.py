@@ -150,6 +150,7 @@ class PrefillAdder:
         max_running_requests: int,
         page_size: int = 1,
         mixed_decode_tokens: int = 0,
+        max_loras: int | None = None,
     ) -> None:
         self.tree_cache = tree_cache
         self.allocator = allocator
@@ -162,6 +163,8 @@ class PrefillAdder:
         self.rem_rows = max_running_requests - len(running_reqs)
         self.reserved = mixed_decode_tokens + sum(self.reserve_for(r) for r in running_reqs)
         self.num_running = len(running_reqs)
+        self.max_loras = max_loras
+        self.loras = {r.lora_id for r in running_reqs if r.lora_id is not None}
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
 
@@ -199,6 +202,8 @@ class PrefillAdder:
         req.extend_input_len = min(req.extend_input_len, budget)
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
         self.can_run_list.append(req)
+        if req.lora_id is not None:
+            self.loras.add(req.lora_id)
         self._spend(req.extend_input_len, 0 if truncated else self.reserve_for(req))
         return req if truncated else None
 
@@ -232,7 +237,16 @@ class PrefillAdder:
             self._spend(trunc, 0.0)
             return AddReqResult.OTHER  # a chunk fills the batch
 
+    def lora_fits(self, req: Req) -> bool:
+        """Whether the batch can take `req`'s LoRA adapter (--max-loras-per-batch distinct
+        adapters at most; requests without one always fit)."""
+        if req.lora_id is None or req.lora_id in self.loras or self.max_loras is None:
+            return True
+        return len(self.loras) < self.max_loras
+
     def _admit(self, req: Req) -> None:
+        if req.lora_id is not None:
+            self.loras.add(req.lora_id)
         self.can_run_list.append(req)
         self.tree_cache.inc_lock_ref(req.last_node)
         req.cache_protected_len = len(req.prefix_indices)

@@ -27,6 +27,7 @@ from radixserve.args import ServerArgs
 from radixserve.distributed.tp_sync import TpSync
 from radixserve.io_struct import (
     AbortReq,
+    BatchTokenizedGenerateReqInput,
     DashboardSnapshotReq,
     DashboardSnapshotReqOutput,
     FlushCacheReq,
@@ -36,6 +37,7 @@ from radixserve.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.layers.sampler import SamplingBatchInfo, needs_processing
+from radixserve.lora.adapter import parse_lora_paths
 from radixserve.managers.grammar_manager import GrammarManager
 from radixserve.managers.live_stats import LiveStats
 from radixserve.managers.overlap_utils import ForwardThread, FutureMap, InFlightStep
@@ -101,6 +103,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.max_running_requests = runner.max_running_requests
         self.context_len = runner.context_len
         self.page_size = server_args.page_size
+        self.lora_names = set(parse_lora_paths(server_args.lora_paths))
         tp_group = getattr(self.tp_worker, "tp_group", None)
         # With TP every rank runs this scheduler on the same inputs (TpSync); see step().
         self.tp_sync = (
@@ -185,6 +188,9 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         for msg in msgs:
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.handle_generate_request(msg)
+            elif isinstance(msg, BatchTokenizedGenerateReqInput):
+                for one in msg.batch:
+                    self.handle_generate_request(one)
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg)
             elif isinstance(msg, FlushCacheReq):
@@ -210,6 +216,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             extra_key=recv.extra_key,
             priority=recv.priority,
             routing_key=recv.routing_key,
+            lora_id=recv.lora_id,
         )
         req.bootstrap_host = recv.bootstrap_host
         req.bootstrap_port = recv.bootstrap_port
@@ -274,6 +281,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             and not req.bootstrap_host
         ):
             return "a request with a bootstrap_room needs the prefill server's bootstrap_host"
+        if req.lora_id is not None and req.lora_id not in self.lora_names:
+            return f"no LoRA adapter named {req.lora_id!r} is loaded"
         return None
 
     def abort_request(self, recv: AbortReq) -> None:
@@ -545,6 +554,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self.max_running_requests,
             self.page_size,
             mixed_decode_tokens=len(running) if mixed else 0,
+            max_loras=self.server_args.max_loras_per_batch,
         )
         if self.chunked_req is not None:
             if self.chunked_req.chunk_to_cache:  # share the chunk it computed last round
@@ -557,6 +567,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 break
             if req.rid in order.held and adder.can_run_list:
                 continue  # in-batch prefix caching: a representative computes it first
+            if not adder.lora_fits(req):
+                continue  # --max-loras-per-batch other adapters are in the batch already
             if self.hicache is not None and not self.hicache.prepare(req, adder.rem_total_tokens):
                 continue  # its prefix is loading from the host / storage tier
             if not order.matched:

@@ -19,6 +19,7 @@ from typing import Any
 from radixserve.io_struct import (
     AbortReq,
     BatchStrOutput,
+    BatchTokenizedGenerateReqInput,
     DashboardSnapshotReq,
     DashboardSnapshotReqOutput,
     FlushCacheReq,
@@ -29,6 +30,7 @@ from radixserve.io_struct import (
     TokenizedGenerateReqInput,
     new_rid,
 )
+from radixserve.lora.adapter import adapter_key, parse_lora_paths
 from radixserve.managers.grammar_check import GrammarCheck
 from radixserve.managers.live_stats import LatencyWindow
 from radixserve.managers.request_checks import (
@@ -119,6 +121,11 @@ class TokenizerManager:
         self._grammar_check = GrammarCheck(
             server_args.grammar_backend, tokenizer, vocab_size, self.eos_token_ids
         )
+        # The LoRA adapters' names and cache namespaces (a hash of their files).
+        self.lora_keys = {
+            name: adapter_key(name, path)
+            for name, path in parse_lora_paths(getattr(server_args, "lora_paths", ())).items()
+        }
         self.rid_to_state: dict[str, ReqState] = {}
         self._draining: set[str] = set()  # aborted here, not yet finished in the scheduler
         self.dead: str | None = None  # why no request can be served any more (fail_all)
@@ -310,6 +317,13 @@ class TokenizerManager:
                 f"logprob_start_len {obj.logprob_start_len} is past the prompt's "
                 f"{len(input_ids)} tokens"
             )
+        lora_id, extra_key = obj.lora_path, obj.extra_key
+        if lora_id is not None:
+            if lora_id not in self.lora_keys:
+                loaded = ", ".join(sorted(self.lora_keys)) or "none (start with --lora-paths)"
+                raise RequestError(f"unknown LoRA adapter {lora_id!r}; loaded: {loaded}")
+            # Its KV is the adapter's own: the caches namespace it by the adapter's contents.
+            extra_key = self.lora_keys[lora_id] + ("" if extra_key is None else f"|{extra_key}")
         return TokenizedGenerateReqInput(
             rid=obj.rid if isinstance(obj.rid, str) else new_rid(),
             input_text=text,
@@ -320,9 +334,10 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num,
             logprob_start_len=obj.logprob_start_len,
             return_text_in_logprobs=obj.return_text_in_logprobs,
-            extra_key=obj.extra_key,
+            extra_key=extra_key,
             priority=obj.priority,
             routing_key=obj.routing_key,
+            lora_id=lora_id,
             bootstrap_host=obj.bootstrap_host,
             bootstrap_port=obj.bootstrap_port,
             bootstrap_room=obj.bootstrap_room,
@@ -367,7 +382,11 @@ class TokenizerManager:
             base = await self.tokenize_and_check(single)
             tokenized_list += [base] if n == 1 else _choices(base, n)
         self._admit(tokenized_list)
-        states = [self._send(t) for t in tokenized_list]
+        states = [self._register(t) for t in tokenized_list]
+        if len(tokenized_list) == 1:
+            self.send_to_scheduler.send_pyobj(tokenized_list[0])
+        else:
+            self.send_to_scheduler.send_pyobj(BatchTokenizedGenerateReqInput(tokenized_list))
         if obj.is_single and n == 1:
             async for out in self._wait_one(states[0], request):
                 yield out
@@ -395,7 +414,7 @@ class TokenizerManager:
                 {"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    def _send(self, tokenized: TokenizedGenerateReqInput) -> ReqState:
+    def _register(self, tokenized: TokenizedGenerateReqInput) -> ReqState:
         state = ReqState(tokenized.rid, tokenized.stream, len(tokenized.input_ids))
         state.return_logprob = tokenized.return_logprob
         if tokenized.return_logprob and tokenized.return_text_in_logprobs:
@@ -403,7 +422,6 @@ class TokenizerManager:
         self.rid_to_state[tokenized.rid] = state
         if self.metrics is not None:
             self.metrics.on_request(len(tokenized.input_ids))
-        self.send_to_scheduler.send_pyobj(tokenized)
         return state
 
     async def _wait_one(self, state: ReqState, request: Any) -> AsyncIterator[dict[str, Any]]:

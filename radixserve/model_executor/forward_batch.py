@@ -59,6 +59,7 @@ class ModelWorkerBatch:
     input_logprob_indices: list[int] | None = None
     input_logprob_targets: list[int] | None = None
     input_logprob_counts: list[int] | None = None
+    lora_ids: list[str | None] | None = None  # each request's LoRA adapter (None: none use one)
 
     @property
     def batch_size(self) -> int:
@@ -87,6 +88,7 @@ class ModelWorkerBatch:
                 None if self.input_logprob_targets is None else tensor(self.input_logprob_targets)
             ),
             top_logprobs_num=self.top_logprobs_num,
+            lora_ids=self.lora_ids,
         )
 
 
@@ -124,6 +126,12 @@ class ForwardBatch:
     input_logprob_indices: torch.Tensor | None = None  # [N] packed token indices
     input_logprob_targets: torch.Tensor | None = None  # [N] the prompt token each predicts
     top_logprobs_num: int = 0
+    lora_ids: list[str | None] | None = None  # each request's LoRA adapter (None: none use one)
+    lora: object | None = None  # the step's LoRABatch (lora/manager.py), set by the ModelRunner
+
+    @property
+    def uses_lora(self) -> bool:
+        return bool(self.lora_ids) and any(self.lora_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,7 @@ from radixserve.layers.fused_ops import set_fused_ops
 from radixserve.layers.linear import packed_form, prepack_linears
 from radixserve.layers.quantization import W8A8, quantize_model, smooth_model
 from radixserve.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
+from radixserve.lora.manager import LoRAManager
 from radixserve.mem_cache.memory_pool import (
     MHATokenToKVPool,
     ReqToTokenPool,
@@ -137,6 +138,16 @@ class ModelRunner:
             decode_step = CpuDecodeStep.build(self.model)
             if decode_step is not None:
                 self.model.model.decode_step = decode_step
+        # After the decode step and the packing: a step without adapter rows keeps both.
+        self.lora_manager: LoRAManager | None = None
+        if server_args.lora_paths and not self.is_draft:
+            self.lora_manager = LoRAManager(
+                self.model,
+                server_args.lora_paths,
+                server_args.max_lora_rank,
+                self.dtype,
+                self.device,
+            )
         self.cuda_graph_runner: CudaGraphRunner | None = None
         if self.device == "cuda" and not server_args.disable_cuda_graph:
             self.cuda_graph_runner = self._init_cuda_graphs()
@@ -307,7 +318,11 @@ class ModelRunner:
     # -- forward --------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+        if (
+            self.cuda_graph_runner is not None
+            and not fb.uses_lora
+            and self.cuda_graph_runner.can_run(fb)
+        ):
             return LogitsOutput(self.cuda_graph_runner.replay(fb))
         hidden = self.forward_hidden(fb)
         last = hidden if fb.forward_mode.is_decode() else hidden[fb.last_token_indices()]
@@ -341,7 +356,10 @@ class ModelRunner:
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb)
+        if self.lora_manager is None:
+            return self.model(fb)
+        fb.lora = self.lora_manager.prepare(fb)
+        return self.lora_manager.run(fb.lora, lambda: self.model(fb))
 
     @torch.inference_mode()
     def sample(

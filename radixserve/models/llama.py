@@ -35,6 +35,7 @@ from radixserve.layers.parallel_layers import (
 )
 from radixserve.layers.quantization import QuantizedLinear
 from radixserve.layers.rotary_embedding import RotaryEmbedding
+from radixserve.lora.manager import LoRALinear
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_loader.model_config import ModelConfig
 
@@ -104,7 +105,7 @@ class LlamaMLP(FusedOp, nn.Module):
         if (
             self.can_fuse(x)
             and x.dim() == 2
-            and isinstance(self.gate_up_proj, (QuantizedLinear, Linear))
+            and isinstance(self.gate_up_proj, (QuantizedLinear, Linear, LoRALinear))
         ):
             fused = self.gate_up_proj.silu_and_mul(x)  # the product and the SiLU in one kernel
             if fused is not None:

@@ -41,7 +41,7 @@ def client(fake_tm, make_client):
     "path,field,value",
     [
         (COMPLETIONS, "prompt_logprobs", 1),
-        (COMPLETIONS, "lora_path", "a"),
+        (COMPLETIONS, "prompt_adapter_request", "a"),
         (CHAT, "reasoning_effort", "high"),
         (CHAT, "logprob_start_len", 0),
         (CHAT, "best_of", 2),

@@ -15,6 +15,7 @@ from radixserve.io_struct import (
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
+    BatchTokenizedGenerateReqInput,
     GenerateReqInput,
     TokenizedGenerateReqInput,
 )
@@ -41,7 +42,13 @@ class FakeSockets:
         pass
 
     def requests(self) -> list[TokenizedGenerateReqInput]:
-        return [m for m in self.sent if isinstance(m, TokenizedGenerateReqInput)]
+        out: list[TokenizedGenerateReqInput] = []
+        for m in self.sent:
+            if isinstance(m, BatchTokenizedGenerateReqInput):
+                out += m.batch
+            elif isinstance(m, TokenizedGenerateReqInput):
+                out.append(m)
+        return out
 
     def aborts(self) -> list[str]:
         return [m.rid for m in self.sent if isinstance(m, AbortReq)]

@@ -1,0 +1,231 @@
+"""Serving LoRA adapters over one base model (`--lora-paths`; SGLang's S-LoRA-style batching).
+
+The LoRAManager lives in the ModelRunner. At start-up it wraps each decoder layer's four
+projections (qkv_proj, o_proj, gate_up_proj, down_proj) in a `LoRALinear` and loads every
+adapter, kept in memory in the layout the layers use: per (layer, projection) the adapter's A
+matrices side by side, transposed ([in, ΣR]; q, k and v share one product), and each part's
+Bᵀ [r, out] with the slice of the fused output it adds to. With tensor parallelism each rank
+keeps its shard: column-parallel projections (qkv, gate_up) narrow B's rows as their weight's,
+row-parallel ones (o, down) narrow A's columns, and their delta joins the partial product
+before the all-reduce (the sum over ranks of (xᵢ Aᵢᵀ) Bᵀ is (x Aᵀ) Bᵀ).
+
+Per step, `prepare` turns the batch's per-request adapter names into groups: for each adapter
+in the batch, the packed token rows that use it (None when they are all of them). Each wrapped
+projection then computes its base output as before and adds, per group,
+`scaling · (x[rows] Aᵀ) Bᵀ` into its slice of the output. A step without adapter rows runs the
+base layers untouched — the C++ decode step, CUDA graphs and the fused SiLU kernel included;
+a step with any runs layer by layer. The scheduler caps the distinct adapters in one batch at
+--max-loras-per-batch (base-model requests do not count).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from radixserve.layers.parallel_layers import RowParallelLinear
+from radixserve.lora.adapter import LoRAAdapter, LoRAError, ModelShape, parse_lora_paths
+from radixserve.model_executor.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# (module path in a decoder layer, the adapter projections it fuses, row-parallel)
+WRAPPED = (
+    ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj"), False),
+    ("self_attn", "o_proj", ("o_proj",), True),
+    ("mlp", "gate_up_proj", ("gate_proj", "up_proj"), False),
+    ("mlp", "down_proj", ("down_proj",), True),
+)
+
+
+@dataclass
+class _Part:
+    start: int  # first output column of this part in the fused projection (this rank's)
+    end: int
+    r0: int  # its rank's columns in the shared A product
+    r1: int
+    b_t: torch.Tensor  # [r, end - start]
+
+
+@dataclass
+class _Packed:
+    """One adapter's weights for one wrapped projection of one layer."""
+
+    a_t: torch.Tensor  # [in (this rank's), ΣR]
+    parts: list[_Part]
+    scaling: float
+
+
+@dataclass
+class LoRABatch:
+    """Which packed token rows use which adapter in this step (rows None: all of them)."""
+
+    groups: list[tuple[dict[tuple[int, str], _Packed], torch.Tensor | None]]
+    names: list[str]
+
+
+class LoRALinear(nn.Module):
+    """A projection of the base model plus the deltas of the adapters in the current step."""
+
+    def __init__(self, base: nn.Module, manager: LoRAManager, key: tuple[int, str], row: bool):
+        super().__init__()
+        self.base = base
+        self.key = key
+        self.row_parallel = row and isinstance(base, RowParallelLinear)
+        self._manager = [manager]  # a list: not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = self._manager[0].batch
+        if batch is None:
+            return self.base(x)
+        if self.row_parallel:
+            return self.base(x, lambda y: self._add_deltas(y, x, batch))
+        y = self.base(x)
+        self._add_deltas(y, x, batch)
+        return y
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The base projection's fused SiLU kernel, for steps without adapter rows."""
+        fused = getattr(self.base, "silu_and_mul", None)
+        if self._manager[0].batch is not None or fused is None:
+            return None
+        return fused(x)
+
+    def _add_deltas(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
+        flat_x = x.reshape(-1, x.shape[-1])
+        flat_y = y.view(-1, y.shape[-1])
+        for weights, rows in batch.groups:
+            w = weights.get(self.key)
+            if w is None:
+                continue
+            xs = flat_x if rows is None else flat_x.index_select(0, rows)
+            xa = torch.mm(xs, w.a_t)
+            for p in w.parts:
+                out = flat_y[:, p.start : p.end]
+                if rows is None:
+                    out.addmm_(xa[:, p.r0 : p.r1], p.b_t, alpha=w.scaling)
+                else:
+                    out.index_add_(0, rows, torch.mm(xa[:, p.r0 : p.r1], p.b_t), alpha=w.scaling)
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: nn.Module,
+        lora_paths: tuple[str, ...],
+        max_lora_rank: int | None,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        self.model = model
+        self.shape = ModelShape.of(model.config)
+        self.max_lora_rank = max_lora_rank
+        self.dtype, self.device = dtype, device
+        self.adapters: dict[str, dict[tuple[int, str], _Packed]] = {}
+        self.batch: LoRABatch | None = None  # the step running now (read by the LoRALinears)
+        self._sizes = self._wrap(model)
+        for name, path in parse_lora_paths(lora_paths).items():
+            self.load(name, path)
+
+    # -- adapters --------------------------------------------------------------------------------
+    def load(self, name: str, path: str) -> None:
+        """Read, check and pack one adapter (LoRAError says what is wrong with it)."""
+        if name in self.adapters:
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded")
+        adapter = LoRAAdapter.load(name, path, self.shape, self.max_lora_rank)
+        self.adapters[name] = self._pack(adapter)
+        targets = sorted({proj for _, proj in adapter.weights})
+        logger.info(
+            "LoRA adapter %r: rank %d, scaling %.4g, %s (%s)",
+            name,
+            adapter.rank,
+            adapter.config.scaling,
+            ", ".join(targets),
+            path,
+        )
+
+    def unload(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded")
+
+    def _pack(self, adapter: LoRAAdapter) -> dict[tuple[int, str], _Packed]:
+        tp = getattr(self.model, "tp", None)
+        sharded = tp is not None and tp.world_size > 1
+        packed: dict[tuple[int, str], _Packed] = {}
+        for layer in range(self.shape.num_layers):
+            for sub, fused, projs, row in WRAPPED:
+                a_list, parts, r = [], [], 0
+                offsets = self._sizes[fused]
+                for proj, (start, end) in zip(projs, offsets, strict=True):
+                    ab = adapter.weights.get((layer, proj))
+                    if ab is None:
+                        continue
+                    a, b = ab
+                    if sharded:  # this rank's share, as the base weight's
+                        name = f"model.layers.{layer}.{sub}.{proj}.weight"
+                        if row:
+                            a = self.model.shard_weight(name, a)
+                        else:
+                            b = self.model.shard_weight(name, b)
+                    a_list.append(a)
+                    bt = b.t().to(self.device, self.dtype).contiguous()
+                    parts.append(_Part(start, end, r, r + a.shape[0], bt))
+                    r += a.shape[0]
+                if not parts:
+                    continue
+                a_t = torch.cat(a_list).t().to(self.device, self.dtype).contiguous()
+                packed[(layer, fused)] = _Packed(a_t, parts, adapter.config.scaling)
+        return packed
+
+    def _wrap(self, model: nn.Module) -> dict[str, list[tuple[int, int]]]:
+        """Wrap the projections; returns each fused projection's parts as output slices of
+        this rank."""
+        first = model.model.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        q, kv, inter = attn.q_size, attn.kv_size, mlp.local_intermediate_size
+        hidden = self.shape.sizes["o_proj"][1]
+        sizes = {
+            "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+            "o_proj": [(0, hidden)],
+            "gate_up_proj": [(0, inter), (inter, 2 * inter)],
+            "down_proj": [(0, hidden)],
+        }
+        for i, layer in enumerate(model.model.layers):
+            for sub, fused, _, row in WRAPPED:
+                parent = getattr(layer, sub)
+                base = getattr(parent, fused)
+                setattr(parent, fused, LoRALinear(base, self, (i, fused), row))
+        return sizes
+
+    # -- steps -----------------------------------------------------------------------------------
+    def prepare(self, fb: ForwardBatch) -> LoRABatch | None:
+        """The step's adapter groups, or None when no request of it uses an adapter."""
+        names = fb.lora_ids
+        if not names or not any(names):
+            return None
+        rows: dict[str, list[int]] = {}
+        start = 0
+        for name, n in zip(names, fb.extend_seq_lens_cpu, strict=True):
+            if name is not None:
+                rows.setdefault(name, []).extend(range(start, start + n))
+            start += n
+        groups = []
+        for name, idx in rows.items():
+            weights = self.adapters.get(name)
+            if weights is None:
+                raise LoRAError(f"no LoRA adapter named {name!r} is loaded")
+            every = len(idx) == start
+            groups.append((weights, None if every else torch.tensor(idx, device=self.device)))
+        return LoRABatch(groups, list(rows))
+
+    def run(self, batch: LoRABatch | None, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """forward() with `batch`'s adapters applied by the wrapped projections."""
+        self.batch = batch
+        try:
+            return forward()
+        finally:
+            self.batch = None

@@ -1,0 +1,368 @@
+"""LoRA adapters (--lora-paths): PEFT adapters read and checked, applied per request in mixed
+batches with exactly transformers' greedy tokens (the adapter's delta added unmerged, as PEFT
+does), the batch cap, the cache namespaces, and the errors a user can hit."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from rs_testing import SchedulerHarness, hf_greedy, make_tiny_served_model
+
+from radixserve.args import ServerArgs
+from radixserve.io_struct import TokenizedGenerateReqInput
+from radixserve.lora.adapter import LoRAAdapter, LoRAError, ModelShape, adapter_key
+from radixserve.model_loader.model_config import ModelConfig
+from radixserve.sampling_params import SamplingParams
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NEW = 12
+
+
+def write_adapter(
+    path: str,
+    model_dir: str,
+    r: int,
+    targets: tuple[str, ...] = ALL,
+    seed: int = 0,
+    alpha: float = 16.0,
+    config: dict[str, Any] | None = None,
+    fmt: str = "safetensors",
+    extra: dict[str, torch.Tensor] | None = None,
+) -> str:
+    """A PEFT adapter for the model at `model_dir`: random A and B (PEFT starts B at zero; a
+    trained adapter's is not), every layer, `targets`."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    sizes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for proj in targets:
+            sub = "self_attn" if proj in ALL[:4] else "mlp"
+            fan_in, fan_out = sizes[proj]
+            prefix = f"base_model.model.model.layers.{i}.{sub}.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) * 0.2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * 0.2
+    tensors.update(extra or {})
+    os.makedirs(path, exist_ok=True)
+    conf = {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "bias": "none",
+        "use_rslora": False,
+        **(config or {}),
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(conf, f)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    else:
+        torch.save(tensors, os.path.join(path, "adapter_model.bin"))
+    return path
+
+
+def _shape_of(model_dir: str) -> ModelShape:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return ModelShape.of(ModelConfig.from_hf_config(json.load(f)))
+
+
+def peft_greedy(
+    model_dir: str, adapter_dir: str | None, prompts: list[list[int]]
+) -> list[list[int]]:
+    """transformers' greedy tokens with the adapter applied as PEFT applies it unmerged:
+    each adapted Linear's output plus scaling · lora_B(lora_A(x))."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        adapter = LoRAAdapter.load("ref", adapter_dir, _shape_of(model_dir))
+        s = adapter.config.scaling
+        for (layer, proj), (a, b) in adapter.weights.items():
+            block = model.model.layers[layer]
+            module = getattr(block.self_attn if proj in ALL[:4] else block.mlp, proj)
+
+            def hook(mod, args, out, a=a.float(), b=b.float()):
+                return out + (args[0] @ a.t()) @ b.t() * s
+
+            module.register_forward_hook(hook)
+    return hf_greedy(model, prompts, NEW)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("lora")
+    model = make_tiny_served_model(str(root / "model"))
+    adapters = {
+        "a": write_adapter(str(root / "a"), model, r=4, seed=1),
+        # rsLoRA scaling, a subset of projections, a .bin file
+        "b": write_adapter(
+            str(root / "b"),
+            model,
+            r=8,
+            targets=("q_proj", "v_proj", "down_proj"),
+            seed=2,
+            config={"use_rslora": True},
+            fmt="bin",
+        ),
+        "c": write_adapter(str(root / "c"), model, r=2, targets=("k_proj", "gate_proj"), seed=5),
+    }
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 17, 33, 9, 24, 40)]
+    refs = {name: peft_greedy(model, path, prompts) for name, path in adapters.items()}
+    refs[None] = peft_greedy(model, None, prompts)
+    return {"model": model, "adapters": adapters, "prompts": prompts, "refs": refs}
+
+
+def _paths(tiny: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(f"{n}={p}" for n, p in tiny["adapters"].items())
+
+
+def _submit(h: SchedulerHarness, rid: str, ids: list[int], lora: str | None) -> None:
+    path = h.args_lora.get(lora)
+    key = None if path is None else adapter_key(lora, path)
+    sp = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, temperature=0)
+    h.scheduler.process_input_requests(
+        [TokenizedGenerateReqInput(rid, None, list(ids), sp, extra_key=key, lora_id=lora)]
+    )
+
+
+def _harness(tiny: dict[str, Any], **kwargs: Any) -> SchedulerHarness:
+    kwargs.setdefault("max_total_tokens", 4096)  # (the integrity checks walk the whole pool)
+    h = SchedulerHarness(model_path=tiny["model"], lora_paths=_paths(tiny), **kwargs)
+    h.args_lora = dict(tiny["adapters"])  # type: ignore[attr-defined]
+    return h
+
+
+def _assert_drained(h: SchedulerHarness) -> None:
+    s = h.scheduler
+    assert s.allocator.available_size() + s.tree_cache.evictable_size() == s.max_total_num_tokens
+    assert s.tree_cache.protected_size() == 0
+
+
+def test_the_adapters_change_the_output(tiny):
+    """The references differ: each adapter moves greedy tokens (else the tests prove nothing)."""
+    refs = tiny["refs"]
+    for name in ("a", "b", "c"):
+        assert refs[name] != refs[None], name
+    assert refs["a"] != refs["b"] != refs["c"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"attention_backend": "torch_native"},
+        {"attention_backend": "cpu_paged"},
+        {"attention_backend": "cpu_paged", "disable_overlap_schedule": True, "page_size": 16},
+        {"attention_backend": "cpu_paged", "chunked_prefill_size": 16, "enable_mixed_chunk": True},
+        {"attention_backend": "torch_native", "disable_radix_cache": True},
+    ],
+    ids=["torch_native", "cpu_paged", "normal-loop-page16", "chunked-mixed", "radix-off"],
+)
+def test_mixed_adapters_in_one_batch_give_each_adapters_greedy_tokens(tiny, kwargs):
+    """Every prompt under every adapter and under none, all at once (so prefill and decode
+    batches mix adapters), and again staggered: each request gets the tokens of its own
+    adapter; nothing leaks."""
+    h = _harness(tiny, **kwargs)
+    names = [None, "a", "b", "c"]
+    expected = {}
+    for i, p in enumerate(tiny["prompts"]):
+        for lora in names:
+            rid = f"{i}-{lora}"
+            _submit(h, rid, p, lora)
+            expected[rid] = tiny["refs"][lora][i]
+    h.run_until_idle()
+    assert h.results() == expected
+    for i, p in enumerate(tiny["prompts"]):  # staggered: arriving while others decode
+        for lora in names:
+            _submit(h, f"again-{i}-{lora}", p, lora)
+            h.step()
+            h.step()
+    h.run_until_idle()
+    got = h.results()
+    for i in range(len(tiny["prompts"])):
+        for lora in names:
+            assert got[f"again-{i}-{lora}"] == tiny["refs"][lora][i], (i, lora)
+    _assert_drained(h)
+
+
+def test_at_most_max_loras_per_batch_adapters_in_a_step(tiny):
+    """--max-loras-per-batch 1: requests of three adapters and of none, sent together, all
+    finish right; no step ever holds two adapters (base-model rows join any step)."""
+    h = _harness(tiny, max_loras_per_batch=1)
+    runner = h.scheduler.tp_worker.model_runner
+    seen: list[set] = []
+    prepare = runner.lora_manager.prepare
+
+    def spy(fb):
+        seen.append({n for n in (fb.lora_ids or []) if n is not None})
+        return prepare(fb)
+
+    runner.lora_manager.prepare = spy
+    expected = {}
+    for i, p in enumerate(tiny["prompts"]):
+        for lora in ("a", "b", "c", None):
+            _submit(h, f"{i}-{lora}", p, lora)
+            expected[f"{i}-{lora}"] = tiny["refs"][lora][i]
+    h.run_until_idle()
+    assert h.results() == expected
+    assert max(len(s) for s in seen) == 1
+    assert {frozenset(s) for s in seen} >= {frozenset({x}) for x in "abc"}
+    _assert_drained(h)
+
+
+def test_adapters_never_share_cached_kv(tiny):
+    """One prompt under a, then b, then a and none: b and none reuse nothing of a's KV (it was
+    computed with a's deltas); the second a reuses its own."""
+    h = _harness(tiny)
+    prompt = tiny["prompts"][5]
+    cached = {}
+    for rid, lora in (("a1", "a"), ("b1", "b"), ("a2", "a"), ("base", None)):
+        _submit(h, rid, prompt, lora)
+        h.run_until_idle()
+    for msg in h.outputs:
+        for rid, n, reason in zip(msg.rids, msg.cached_tokens, msg.finished_reasons, strict=True):
+            if reason is not None:
+                cached[rid] = n
+    assert cached["a1"] == 0 and cached["b1"] == 0 and cached["base"] == 0
+    assert cached["a2"] >= len(prompt) - 1
+    res = h.results()
+    assert res["a1"] == res["a2"] == tiny["refs"]["a"][5]
+    assert res["b1"] == tiny["refs"]["b"][5] and res["base"] == tiny["refs"][None][5]
+    _assert_drained(h)
+
+
+def test_an_unknown_adapter_is_refused_with_400(tiny):
+    h = _harness(tiny)
+    _submit(h, "x", tiny["prompts"][0], "zz")
+    h.run_until_idle()
+    reason = h.finish_reasons()["x"]
+    assert reason["status_code"] == 400 and "zz" in reason["message"]
+    _assert_drained(h)
+
+
+# -- adapters that cannot be served: refused at load, with the reason ---------------------------
+def _shape(tiny) -> ModelShape:
+    return _shape_of(tiny["model"])
+
+
+@pytest.mark.parametrize(
+    "config,extra,match",
+    [
+        ({"use_dora": True}, None, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+        ({"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
+        ({"bias": "all"}, None, "biases"),
+        ({"r": 0}, None, "positive integer"),
+        (None, {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, "lm_head"),
+        (
+            None,
+            {"base_model.model.model.layers.9.mlp.up_proj.lora_A.weight": torch.zeros(4, 64)},
+            "layer 9",
+        ),
+    ],
+)
+def test_unservable_adapters_are_refused(tiny, tmp_path, config, extra, match):
+    path = write_adapter(str(tmp_path / "x"), tiny["model"], r=4, config=config, extra=extra)
+    with pytest.raises(LoRAError, match=match):
+        LoRAAdapter.load("x", path, _shape(tiny))
+
+
+def test_adapter_shapes_and_halves_are_checked(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = write_adapter(str(tmp_path / "x"), tiny["model"], r=4, targets=("q_proj",))
+    file = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(file)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    save_file({**tensors, key: torch.zeros(64, 3)}, file)
+    with pytest.raises(LoRAError, match="do not fit rank 4"):
+        LoRAAdapter.load("x", path, _shape(tiny))
+    del tensors[key]
+    save_file(tensors, file)
+    with pytest.raises(LoRAError, match="must both be present"):
+        LoRAAdapter.load("x", path, _shape(tiny))
+    with pytest.raises(LoRAError, match="above --max-lora-rank 2"):
+        LoRAAdapter.load("x", tiny["adapters"]["a"], _shape(tiny), max_rank=2)
+
+
+def test_the_flags(tiny, tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    a, b = tiny["adapters"]["a"], tiny["adapters"]["b"]
+    ns = parser.parse_args(["--lora-paths", f"one={a}", b, "--max-loras-per-batch", "2"])
+    args = ServerArgs.from_cli_args(ns)
+    assert args.lora_paths == (f"one={a}", b) and args.max_loras_per_batch == 2
+    assert ServerArgs(lora_paths=a).lora_paths == (a,)
+    for bad, match in [
+        ({"lora_paths": (f"x={a}", f"x={b}")}, "given twice"),
+        ({"lora_paths": (str(tmp_path),)}, "adapter_config.json"),
+        ({"lora_paths": ("x=" + str(tmp_path / "nope"),)}, "not a directory"),
+        ({"lora_paths": (a,), "speculative_algorithm": "NGRAM"}, "speculative"),
+        ({"max_loras_per_batch": 0}, "max-loras-per-batch"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ServerArgs(**bad)
+
+
+def test_adapter_key_names_the_contents(tiny, tmp_path):
+    a = tiny["adapters"]["a"]
+    assert adapter_key("a", a) == adapter_key("a", a)
+    assert adapter_key("a", a) != adapter_key("a", tiny["adapters"]["c"])
+    assert adapter_key("a", a) != adapter_key("other", a)
+
+
+# -- through the Engine: the TokenizerManager's checks and namespaces, the scheduler process --
+def test_the_engine_serves_adapters_per_prompt(tiny):
+    from radixserve import Engine
+    from radixserve.managers.tokenizer_manager import RequestError
+
+    prompts, refs = tiny["prompts"], tiny["refs"]
+    params = {"max_new_tokens": NEW, "min_new_tokens": NEW, "temperature": 0}
+    with Engine(
+        model_path=tiny["model"],
+        dtype="float32",
+        lora_paths=_paths(tiny),
+        max_total_tokens=4096,
+        enable_integrity_checks=True,
+    ) as e:
+        loras = ["a", None, "b", "c", "a", None]
+        outs = e.generate(input_ids=prompts, sampling_params=params, lora_path=loras)
+        assert [o["output_ids"] for o in outs] == [refs[x][i] for i, x in enumerate(loras)]
+        one = e.generate(input_ids=prompts[0], sampling_params=params, lora_path="c")
+        assert one["output_ids"] == refs["c"][0]
+        assert one["meta_info"]["cached_tokens"] == 0  # a's KV of this prompt is not c's
+        again = e.generate(input_ids=prompts[0], sampling_params=params, lora_path="a")
+        assert again["output_ids"] == refs["a"][0]
+        assert again["meta_info"]["cached_tokens"] >= len(prompts[0]) - 1
+        for bad, match in [
+            ({"lora_path": "zz"}, "unknown LoRA adapter 'zz'; loaded: a, b, c"),
+            ({"lora_path": 3}, "lora_path must be an adapter name"),
+            ({"lora_path": ["a"]}, "one \\(or null\\) per prompt"),
+        ]:
+            with pytest.raises(RequestError, match=match) as err:
+                e.generate(input_ids=prompts[0], sampling_params=params, **bad)
+            assert err.value.status_code == 400
+        info = e.get_server_info()
+        assert info["running"] == 0 and info["queued"] == 0
+        assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
