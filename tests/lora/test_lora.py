@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from rs_testing import SchedulerHarness, hf_greedy, make_tiny_served_model
+from rs_testing import (
+    SchedulerHarness,
+    hf_greedy,
+    load_hf_reference,
+    make_prompts,
+    make_tiny_served_model,
+)
 
 from radixserve.args import ServerArgs
 from radixserve.io_struct import TokenizedGenerateReqInput
@@ -32,11 +38,11 @@ def write_adapter(
     config: dict[str, Any] | None = None,
     fmt: str = "safetensors",
     extra: dict[str, torch.Tensor] | None = None,
+    scale: float = 0.2,
 ) -> str:
     """A PEFT adapter for the model at `model_dir`: random A and B (PEFT starts B at zero; a
     trained adapter's is not), every layer, `targets`."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+    cfg = _hf_config(model_dir)
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
@@ -56,8 +62,8 @@ def write_adapter(
             sub = "self_attn" if proj in ALL[:4] else "mlp"
             fan_in, fan_out = sizes[proj]
             prefix = f"base_model.model.model.layers.{i}.{sub}.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) * 0.2
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * 0.2
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * scale
     tensors.update(extra or {})
     os.makedirs(path, exist_ok=True)
     conf = {
@@ -80,21 +86,28 @@ def write_adapter(
     return path
 
 
-def _shape_of(model_dir: str) -> ModelShape:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return ModelShape.of(ModelConfig.from_hf_config(json.load(f)))
+def _hf_config(model_path: str) -> dict[str, Any]:
+    """The HF config of a model directory, or of the default model's GGUF."""
+    if model_path.endswith(".gguf"):
+        return load_hf_reference(model_path).config.to_dict()
+    with open(os.path.join(model_path, "config.json")) as f:
+        return json.load(f)
+
+
+def _shape_of(model_path: str) -> ModelShape:
+    return ModelShape.of(ModelConfig.from_hf_config(_hf_config(model_path)))
 
 
 def peft_greedy(
-    model_dir: str, adapter_dir: str | None, prompts: list[list[int]]
+    model_path: str, adapter_dir: str | None, prompts: list[list[int]], new: int = NEW
 ) -> list[list[int]]:
     """transformers' greedy tokens with the adapter applied as PEFT applies it unmerged:
-    each adapted Linear's output plus scaling · lora_B(lora_A(x))."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    each adapted Linear's output plus scaling · lora_B(lora_A(x)). (The shared reference
+    model of `model_path`, its hooks removed after.)"""
+    model = load_hf_reference(model_path)
+    hooks = []
     if adapter_dir is not None:
-        adapter = LoRAAdapter.load("ref", adapter_dir, _shape_of(model_dir))
+        adapter = LoRAAdapter.load("ref", adapter_dir, _shape_of(model_path))
         s = adapter.config.scaling
         for (layer, proj), (a, b) in adapter.weights.items():
             block = model.model.layers[layer]
@@ -103,8 +116,12 @@ def peft_greedy(
             def hook(mod, args, out, a=a.float(), b=b.float()):
                 return out + (args[0] @ a.t()) @ b.t() * s
 
-            module.register_forward_hook(hook)
-    return hf_greedy(model, prompts, NEW)
+            hooks.append(module.register_forward_hook(hook))
+    try:
+        return hf_greedy(model, prompts, new)
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @pytest.fixture(scope="module")
@@ -366,3 +383,67 @@ def test_the_engine_serves_adapters_per_prompt(tiny):
         info = e.get_server_info()
         assert info["running"] == 0 and info["queued"] == 0
         assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal-loop"])
+def test_tensor_parallel_ranks_apply_their_shards(tiny, overlap):
+    """--tp-size 2: each rank keeps its shard of every adapter (B's rows of q/k/v and
+    gate/up, A's columns of o and down, whose deltas join the partial sums before the
+    all-reduce): the same tokens as transformers with the whole adapter."""
+    from radixserve import Engine
+
+    prompts, refs = tiny["prompts"], tiny["refs"]
+    params = {"max_new_tokens": NEW, "min_new_tokens": NEW, "temperature": 0}
+    with Engine(
+        model_path=tiny["model"],
+        tp_size=2,
+        dtype="float32",
+        lora_paths=_paths(tiny),
+        max_total_tokens=4096,
+        enable_integrity_checks=True,
+        disable_overlap_schedule=not overlap,
+    ) as e:
+        loras = ["b", "a", None, "c", "b", "a"]
+        outs = e.generate(input_ids=prompts, sampling_params=params, lora_path=loras)
+        assert [o["output_ids"] for o in outs] == [refs[x][i] for i, x in enumerate(loras)]
+        info = e.get_server_info()
+        assert info["running"] == 0 and info["queued"] == 0
+        assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
+
+
+@pytest.mark.real_model
+def test_the_default_model_with_an_adapter_gives_transformers_tokens(default_model_path, tmp_path):
+    """The real model (fp32), an adapter of rank 8 on every projection: the adapted requests
+    get transformers' unmerged-PEFT greedy tokens and the base request the base model's, in
+    one batch; in bf16 (the default dtype on CPUs with native bf16) the adapter moves the
+    output the same way: its first tokens are the fp32 reference's."""
+    from radixserve import Engine
+
+    adapter = write_adapter(str(tmp_path / "a"), default_model_path, r=8, seed=3, scale=0.03)
+    new = 16
+    params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0}
+    with Engine(
+        model_path=default_model_path,
+        dtype="float32",
+        lora_paths=(f"a={adapter}",),
+        max_total_tokens=4096,
+        enable_integrity_checks=True,
+    ) as e:
+        prompts = make_prompts(e.tokenizer, [40, 24])
+        with_a = peft_greedy(default_model_path, adapter, prompts, new)
+        base = peft_greedy(default_model_path, None, prompts, new)
+        assert with_a != base
+        outs = e.generate(
+            input_ids=[prompts[0], prompts[1], prompts[0]],
+            sampling_params=params,
+            lora_path=["a", "a", None],
+        )
+        assert [o["output_ids"] for o in outs] == [with_a[0], with_a[1], base[0]]
+    with Engine(
+        model_path=default_model_path,
+        dtype="bfloat16",
+        lora_paths=(f"a={adapter}",),
+        max_total_tokens=4096,
+    ) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=params, lora_path="a")
+        assert [o["output_ids"][0] for o in outs] == [w[0] for w in with_a]
