@@ -13,7 +13,9 @@ A step takes it when it is a decode step, of any number of requests (the C++ ste
 linear layer's forms at every size: the q4 / q8 kernels below `dense_rows()`, their dense GEMMs
 from there on), whose attention has no shared-prefix groups (the cascade merges stay in Python);
 every other step, and every model it cannot hold (tensor parallelism, Qwen3's q/k norms, ATen's
-int4/int8 fallback kernels, the torch-native backend), runs layer by layer.
+int4/int8 fallback kernels, the torch-native backend), runs layer by layer. Steps with LoRA
+adapters (lora/manager.py) take it through `run_lora`, which adds their deltas to the four
+projections as the LoRALinears do.
 `--disable-cpu-decode-step` turns it off.
 """
 
@@ -75,7 +77,6 @@ class CpuDecodeStep:
         md = fb.attn_metadata
         return (
             fb.forward_mode.is_decode()
-            and fb.lora is None  # the adapters' deltas run in the Python layers
             and x.shape[0] > 0
             and isinstance(md, PagedDecodeMetadata)
             and not md.groups
@@ -90,7 +91,7 @@ class CpuDecodeStep:
         pool = fb.token_to_kv_pool
         assert isinstance(pool, MHATokenToKVPool) and fb.out_cache_loc is not None
         cos, sin = rope
-        return self.step.run(
+        args = (
             x,
             cos.squeeze(1),
             sin.squeeze(1),
@@ -101,6 +102,10 @@ class CpuDecodeStep:
             md.kv_start,
             md.kv_end,
         )
+        lora = fb.lora  # a LoRABatch (lora/manager.py): its deltas join the projections
+        if lora is None:
+            return self.step.run(*args)
+        return self.step.run_lora(*args, lora.step_rows, lora.step_weights, lora.fp32_rows)
 
 
 class _Unsupported(Exception):

@@ -86,6 +86,7 @@ class ModelRunner:
         )
         self.device = server_args.device
         self.is_draft = draft_of is not None
+        self.lora_manager: LoRAManager | None = None  # --lora-paths (set once the model is)
         self.tp = tp or TpGroup.single()
         if self.device == "cpu" and not self.is_draft:
             # The ranks on this machine share its cores.
@@ -138,8 +139,7 @@ class ModelRunner:
             decode_step = CpuDecodeStep.build(self.model)
             if decode_step is not None:
                 self.model.model.decode_step = decode_step
-        # After the decode step and the packing: a step without adapter rows keeps both.
-        self.lora_manager: LoRAManager | None = None
+        # After the decode step and the packing, which steps with adapters use as they are.
         if server_args.lora_paths and not self.is_draft:
             self.lora_manager = LoRAManager(
                 self.model,

@@ -447,3 +447,88 @@ def test_the_default_model_with_an_adapter_gives_transformers_tokens(default_mod
     ) as e:
         outs = e.generate(input_ids=prompts, sampling_params=params, lora_path="a")
         assert [o["output_ids"][0] for o in outs] == [w[0] for w in with_a]
+
+
+def _step_logits(runner, prompts, loras, steps=3):
+    """greedy_step_logits with each request's adapter."""
+    from rs_testing import prefill_batch
+
+    batch = prefill_batch(runner, prompts)
+    for r, lora in zip(batch.reqs, loras, strict=True):
+        r.lora_id = lora
+    out = []
+    for step in range(steps + 1):
+        if step:
+            batch.prepare_for_decode()
+        logits = runner.forward(batch.get_forward_batch(runner.device)).next_token_logits
+        out.append(logits)
+        for r, t in zip(batch.reqs, logits.argmax(-1).tolist(), strict=True):
+            r.output_ids.append(t)
+    for r in batch.reqs:
+        batch.tree_cache.cache_finished_req(r)
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype,quantization,n",
+    [
+        ("float32", None, 5),
+        ("bfloat16", None, 5),
+        ("bfloat16", None, 40),  # above FP32_ROWS: the deltas in bf16
+        ("float32", "int4", 7),
+        ("bfloat16", "int8", 40),
+    ],
+)
+@pytest.mark.parametrize("mix", ["mixed", "one-adapter"])
+def test_the_cpp_decode_step_adds_the_deltas_as_the_python_layers(
+    tiny, dtype, quantization, n, mix
+):
+    """Decode steps with adapters take the C++ step (run_lora), bitwise the logits of the
+    Python layers with their LoRALinears; a step with one adapter for every row too."""
+    from radixserve.args import ServerArgs
+    from radixserve.layers.decode_step import CpuDecodeStep
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    args = ServerArgs(
+        model_path=tiny["model"],
+        device="cpu",
+        dtype=dtype,
+        quantization=quantization,
+        attention_backend="cpu_paged",
+        max_total_tokens=8192,
+        lora_paths=_paths(tiny),
+    ).resolve()
+    runner = ModelRunner(args)
+    step = runner.model.model.decode_step
+    if step is None:
+        pytest.skip("no C++ decode step on this machine (radixserve's CPU kernels not built)")
+    assert isinstance(step, CpuDecodeStep)
+    g = torch.Generator().manual_seed(n)
+    prompts = [
+        torch.randint(3, 320, (int(k),), generator=g).tolist()
+        for k in torch.randint(1, 60, (n,), generator=g)
+    ]
+    names = ["a", None, "b", "c", "a"]
+    loras = [names[i % 5] for i in range(n)] if mix == "mixed" else ["b"] * n
+    calls = []
+    run_lora = step.step.run_lora
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(step.step, name)
+
+        def run_lora(self, *a):
+            calls.append(1)
+            return run_lora(*a)
+
+    real = step.step
+    step.step = Spy()
+    fast = _step_logits(runner, prompts, loras)
+    step.step = real
+    runner.model.model.decode_step = None
+    slow = _step_logits(runner, prompts, loras)
+    assert len(calls) == 3  # every decode step took it
+    for got, want in zip(fast, slow, strict=True):
+        assert torch.equal(got, want)
+    alloc = runner.token_to_kv_pool_allocator
+    assert alloc.available_size() == runner.max_total_num_tokens

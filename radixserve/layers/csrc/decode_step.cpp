@@ -25,6 +25,12 @@
 //     kv_start [B], kv_end [B]) -> (x, residual)
 //   x: the embeddings; returns the last layer's MLP output and the residual stream before it
 //   (the model's final norm adds them). Writes each layer's K and V at out_cache_loc.
+// run_lora(the same, lora_rows, lora_weights, fp32_rows): with LoRA adapters' deltas added to
+//   the four projections as lora/manager.py's LoRALinear adds them (the same ops, in the same
+//   order): per group g (one adapter), lora_rows[g] its rows of x (empty: all of them), and
+//   per layer and projection four tensors in lora_weights, at ((g * layers + l) * 4 + i) * 4:
+//   a_t, b (fp32), a_t and b in the model's dtype (empty where it is fp32); a projection the
+//   adapter leaves alone has empty ones. Up to fp32_rows rows the delta runs in fp32.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -53,6 +59,52 @@ struct Linear {
 struct Layer {
   at::Tensor input_norm, post_norm;
   Linear qkv, o, gate_up, down;
+};
+
+// The LoRA groups of one run_lora call (see the header).
+struct Lora {
+  const std::vector<at::Tensor>& rows;
+  const std::vector<at::Tensor>& weights;
+  int64_t n_layers, fp32_rows;
+
+  bool touches(int64_t layer, int64_t proj) const {
+    for (size_t g = 0; g < rows.size(); ++g) {
+      if (weights[index(g, layer, proj)].numel() > 0) return true;
+    }
+    return false;
+  }
+
+  size_t index(size_t g, int64_t layer, int64_t proj) const {
+    return ((g * n_layers + layer) * kLinearsPerLayer + proj) * 4;
+  }
+
+  // LoRALinear._add_deltas: y [rows, N] += each group's (x[rows] A^T) (scaling B^T).
+  void add(at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t proj) const {
+    RECORD_FUNCTION("radixserve::lora_deltas", std::vector<c10::IValue>());
+    for (size_t g = 0; g < rows.size(); ++g) {
+      const size_t w = index(g, layer, proj);
+      const at::Tensor &a_t = weights[w], &b = weights[w + 1];
+      const at::Tensor &a_t_model = weights[w + 2], &b_model = weights[w + 3];
+      if (a_t.numel() == 0) continue;
+      const bool all = rows[g].numel() == 0;
+      const at::Tensor xs = all ? x : x.index_select(0, rows[g]);
+      if (a_t_model.numel() > 0 && xs.size(0) > fp32_rows) {
+        const at::Tensor xa = at::mm(xs, a_t_model);
+        if (all) {
+          y.addmm_(xa, b_model);
+        } else {
+          y.index_add_(0, rows[g], at::mm(xa, b_model));
+        }
+        continue;
+      }
+      const at::Tensor delta = at::mm(at::mm(xs.to(at::kFloat), a_t), b).to(y.scalar_type());
+      if (all) {
+        y.add_(delta);
+      } else {
+        y.index_add_(0, rows[g], delta);
+      }
+    }
+  }
 };
 
 // layers/linear.py's linear(), for x [rows, K]; a prepacked (oneDNN) weight goes through
@@ -210,6 +262,27 @@ class DecodeStep : public torch::CustomClassHolder {
                                          std::vector<at::Tensor> v_bufs, at::Tensor out_cache_loc,
                                          at::Tensor kv_rows, at::Tensor kv_start,
                                          at::Tensor kv_end) {
+    return layers(x, cos, sin, k_bufs, v_bufs, out_cache_loc, kv_rows, kv_start, kv_end, nullptr);
+  }
+
+  std::tuple<at::Tensor, at::Tensor> run_lora(
+      at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_bufs,
+      std::vector<at::Tensor> v_bufs, at::Tensor out_cache_loc, at::Tensor kv_rows,
+      at::Tensor kv_start, at::Tensor kv_end, std::vector<at::Tensor> lora_rows,
+      std::vector<at::Tensor> lora_weights, int64_t fp32_rows) {
+    const Lora lora{lora_rows, lora_weights, num_layers(), fp32_rows};
+    TORCH_CHECK(lora_weights.size() == lora.index(lora_rows.size(), 0, 0),
+                "DecodeStep.run_lora: 16 tensors per group, layer and projection");
+    return layers(x, cos, sin, k_bufs, v_bufs, out_cache_loc, kv_rows, kv_start, kv_end, &lora);
+  }
+
+ private:
+  std::tuple<at::Tensor, at::Tensor> layers(at::Tensor x, const at::Tensor& cos,
+                                            const at::Tensor& sin, std::vector<at::Tensor>& k_bufs,
+                                            std::vector<at::Tensor>& v_bufs,
+                                            const at::Tensor& out_cache_loc,
+                                            const at::Tensor& kv_rows, const at::Tensor& kv_start,
+                                            const at::Tensor& kv_end, const Lora* lora) {
     const int64_t n_layers = num_layers();
     TORCH_CHECK(static_cast<int64_t>(k_bufs.size()) == n_layers &&
                     static_cast<int64_t>(v_bufs.size()) == n_layers,
@@ -227,7 +300,8 @@ class DecodeStep : public torch::CustomClassHolder {
         radixserve::add_rms_norm(x, residual, layer.input_norm, eps_);
       }
       // LlamaAttention.forward, with CpuPagedAttnBackend.forward's decode branch.
-      const at::Tensor qkv = apply(x, layer.qkv, sizes_);
+      at::Tensor qkv = apply(x, layer.qkv, sizes_);
+      if (lora != nullptr) lora->add(qkv, x, l, 0);
       at::Tensor q = qkv.slice(1, 0, q_size).reshape({-1, H, D});
       at::Tensor k = qkv.slice(1, q_size, q_size + kv_size).reshape({-1, Hkv, D});
       const at::Tensor v = qkv.slice(1, q_size + kv_size, q_size + 2 * kv_size).reshape({-1, Hkv, D});
@@ -242,15 +316,25 @@ class DecodeStep : public torch::CustomClassHolder {
                                                         v_buf, kv_rows, kv_start, kv_end,
                                                         scaling_, 0));
       }
-      x = apply(attn.to(q.scalar_type()).reshape({B, q_size}), layer.o, sizes_);
+      const at::Tensor o_in = attn.to(q.scalar_type()).reshape({B, q_size});
+      x = apply(o_in, layer.o, sizes_);
+      if (lora != nullptr) lora->add(x, o_in, l, 1);
       radixserve::add_rms_norm(x, residual, layer.post_norm, eps_);
-      // LlamaMLP.forward.
-      x = apply(gate_up_silu(x, layer.gate_up, sizes_), layer.down, sizes_);
+      // LlamaMLP.forward (with an adapter on gate_up: the product, its delta, then the SiLU).
+      at::Tensor act;
+      if (lora != nullptr && lora->touches(l, 2)) {
+        at::Tensor gate_up = apply(x, layer.gate_up, sizes_);
+        lora->add(gate_up, x, l, 2);
+        act = radixserve::silu_and_mul(gate_up);
+      } else {
+        act = gate_up_silu(x, layer.gate_up, sizes_);
+      }
+      x = apply(act, layer.down, sizes_);
+      if (lora != nullptr) lora->add(x, act, l, 3);
     }
     return {x, residual};
   }
 
- private:
   std::vector<Layer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scaling_, eps_;
@@ -264,5 +348,6 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t,
                        double, double, int64_t, int64_t, bool>())
       .def("num_layers", &DecodeStep::num_layers)
-      .def("run", &DecodeStep::run);
+      .def("run", &DecodeStep::run)
+      .def("run_lora", &DecodeStep::run_lora);
 }
