@@ -259,8 +259,9 @@ def _free_port() -> int:
 
 
 def test_real_server_chunk_arrivals_are_measured():
-    """A uvicorn server sleeps 0.1 s before the first event and 0.05 s between events: a client
-    that buffered the response would see ITLs near zero."""
+    """A uvicorn server sleeps 0.1 s before the first event and 0.25 s between events: a client
+    that buffered the response would see ITLs near zero. (Bounds with room for a loaded
+    machine, where the client can read two events at once after a stall.)"""
     uvicorn = pytest.importorskip("uvicorn")
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
@@ -273,7 +274,7 @@ def test_real_server_chunk_arrivals_are_measured():
             await asyncio.sleep(0.1)
             for i in range(1, 5):
                 yield f"data: {json.dumps(_native('x' * i, i))}\n\n"
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.25)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -299,8 +300,8 @@ def test_real_server_chunk_arrivals_are_measured():
     assert rec.success, rec.error
     assert rec.output_len == 4 and len(rec.itl) == 3
     assert rec.ttft >= 0.09
-    assert all(gap >= 0.04 for gap in rec.itl)
-    assert rec.latency >= rec.ttft + 0.14
+    assert sum(rec.itl) >= 0.3 and max(rec.itl) >= 0.1
+    assert rec.latency >= rec.ttft + 0.7
 
 
 @pytest.mark.parametrize("refusals", [2, 100])

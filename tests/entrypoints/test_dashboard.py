@@ -382,7 +382,7 @@ def test_the_server_exits_promptly_with_a_dashboard_client_connected(tiny_model,
         proc.stop()
     assert "error" not in ended, ended
     # uvicorn would wait GRACEFUL_SHUTDOWN_S (3 s) for the stream, then cancel it.
-    assert ended["at"] - signalled < 1.5
+    assert ended["at"] - signalled < 2.5
     assert proc.proc.returncode == 0 and exited < 10
     assert "timeout graceful shutdown exceeded" not in proc.log()
 

@@ -69,17 +69,28 @@ def test_200_concurrent_requests_under_lpm_with_8_running(lpm_server):
 
 
 def test_duplicate_rid_is_a_400_and_the_first_request_answers(lpm_server):
-    body = {"text": "Count slowly:", "rid": "dup-1", "sampling_params": {"max_new_tokens": 24}}
+    """The second request comes while the first surely runs (it cannot end before the abort
+    that ends it); the first then answers, ended by the abort."""
+    body = {
+        "text": "Count slowly:",
+        "rid": "dup-1",
+        "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
+    }
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=lpm_server.url, timeout=120) as client:
             first = asyncio.create_task(client.post("/generate", json=body))
-            await asyncio.sleep(0.3)
+            deadline = time.monotonic() + 60
+            while (await client.get("/server_info")).json()["running"] < 1:
+                assert time.monotonic() < deadline, "the first request never ran"
+                await asyncio.sleep(0.02)
             second = await client.post("/generate", json=body)
+            await client.post("/abort_request", json={"rid": "dup-1"})
             return [await first, second]
 
     first, second = asyncio.run(run())
     assert first.status_code == 200 and first.json()["meta_info"]["id"] == "dup-1"
+    assert first.json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert second.status_code == 400 and "dup-1" in second.json()["error"]["message"]
     wait_drained(lpm_server)
 
@@ -97,7 +108,8 @@ def test_abort_soon_after_submission_is_never_lost(lpm_server, delay):
         async with httpx.AsyncClient(base_url=lpm_server.url, timeout=120) as client:
             task = asyncio.create_task(client.post("/generate", json=body))
             await asyncio.sleep(delay)
-            for _ in range(50):  # until the request is registered
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until the request is registered
                 ack = await client.post("/abort_request", json={"rid": rid})
                 if ack.json()["success"]:
                     break

@@ -192,7 +192,10 @@ def test_abort_all_ends_every_request_with_abort(server):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_stream_first_event, server, body, results, i) for i in range(6)]
         deadline = time.monotonic() + 60
-        while server.server_info()["running"] < 4:  # four running, two waiting
+        while True:  # four running, two waiting: all six registered before the abort
+            info = server.server_info()
+            if info["running"] >= 4 and info["running"] + info["queued"] == 6:
+                break
             assert time.monotonic() < deadline, "the load never started"
             time.sleep(0.1)
         r = _post(server, "/abort_request", {"abort_all": True})
