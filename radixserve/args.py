@@ -196,6 +196,11 @@ class ServerArgs:
         ("int8", "int4", "w8a8_int8"),
     )
     # LoRA adapters (SGLang's flags)
+    enable_lora: bool = _f(
+        False,
+        "Serve LoRA adapters (implied by --lora-paths); without paths, load them into the "
+        "running server through /load_lora_adapter.",
+    )
     lora_paths: tuple[str, ...] = _f(
         (),
         "LoRA adapters to serve over the base model (PEFT directories): name=path, or a path "
@@ -325,10 +330,10 @@ class ServerArgs:
             raise ValueError("--max-loras-per-batch must be >= 1")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError("--max-lora-rank must be >= 1")
-        if not self.lora_paths:
+        if not (self.lora_paths or self.enable_lora):
             return
         if self.speculative_algorithm:
-            raise ValueError("--lora-paths with --speculative-algorithm is not supported yet")
+            raise ValueError("LoRA with --speculative-algorithm is not supported yet")
         from radixserve.lora.adapter import LoRAError, check_adapter_dir, parse_lora_paths
 
         try:

@@ -140,6 +140,25 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class LoadLoRAAdapterReq:
+    """Load a LoRA adapter into the running server (SGLang's /load_lora_adapter)."""
+
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class UnloadLoRAAdapterReq:
+    lora_name: str
+
+
+@dataclass
+class LoRAUpdateReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
 class GetServerInfoReq:
     pass
 

@@ -81,6 +81,10 @@ class DecodePrealloc(DisaggSide):
     def has_work(self) -> bool:
         return bool(self.prealloc or self.waiting_kv or self.quarantine)
 
+    def queued_reqs(self) -> list[Req]:
+        """The requests this side holds outside the scheduler's queues."""
+        return [*self.prealloc, *self.waiting_kv.values()]
+
     def poll_interval_ms(self) -> int:
         """Messages wake the loop (the channel is polled with the input socket); this bounds
         how late a timeout, a ping or a reservation that now fits is noticed."""

@@ -115,6 +115,10 @@ class PrefillBootstrap(DisaggSide):
     def has_work(self) -> bool:
         return bool(self.waiting or self.sending)
 
+    def queued_reqs(self) -> list[Req]:
+        """The requests this side holds outside the scheduler's queues."""
+        return [*self.waiting.values(), *(r for r, _ in self.sending)]
+
     def stats(self) -> dict[str, Any]:
         return {
             "mode": "prefill",

@@ -358,6 +358,15 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Serve one more LoRA adapter (needs enable_lora or lora_paths): {success, message}."""
+        out = self._run(self.tokenizer_manager.load_lora_adapter(lora_name, lora_path))
+        return {"success": out.success, "message": out.message}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        out = self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
+        return {"success": out.success, "message": out.message}
+
     def get_server_info(self) -> dict[str, Any]:
         return self._run(self.tokenizer_manager.get_server_info())
 

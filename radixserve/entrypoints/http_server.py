@@ -442,6 +442,39 @@ async def flush_cache(request: Request) -> Response:
     return Response("Cache flushed.\n", status_code=200)
 
 
+class LoadLoRABody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRABody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    """SGLang's: serve one more LoRA adapter (the server runs with --enable-lora or
+    --lora-paths); 400 with the reason when it cannot."""
+    body = await parse_body(request, LoadLoRABody)
+    tm = _tm(request)
+    out = await tm.load_lora_adapter(body.lora_name, body.lora_path)
+    if not out.success:
+        return error_response(out.message, 400)
+    return json_response({"success": True, "loaded_adapters": dict(tm.lora_paths)})
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    body = await parse_body(request, UnloadLoRABody)
+    tm = _tm(request)
+    out = await tm.unload_lora_adapter(body.lora_name)
+    if not out.success:
+        return error_response(out.message, 400)
+    return json_response({"success": True, "loaded_adapters": dict(tm.lora_paths)})
+
+
 class AbortRequestBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rid: str = ""

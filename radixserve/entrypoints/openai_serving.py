@@ -66,7 +66,6 @@ from radixserve.entrypoints.openai_responses import (
 )
 from radixserve.entrypoints.openai_tools import ChatParsing, ChoiceParser, final_finish_reason
 from radixserve.io_struct import new_rid
-from radixserve.lora.adapter import parse_lora_paths
 from radixserve.managers.tokenizer_manager import RequestError
 from radixserve.managers.tokenizer_utils import TokenStrings
 
@@ -132,8 +131,7 @@ class OpenAIServing:
     @property
     def lora_paths(self) -> dict[str, str]:
         """The served LoRA adapters: name -> path."""
-        args = getattr(self.tm, "server_args", None)
-        return parse_lora_paths(getattr(args, "lora_paths", None) or ())
+        return dict(getattr(self.tm, "lora_paths", None) or {})
 
     def _lora_of(self, req: CompletionRequest | ChatCompletionRequest) -> Any:
         """The request's adapter: the one its `model` names, else its `lora_path`."""

@@ -37,6 +37,7 @@ from radixserve.io_struct import (
     BatchStrOutput,
     BatchTokenizedGenerateReqInput,
     FlushCacheReqOutput,
+    LoRAUpdateReqOutput,
     TokenizedGenerateReqInput,
 )
 
@@ -246,9 +247,9 @@ def merge_replies(replies: list[Any]) -> Any:
     """One reply from N replicas' replies of one type: a flush succeeds when every replica's
     does; an info dict (`info` field) is merged by merge_server_infos."""
     first = replies[0]
-    if isinstance(first, FlushCacheReqOutput):
+    if isinstance(first, (FlushCacheReqOutput, LoRAUpdateReqOutput)):
         failed = [r.message for r in replies if not r.success]
-        return FlushCacheReqOutput(not failed, "; ".join(dict.fromkeys(failed)))
+        return type(first)(not failed, "; ".join(dict.fromkeys(failed)))
     if hasattr(first, "info"):
         return dataclasses.replace(first, info=merge_server_infos([r.info for r in replies]))
     return first

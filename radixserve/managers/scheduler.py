@@ -34,10 +34,13 @@ from radixserve.io_struct import (
     FlushCacheReqOutput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    LoadLoRAAdapterReq,
+    LoRAUpdateReqOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
 )
 from radixserve.layers.sampler import SamplingBatchInfo, needs_processing
-from radixserve.lora.adapter import parse_lora_paths
+from radixserve.lora.adapter import LoRAError, parse_lora_paths
 from radixserve.managers.grammar_manager import GrammarManager
 from radixserve.managers.live_stats import LiveStats
 from radixserve.managers.overlap_utils import ForwardThread, FutureMap, InFlightStep
@@ -195,6 +198,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 self.abort_request(msg)
             elif isinstance(msg, FlushCacheReq):
                 self.send_output(self.flush_cache())
+            elif isinstance(msg, LoadLoRAAdapterReq):
+                self.send_output(self.load_lora_adapter(msg))
+            elif isinstance(msg, UnloadLoRAAdapterReq):
+                self.send_output(self.unload_lora_adapter(msg))
             elif isinstance(msg, GetServerInfoReq):
                 self.send_output(GetServerInfoReqOutput(self.get_server_info()))
             elif isinstance(msg, DashboardSnapshotReq):
@@ -672,6 +679,39 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self.disagg = None
 
     # -- control --------------------------------------------------------------------------------
+    # -- LoRA adapters loaded and unloaded while serving ---------------------------------------
+    def load_lora_adapter(self, req: LoadLoRAAdapterReq) -> LoRAUpdateReqOutput:
+        manager = getattr(self.tp_worker.model_runner, "lora_manager", None)
+        if manager is None:
+            return LoRAUpdateReqOutput(
+                False,
+                "this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)",
+            )
+        try:
+            manager.load(req.lora_name, req.lora_path)
+        except LoRAError as e:
+            return LoRAUpdateReqOutput(False, str(e))
+        self.lora_names.add(req.lora_name)
+        return LoRAUpdateReqOutput(True)
+
+    def unload_lora_adapter(self, req: UnloadLoRAAdapterReq) -> LoRAUpdateReqOutput:
+        """Refused while a request of the adapter is anywhere in the scheduler."""
+        name = req.lora_name
+        manager = getattr(self.tp_worker.model_runner, "lora_manager", None)
+        if manager is None or name not in self.lora_names:
+            return LoRAUpdateReqOutput(False, f"no LoRA adapter named {name!r} is loaded")
+        live = [*self._in_flight_reqs(), *self.waiting_queue, *self.grammar_manager.queue]
+        if self.disagg is not None:
+            live += self.disagg.queued_reqs()
+        users = sum(1 for r in live if r.lora_id == name and not r.finished())
+        if users:
+            return LoRAUpdateReqOutput(
+                False, f"{users} requests still use LoRA adapter {name!r}; unload it after them"
+            )
+        manager.unload(name)
+        self.lora_names.discard(name)
+        return LoRAUpdateReqOutput(True)
+
     def flush_cache(self) -> FlushCacheReqOutput:
         if self.has_work():
             return FlushCacheReqOutput(False, "cannot flush the cache while requests are running")

@@ -27,10 +27,13 @@ from radixserve.io_struct import (
     GenerateReqInput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    LoadLoRAAdapterReq,
+    LoRAUpdateReqOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
     new_rid,
 )
-from radixserve.lora.adapter import adapter_key, parse_lora_paths
+from radixserve.lora.adapter import LoRAError, adapter_key, check_adapter_dir, parse_lora_paths
 from radixserve.managers.grammar_check import GrammarCheck
 from radixserve.managers.live_stats import LatencyWindow
 from radixserve.managers.request_checks import (
@@ -63,6 +66,7 @@ class ReqState:
     meta: dict[str, Any] = field(default_factory=dict)
     error: dict[str, Any] | None = None  # {"message", "status_code"}: the request was refused
     finished: bool = False
+    lora_id: str | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     last_time: float = 0.0
@@ -121,11 +125,11 @@ class TokenizerManager:
         self._grammar_check = GrammarCheck(
             server_args.grammar_backend, tokenizer, vocab_size, self.eos_token_ids
         )
-        # The LoRA adapters' names and cache namespaces (a hash of their files).
-        self.lora_keys = {
-            name: adapter_key(name, path)
-            for name, path in parse_lora_paths(getattr(server_args, "lora_paths", ())).items()
-        }
+        # The LoRA adapters being served: name -> path, and their cache namespaces (a hash of
+        # their files). /load_lora_adapter and /unload_lora_adapter change them.
+        self.lora_paths = parse_lora_paths(getattr(server_args, "lora_paths", ()))
+        self.lora_keys = {name: adapter_key(name, path) for name, path in self.lora_paths.items()}
+        self._lora_lock: asyncio.Lock | None = None  # one load or unload at a time
         self.rid_to_state: dict[str, ReqState] = {}
         self._draining: set[str] = set()  # aborted here, not yet finished in the scheduler
         self.dead: str | None = None  # why no request can be served any more (fail_all)
@@ -416,6 +420,7 @@ class TokenizerManager:
 
     def _register(self, tokenized: TokenizedGenerateReqInput) -> ReqState:
         state = ReqState(tokenized.rid, tokenized.stream, len(tokenized.input_ids))
+        state.lora_id = tokenized.lora_id
         state.return_logprob = tokenized.return_logprob
         if tokenized.return_logprob and tokenized.return_text_in_logprobs:
             state.token_text = self.token_strings
@@ -528,6 +533,46 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateReqOutput:
+        """Load an adapter into every scheduler (each TP rank its shard, each DP replica);
+        requests may name it once this returns success."""
+        async with self._lora_guard():
+            if name in self.lora_keys:
+                return LoRAUpdateReqOutput(False, f"a LoRA adapter named {name!r} is loaded")
+            if not name or any(c.isspace() for c in name):
+                return LoRAUpdateReqOutput(False, f"{name!r} is not an adapter name")
+            try:
+                check_adapter_dir(path)
+                key = adapter_key(name, path)
+            except (LoRAError, OSError) as e:
+                return LoRAUpdateReqOutput(False, str(e))
+            out = await self._control(LoadLoRAAdapterReq(name, path), LoRAUpdateReqOutput, 300)
+            if out.success:
+                self.lora_paths[name], self.lora_keys[name] = path, key
+            return out
+
+    async def unload_lora_adapter(self, name: str) -> LoRAUpdateReqOutput:
+        """Refused while requests of the adapter are in flight; new ones are refused from
+        the moment this starts."""
+        async with self._lora_guard():
+            if name not in self.lora_keys:
+                return LoRAUpdateReqOutput(False, f"no LoRA adapter named {name!r} is loaded")
+            users = sum(1 for s in self.rid_to_state.values() if s.lora_id == name)
+            if users:
+                return LoRAUpdateReqOutput(
+                    False, f"{users} requests still use LoRA adapter {name!r}; unload it after them"
+                )
+            path, key = self.lora_paths.pop(name), self.lora_keys.pop(name)
+            out = await self._control(UnloadLoRAAdapterReq(name), LoRAUpdateReqOutput)
+            if not out.success:
+                self.lora_paths[name], self.lora_keys[name] = path, key
+            return out
+
+    def _lora_guard(self) -> asyncio.Lock:
+        if self._lora_lock is None:  # created on the serving loop
+            self._lora_lock = asyncio.Lock()
+        return self._lora_lock
 
     async def get_server_info(self) -> dict[str, Any]:
         out: GetServerInfoReqOutput = await self._control(

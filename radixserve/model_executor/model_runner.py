@@ -140,7 +140,7 @@ class ModelRunner:
             if decode_step is not None:
                 self.model.model.decode_step = decode_step
         # After the decode step and the packing, which steps with adapters use as they are.
-        if server_args.lora_paths and not self.is_draft:
+        if (server_args.lora_paths or server_args.enable_lora) and not self.is_draft:
             self.lora_manager = LoRAManager(
                 self.model,
                 server_args.lora_paths,

@@ -10,8 +10,6 @@ import os
 
 import pytest
 
-from radixserve.args import ServerArgs
-
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -27,7 +25,7 @@ def _adapter(path: str) -> str:
 def served(tmp_path, fake_tm, make_client):
     paths = {"ad1": _adapter(str(tmp_path / "one")), "ad2": _adapter(str(tmp_path / "two"))}
     tm = fake_tm
-    tm.server_args = ServerArgs(lora_paths=tuple(f"{n}={p}" for n, p in paths.items()))
+    tm.lora_paths = dict(paths)
     with make_client(tm) as client:
         base = client.get("/v1/models").json()["data"][0]["id"]
         yield client, tm, paths, base

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -532,3 +533,120 @@ def test_the_cpp_decode_step_adds_the_deltas_as_the_python_layers(
         assert torch.equal(got, want)
     alloc = runner.token_to_kv_pool_allocator
     assert alloc.available_size() == runner.max_total_num_tokens
+
+
+# -- adapters loaded into a running server ------------------------------------------------------
+def test_adapters_load_and_unload_while_serving(tiny):
+    """--enable-lora without paths: an adapter loads (then serves its tokens), a name cannot
+    load twice, a bad path is refused, an adapter in use does not unload, an unloaded name is
+    refused, and a name loaded again with other files serves those (its cached KV was the old
+    files': a new namespace)."""
+    from radixserve import Engine
+    from radixserve.managers.tokenizer_manager import RequestError
+
+    prompts, refs, ads = tiny["prompts"], tiny["refs"], tiny["adapters"]
+    params = {"max_new_tokens": NEW, "min_new_tokens": NEW, "temperature": 0}
+    with Engine(
+        model_path=tiny["model"],
+        dtype="float32",
+        enable_lora=True,
+        max_total_tokens=4096,
+        enable_integrity_checks=True,
+    ) as e:
+        with pytest.raises(RequestError, match="unknown LoRA adapter 'a'; loaded: none"):
+            e.generate(input_ids=prompts[0], sampling_params=params, lora_path="a")
+        assert e.load_lora_adapter("a", ads["a"]) == {"success": True, "message": ""}
+        out = e.generate(input_ids=prompts[0], sampling_params=params, lora_path="a")
+        assert out["output_ids"] == refs["a"][0]
+        assert not e.load_lora_adapter("a", ads["b"])["success"]
+        bad = e.load_lora_adapter("x", "/nonexistent")
+        assert not bad["success"] and "not a directory" in bad["message"]
+        stream = e.generate(
+            input_ids=prompts[1],
+            sampling_params={**params, "max_new_tokens": 200, "min_new_tokens": 200},
+            lora_path="a",
+            stream=True,
+        )
+        next(iter(stream))
+        busy = e.unload_lora_adapter("a")
+        assert not busy["success"] and "still use" in busy["message"]
+        for _ in stream:
+            pass
+        assert e.unload_lora_adapter("a")["success"]
+        assert not e.unload_lora_adapter("a")["success"]
+        with pytest.raises(RequestError, match="unknown LoRA adapter 'a'"):
+            e.generate(input_ids=prompts[0], sampling_params=params, lora_path="a")
+        assert e.load_lora_adapter("a", ads["c"])["success"]  # the same name, other files
+        out = e.generate(input_ids=prompts[0], sampling_params=params, lora_path="a")
+        assert out["output_ids"] == refs["c"][0] and out["meta_info"]["cached_tokens"] == 0
+        base = e.generate(input_ids=prompts[0], sampling_params=params)
+        assert base["output_ids"] == refs[None][0]
+        info = e.get_server_info()
+        assert info["running"] == 0 and info["queued"] == 0
+        assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
+
+
+def test_a_server_started_without_lora_refuses_to_load_one(tiny):
+    from radixserve import Engine
+
+    with Engine(model_path=tiny["model"], dtype="float32", max_total_tokens=2048) as e:
+        out = e.load_lora_adapter("a", tiny["adapters"]["a"])
+        assert not out["success"] and "--enable-lora" in out["message"]
+        assert not e.unload_lora_adapter("a")["success"]
+
+
+def test_the_served_endpoints(tiny, tmp_path):
+    """The real server: /load_lora_adapter, the OpenAI model naming the adapter (its tokens),
+    /v1/models, /unload_lora_adapter; bad bodies are 400s."""
+    import httpx
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "entrypoints"))
+    from test_http_server import ServerProcess, wait_drained
+
+    server = ServerProcess(str(tmp_path), "--model-path", tiny["model"], "--enable-lora")
+    try:
+        server.wait_ready()
+        post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60)  # noqa: E731
+        r = post("/load_lora_adapter", {"lora_name": "b", "lora_path": tiny["adapters"]["b"]})
+        assert r.status_code == 200 and r.json()["loaded_adapters"] == {"b": tiny["adapters"]["b"]}
+        body = {"prompt": tiny["prompts"][2], "max_tokens": NEW, "temperature": 0}
+        body["min_tokens"] = NEW
+        r = post("/v1/completions", {**body, "model": "b"})
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]
+        assert r.json()["model"] == "b"
+        assert got["text"] == post("/detokenize", {"tokens": tiny["refs"]["b"][2]}).json()["text"]
+        ids = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+        assert ids[1:] == ["b"]
+        assert post("/load_lora_adapter", {"lora_name": "b"}).status_code == 400
+        r = post("/load_lora_adapter", {"lora_name": "c", "lora_path": "/nope"})
+        assert r.status_code == 400 and "not a directory" in r.json()["error"]["message"]
+        assert post("/unload_lora_adapter", {"lora_name": "b"}).json()["loaded_adapters"] == {}
+        r = post("/v1/completions", {**body, "model": "b"})
+        assert r.status_code == 404
+        wait_drained(server)
+    finally:
+        server.stop()
+
+
+def test_data_parallel_replicas_load_and_serve_alike(tiny):
+    """--dp-size 2: a loaded adapter reaches both replicas (the controller merges their
+    answers), and requests dispatched to either get its tokens."""
+    from radixserve import Engine
+
+    prompts, refs = tiny["prompts"], tiny["refs"]
+    params = {"max_new_tokens": NEW, "min_new_tokens": NEW, "temperature": 0}
+    with Engine(
+        model_path=tiny["model"],
+        dtype="float32",
+        dp_size=2,
+        load_balance_method="round_robin",
+        lora_paths=(f"a={tiny['adapters']['a']}",),
+        max_total_tokens=4096,
+    ) as e:
+        assert e.load_lora_adapter("b", tiny["adapters"]["b"])["success"]
+        loras = ["b", "a", None, "b", "a", "b"]
+        outs = e.generate(input_ids=prompts, sampling_params=params, lora_path=loras)
+        assert [o["output_ids"] for o in outs] == [refs[x][i] for i, x in enumerate(loras)]
+        assert e.unload_lora_adapter("b")["success"]
+        assert not e.load_lora_adapter("a", tiny["adapters"]["c"])["success"]
