@@ -445,9 +445,10 @@ def smoothing_factors(act_amax: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 def smooth_model(model: nn.Module, act_amax: dict[nn.Module, torch.Tensor]) -> int:
     """Fold SmoothQuant's factors into each decoder layer's two RMSNorm → linear pairs
     (input_layernorm → qkv_proj, post_attention_layernorm → gate_up_proj): the norm's weight
-    divided by s, the linear's input columns multiplied by s. `act_amax` maps each of those
-    linears to its input's largest magnitude per channel (calibration). Returns the pairs
-    smoothed."""
+    divided by s, the linear's input columns multiplied by s (the norm keeps s as
+    `smoothed_by`: what else reads the norm's output, a LoRA adapter's A, multiplies by it
+    too). `act_amax` maps each of those linears to its input's largest magnitude per channel
+    (calibration). Returns the pairs smoothed."""
     count = 0
     with torch.no_grad():
         for layer in model.model.layers:
@@ -462,6 +463,7 @@ def smooth_model(model: nn.Module, act_amax: dict[nn.Module, torch.Tensor]) -> i
                 s = smoothing_factors(amax, linear.weight)
                 norm.weight.div_(s.to(norm.weight.dtype))
                 linear.weight.mul_(s.to(linear.weight.dtype))
+                norm.smoothed_by = s.float()
                 count += 1
     return count
 

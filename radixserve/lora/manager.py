@@ -184,6 +184,13 @@ class LoRAManager:
         sharded = tp is not None and tp.world_size > 1
         packed: dict[tuple[int, str], _Packed] = {}
         for layer in range(self.shape.num_layers):
+            block = self.model.model.layers[layer]
+            # w8a8_int8's SmoothQuant divided the norms' outputs by s (quantization.py
+            # smooth_model): A's columns take s as the base weight's did.
+            smoothed = {
+                "qkv_proj": getattr(block.input_layernorm, "smoothed_by", None),
+                "gate_up_proj": getattr(block.post_attention_layernorm, "smoothed_by", None),
+            }
             for sub, fused, projs, row in WRAPPED:
                 a_list, b_list = [], []
                 offsets = self._sizes[fused]
@@ -198,10 +205,11 @@ class LoRAManager:
                             a = self.model.shard_weight(name, a)
                         else:
                             b = self.model.shard_weight(name, b)
-                    a_list.append(a)
-                    block = b.new_zeros(a.shape[0], offsets[-1][1])
-                    block[:, start:end] = b.t() * adapter.config.scaling
-                    b_list.append(block)
+                    s = smoothed.get(fused)
+                    a_list.append(a if s is None else a * s.to(a.device))
+                    b_block = b.new_zeros(a.shape[0], offsets[-1][1])
+                    b_block[:, start:end] = b.t() * adapter.config.scaling
+                    b_list.append(b_block)
                 if not a_list:
                     continue
                 w = _Packed(

@@ -678,8 +678,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self.disagg.close()
             self.disagg = None
 
-    # -- control --------------------------------------------------------------------------------
-    # -- LoRA adapters loaded and unloaded while serving ---------------------------------------
+    # -- control (LoRA adapters loaded and unloaded while serving, the cache, info) --------------
     def load_lora_adapter(self, req: LoadLoRAAdapterReq) -> LoRAUpdateReqOutput:
         manager = getattr(self.tp_worker.model_runner, "lora_manager", None)
         if manager is None:

@@ -650,3 +650,40 @@ def test_data_parallel_replicas_load_and_serve_alike(tiny):
         assert [o["output_ids"] for o in outs] == [refs[x][i] for i, x in enumerate(loras)]
         assert e.unload_lora_adapter("b")["success"]
         assert not e.load_lora_adapter("a", tiny["adapters"]["c"])["success"]
+
+
+def test_smoothquant_folds_into_the_adapters_a(tiny):
+    """--quantization w8a8_int8 divides the norms' outputs by SmoothQuant's factors (folded
+    into the weights): a wrapped qkv / gate_up projection gets the smoothed input, and its
+    delta is still the adapter's on the true input."""
+    from radixserve.args import ServerArgs
+    from radixserve.lora.manager import LoRABatch
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    args = ServerArgs(
+        model_path=tiny["model"],
+        device="cpu",
+        dtype="float32",
+        quantization="w8a8_int8",
+        max_total_tokens=2048,
+        lora_paths=(f"a={tiny['adapters']['a']}",),
+    ).resolve()
+    runner = ModelRunner(args)
+    manager = runner.lora_manager
+    adapter = LoRAAdapter.load("a", tiny["adapters"]["a"], _shape(tiny))
+    scale = adapter.config.scaling
+    layer = runner.model.model.layers[1]
+    x = torch.randn(5, 64)
+    for norm, wrapped, projs in (
+        (layer.input_layernorm, layer.self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
+        (layer.post_attention_layernorm, layer.mlp.gate_up_proj, ("gate_proj", "up_proj")),
+    ):
+        s = norm.smoothed_by
+        assert s is not None and not torch.allclose(s, torch.ones_like(s))
+        want = torch.cat(
+            [x @ adapter.weights[(1, p)][0].t() @ adapter.weights[(1, p)][1].t() for p in projs], 1
+        )
+        y = torch.zeros(5, want.shape[1])
+        batch = LoRABatch([(manager.adapters["a"], None)], ["a"], [], [])
+        wrapped._add_deltas(y, x / s, batch)
+        torch.testing.assert_close(y, want * scale, rtol=1e-4, atol=1e-4)
