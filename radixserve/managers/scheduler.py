@@ -763,6 +763,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             info["spec_step_cost_ms"] = self.spec_controller.measured_costs_ms()
         if self.disagg is not None:  # requests waiting for their P/D peer, transfers
             info["disaggregation"] = self.disagg.stats()
+        if getattr(self.tp_worker.model_runner, "lora_manager", None) is not None:
+            info["lora_adapters"] = sorted(self.lora_names)
         return info
 
     def dashboard_snapshot(self) -> dict[str, Any]:

@@ -648,8 +648,10 @@ def test_data_parallel_replicas_load_and_serve_alike(tiny):
         loras = ["b", "a", None, "b", "a", "b"]
         outs = e.generate(input_ids=prompts, sampling_params=params, lora_path=loras)
         assert [o["output_ids"] for o in outs] == [refs[x][i] for i, x in enumerate(loras)]
+        assert e.get_server_info()["lora_adapters"] == ["a", "b"]
         assert e.unload_lora_adapter("b")["success"]
         assert not e.load_lora_adapter("a", tiny["adapters"]["c"])["success"]
+        assert e.get_server_info()["lora_adapters"] == ["a"]
 
 
 def test_smoothquant_folds_into_the_adapters_a(tiny):
