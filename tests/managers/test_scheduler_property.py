@@ -1,8 +1,9 @@
 """Property-based test of the scheduler over a fake model: random arrivals, lengths, shared
 prefixes, aborts, tiny KV pools and page sizes 1, 4 and 16, in the overlap loop (the fake
-worker on the forward thread, future input ids) and in the normal loop. After every step the
-invariants of DESIGN §5 hold (2–6, 9, 11, 12), and every request's output equals the fake
-model's sequence."""
+worker on the forward thread, future input ids) and in the normal loop, requests of three LoRA
+adapters and of none (at most MAX_LORAS adapters per batch). After every step the invariants
+of DESIGN §5 hold (2–6, 9, 11, 12) and the batches keep the adapter cap, and every request's
+output equals the fake model's sequence."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ request_st = st.fixed_dictionaries(
         # prefill or chunk, while it lives only in last_batch).
         "abort_after_run": st.one_of(st.none(), st.integers(0, 6)),
         "seed": st.integers(0, 1000),
+        "lora": st.sampled_from([None, None, "x", "y", "z"]),
     }
 )
+MAX_LORAS = 2
 
 
 def _prompt(spec: dict) -> list[int]:
@@ -49,6 +52,8 @@ def _check_invariants(s: Scheduler, streamed: dict[str, list[int]], admitted: se
         for r in b.reqs:
             assert r.rid in admitted or r.admitted  # invariant 2
             assert r.kv_allocated_len >= r.kv_committed_len  # invariant 5
+    loras = {r.lora_id for b in batches for r in b.reqs if r.lora_id and not r.finished()}
+    assert len(loras) <= MAX_LORAS, loras  # --max-loras-per-batch
     for b in batches:
         for r in b.reqs:
             if not r.finished():
@@ -117,9 +122,11 @@ def _drive(
         enable_integrity_checks=True,  # invariant 9 is checked at each launch
         speculative_algorithm="NGRAM" if spec else None,
         speculative_disable_adaptive=spec == "always",
+        max_loras_per_batch=MAX_LORAS,
     ).resolve()
     outputs: list = []
     s = Scheduler(args, outputs.append, tokenizer=None, tp_worker=worker)
+    s.lora_names = {"x", "y", "z"}  # (the fake model ignores adapters; the scheduler does not)
     s.enable_overlap = overlap  # whatever CPUs this machine has
     try:
         _run(s, reqs, outputs, window)
@@ -142,7 +149,15 @@ def _run(s: Scheduler, reqs, outputs: list, window: int | None = None) -> None:
                 sp = SamplingParams(
                     max_new_tokens=spec["max_new"], temperature=0.0, ignore_eos=True
                 )
-                s.process_input_requests([TokenizedGenerateReqInput(rid, None, prompts[rid], sp)])
+                lora = spec["lora"]
+                key = None if lora is None else f"lora:{lora}"  # the TokenizerManager's namespace
+                s.process_input_requests(
+                    [
+                        TokenizedGenerateReqInput(
+                            rid, None, prompts[rid], sp, extra_key=key, lora_id=lora
+                        )
+                    ]
+                )
             after = spec["abort_after_run"]
             if spec["abort_at"] == step or (
                 after is not None and first_ran.get(rid, -99) + after + 1 == step
