@@ -242,10 +242,15 @@ def prefill_batch(runner: Any, prompts: list[list[int]]) -> Any:
     return batch
 
 
-def greedy_step_logits(runner: Any, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+def greedy_step_logits(
+    runner: Any, prompts: list[list[int]], steps: int, loras: list[str | None] | None = None
+) -> list[torch.Tensor]:
     """Logits of the prefill of `prompts` and of `steps` greedy decode steps, straight
-    through the ModelRunner; every slot is freed after, and the pool checked whole."""
+    through the ModelRunner (each request with its LoRA adapter in `loras`, if given); every
+    slot is freed after, and the pool checked whole."""
     batch = prefill_batch(runner, prompts)
+    for r, lora in zip(batch.reqs, loras or [None] * len(prompts), strict=True):
+        r.lora_id = lora
     out = []
     for step in range(steps + 1):
         if step:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from rs_testing import (
     SchedulerHarness,
+    greedy_step_logits,
     hf_greedy,
     load_hf_reference,
     make_prompts,
@@ -43,19 +44,8 @@ def write_adapter(
 ) -> str:
     """A PEFT adapter for the model at `model_dir`: random A and B (PEFT starts B at zero; a
     trained adapter's is not), every layer, `targets`."""
-    cfg = _hf_config(model_dir)
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    sizes = {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-    }
+    shape = _shape_of(model_dir)  # (a wrong shape would fail the transformers reference)
+    sizes, layers = shape.sizes, shape.num_layers
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(layers):
@@ -450,26 +440,6 @@ def test_the_default_model_with_an_adapter_gives_transformers_tokens(default_mod
         assert [o["output_ids"][0] for o in outs] == [w[0] for w in with_a]
 
 
-def _step_logits(runner, prompts, loras, steps=3):
-    """greedy_step_logits with each request's adapter."""
-    from rs_testing import prefill_batch
-
-    batch = prefill_batch(runner, prompts)
-    for r, lora in zip(batch.reqs, loras, strict=True):
-        r.lora_id = lora
-    out = []
-    for step in range(steps + 1):
-        if step:
-            batch.prepare_for_decode()
-        logits = runner.forward(batch.get_forward_batch(runner.device)).next_token_logits
-        out.append(logits)
-        for r, t in zip(batch.reqs, logits.argmax(-1).tolist(), strict=True):
-            r.output_ids.append(t)
-    for r in batch.reqs:
-        batch.tree_cache.cache_finished_req(r)
-    return out
-
-
 @pytest.mark.parametrize(
     "dtype,quantization,n",
     [
@@ -524,10 +494,10 @@ def test_the_cpp_decode_step_adds_the_deltas_as_the_python_layers(
 
     real = step.step
     step.step = Spy()
-    fast = _step_logits(runner, prompts, loras)
+    fast = greedy_step_logits(runner, prompts, 3, loras)
     step.step = real
     runner.model.model.decode_step = None
-    slow = _step_logits(runner, prompts, loras)
+    slow = greedy_step_logits(runner, prompts, 3, loras)
     assert len(calls) == 3  # every decode step took it
     for got, want in zip(fast, slow, strict=True):
         assert torch.equal(got, want)
