@@ -10,10 +10,10 @@ They are kept in fp32, and for a model in another dtype also in its dtype: up to
 FP32_ROWS rows the delta is computed in fp32 (a bf16 product of these small shapes costs
 oneDNN ≈ 20 µs a call against ≈ 3-5 µs in fp32, for a cast of the few input rows), from
 there in the model's dtype (at 6,400 rows 7× faster than in fp32). With tensor parallelism
-each rank
-keeps its shard: column-parallel projections (qkv, gate_up) narrow B's rows as their weight's,
-row-parallel ones (o, down) narrow A's columns, and their delta joins the partial product
-before the all-reduce (the sum over ranks of (xᵢ Aᵢᵀ) Bᵀ is (x Aᵀ) Bᵀ).
+each rank keeps its shard: column-parallel projections (qkv, gate_up) narrow B's rows as their
+weight's, row-parallel ones (o, down) narrow A's columns, and their delta joins the partial
+product before the all-reduce (the sum over ranks of (xᵢ Aᵢᵀ) Bᵀ is (x Aᵀ) Bᵀ). Under
+w8a8_int8, A's columns take SmoothQuant's factors as the base weights did.
 
 Per step, `prepare` turns the batch's per-request adapter names into groups: for each adapter
 in the batch, the packed token rows that use it (None when they are all of them). Each wrapped
@@ -42,9 +42,9 @@ from radixserve.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-# (module path in a decoder layer, the adapter projections it fuses, row-parallel)
 FP32_ROWS = 32  # up to this many rows of a non-fp32 model, the deltas run in fp32
 
+# (module path in a decoder layer, the adapter projections it fuses, row-parallel)
 WRAPPED = (
     ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj"), False),
     ("self_attn", "o_proj", ("o_proj",), True),
