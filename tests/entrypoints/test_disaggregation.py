@@ -310,11 +310,13 @@ def test_a_client_abort_while_waiting_for_kv_frees_the_reservation(pd):
         "bootstrap_port": port,
         "bootstrap_room": 77,
     }
-    start = time.monotonic()
+    failed = decode.server_info()["disaggregation"]["failed"]
     with pytest.raises(httpx.ReadTimeout):
         with httpx.stream("POST", decode.url + "/generate", json=body, timeout=1.5) as r:
             r.read()
-    info = wait_drained(decode, timeout=TIMEOUT_S)
-    assert time.monotonic() - start < TIMEOUT_S
+    info = wait_drained(decode, timeout=2 * TIMEOUT_S)
     assert info["disaggregation"]["waiting_for_kv"] == 0
+    # Freed by the abort: the timeout would have failed it (a loaded machine may take a
+    # while to notice the disconnect, so this checks why, not how fast).
+    assert info["disaggregation"]["failed"] == failed
     _pool_free(prefill)  # its reservation for room 77 expires there on its own

@@ -60,16 +60,20 @@ class ServerProcess:
             return f.read()
 
     def wait_ready(self) -> None:
+        """Until the server says it is ready: /health answers as soon as uvicorn listens, but
+        the warm-up request and the cache flush after it come later, and a test's first
+        requests must not share a batch with the one or have their cache emptied by the other."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
+                healthy = httpx.get(self.url + "/health", timeout=5).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+                healthy = False
+            if healthy and "radixserve ready on" in self.log():
+                return
+            time.sleep(0.2 if healthy else 0.5)
         self.stop()
         pytest.fail(f"server not healthy within {STARTUP_TIMEOUT_S} s:\n{self.log()[-3000:]}")
 
