@@ -27,6 +27,7 @@ import torch
 
 from radixserve.disaggregation.side import DisaggSide
 from radixserve.managers.schedule_batch import Req
+from radixserve.managers.schedule_policy import lora_fits
 
 logger = logging.getLogger(__name__)
 
@@ -175,11 +176,9 @@ class DecodePrealloc(DisaggSide):
             )
 
     def _lora_fits(self, req: Req) -> bool:
-        if req.lora_id is None:
-            return True
         reqs = [*self.s.running_batch.reqs, *self.waiting_kv.values()]
         loras = {r.lora_id for r in reqs if r.lora_id is not None}
-        return req.lora_id in loras or len(loras) < self.s.server_args.max_loras_per_batch
+        return lora_fits(req, loras, self.s.server_args.max_loras_per_batch)
 
     def _reserved_tokens(self) -> int:
         """What the running and arriving requests are expected to still write (PrefillAdder's

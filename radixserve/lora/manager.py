@@ -68,7 +68,6 @@ class LoRABatch:
     """Which packed token rows use which adapter in this step (rows None: all of them)."""
 
     groups: list[tuple[dict[tuple[int, str], _Packed], torch.Tensor | None]]
-    names: list[str]
     # The same for the C++ decode step (csrc/decode_step.cpp's run_lora): each group's rows
     # (empty: all) and its weights, 4 per layer and projection.
     step_rows: list[torch.Tensor]
@@ -244,9 +243,10 @@ class LoRAManager:
     # -- steps -----------------------------------------------------------------------------------
     def prepare(self, fb: ForwardBatch) -> LoRABatch | None:
         """The step's adapter groups, or None when no request of it uses an adapter."""
-        names = fb.lora_ids
-        if not names or not any(names):
+        if not fb.uses_lora:
             return None
+        names = fb.lora_ids
+        assert names is not None
         rows: dict[str, list[int]] = {}
         start = 0
         for name, n in zip(names, fb.extend_seq_lens_cpu, strict=True):
@@ -262,7 +262,7 @@ class LoRAManager:
             groups.append((weights, picked))
             step_rows.append(torch.empty(0, dtype=torch.int64) if picked is None else picked)
             step_weights += self.step_weights[name]
-        return LoRABatch(groups, list(rows), step_rows, step_weights)
+        return LoRABatch(groups, step_rows, step_weights)
 
     def run(self, batch: LoRABatch | None, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """forward() with `batch`'s adapters applied by the wrapped projections."""

@@ -132,6 +132,14 @@ def _ids(r: Req) -> torch.Tensor:
     return torch.tensor(r.origin_input_ids, dtype=torch.int64)
 
 
+def lora_fits(req: Req, loras: set[str], max_loras: int | None) -> bool:
+    """Whether a batch holding adapters `loras` can take `req`'s LoRA adapter
+    (--max-loras-per-batch distinct adapters at most; requests without one always fit)."""
+    if req.lora_id is None or req.lora_id in loras or max_loras is None:
+        return True
+    return len(loras) < max_loras
+
+
 class AddReqResult(Enum):
     CONTINUE = auto()  # admitted; try the next one
     NO_TOKEN = auto()  # the KV budget is exhausted
@@ -238,11 +246,7 @@ class PrefillAdder:
             return AddReqResult.OTHER  # a chunk fills the batch
 
     def lora_fits(self, req: Req) -> bool:
-        """Whether the batch can take `req`'s LoRA adapter (--max-loras-per-batch distinct
-        adapters at most; requests without one always fit)."""
-        if req.lora_id is None or req.lora_id in self.loras or self.max_loras is None:
-            return True
-        return len(self.loras) < self.max_loras
+        return lora_fits(req, self.loras, self.max_loras)
 
     def _admit(self, req: Req) -> None:
         if req.lora_id is not None:

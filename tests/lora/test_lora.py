@@ -656,6 +656,6 @@ def test_smoothquant_folds_into_the_adapters_a(tiny):
             [x @ adapter.weights[(1, p)][0].t() @ adapter.weights[(1, p)][1].t() for p in projs], 1
         )
         y = torch.zeros(5, want.shape[1])
-        batch = LoRABatch([(manager.adapters["a"], None)], ["a"], [], [])
+        batch = LoRABatch([(manager.adapters["a"], None)], [], [])
         wrapped._add_deltas(y, x / s, batch)
         torch.testing.assert_close(y, want * scale, rtol=1e-4, atol=1e-4)
