@@ -7,7 +7,8 @@ and the MLP's `q4_tiled_silu_mul` / `q8_tiled_silu_mul` (int4 and int8 weights,
 `--quantization`; quant_linear.cpp), on CPUs with AVX512-BF16 `bf16_tiled_linear` /
 `bf16_tiled_silu_mul` (bf16 weights in tiles; bf16_linear.cpp, linear.py) and the fused
 element-wise steps of a layer
-(`rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul`; fused_ops.py), and
+(`rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul`; fused_ops.py), LoRA
+adapters' deltas of a decode step (`lora_delta`; lora/manager.py), and
 `torch.classes.radixserve.DecodeStep`, which runs a decode step's layers through them in one
 call (decode_step.py).
 `-ffp-contract=off` keeps a*b + c*d two roundings, as the PyTorch reference computes it.
@@ -41,6 +42,7 @@ _SOURCES = (
     "w8a8_linear.cpp",
     "bf16_linear.cpp",
     "fused_ops.cpp",
+    "lora_ops.cpp",
     "decode_step.cpp",
 )
 _HEADERS = ("kernels.h", "vec_math.h")  # included by the sources: part of the build's name too

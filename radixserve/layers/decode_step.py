@@ -33,6 +33,7 @@ from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
+_EMPTY = torch.empty(0, dtype=torch.int64)  # run_lora's slots where the deltas take no kernel
 
 # csrc/decode_step.cpp's linear kinds
 DENSE, Q4, Q8, W8A8, Q4_TILED, Q8_TILED, BF16_TILED, BIAS = 0, 1, 2, 3, 4, 5, 6, 8
@@ -105,7 +106,8 @@ class CpuDecodeStep:
         lora = fb.lora  # a LoRABatch (lora/manager.py): its deltas join the projections
         if lora is None:
             return self.step.run(*args)
-        return self.step.run_lora(*args, lora.step_rows, lora.step_weights, lora.fp32_rows)
+        slots = _EMPTY if lora.slots is None else lora.slots
+        return self.step.run_lora(*args, lora.step_rows, lora.step_weights, slots, lora.small_rows)
 
 
 class _Unsupported(Exception):

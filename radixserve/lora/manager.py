@@ -6,25 +6,28 @@ adapter, kept in memory in the layout the layers use: per (layer, projection) th
 matrices side by side, transposed ([in, ΣR]; q, k and v share one product), and one
 block-diagonal [ΣR, out] matrix of the parts' Bᵀ times the scaling, each in the columns of
 the fused output its part adds to; so a projection's delta is two products whatever it fuses.
-They are kept in fp32, and for a model in another dtype also in its dtype: up to
-FP32_ROWS rows the delta is computed in fp32 (a bf16 product of these small shapes costs
-oneDNN ≈ 20 µs a call against ≈ 3-5 µs in fp32, for a cast of the few input rows), from
-there in the model's dtype (at 6,400 rows 7× faster than in fp32). With tensor parallelism
+They are kept in fp32, and for a model in another dtype also in its dtype, plus, in the
+model's dtype, A untransposed and B in column tiles for the decode kernel. A step of up to
+SMALL_ROWS rows on a CPU with radixserve's kernels adds every adapter's deltas to a projection
+in one call, `lora_delta` (csrc/lora_ops.cpp: each row gathers its own adapter's matrices, in
+the model's dtype, accumulating in fp32), whatever the number of adapters in the step. Larger
+steps (and GPUs, and CPUs without the kernels) compute each adapter's rows by two products:
+up to SMALL_ROWS rows in fp32 (a bf16 product of these small shapes costs oneDNN ≈ 20 µs a
+call against ≈ 3-5 µs in fp32, for a cast of the few input rows), beyond in the model's
+dtype (at 6,400 rows 7× faster than in fp32). With tensor parallelism
 each rank keeps its shard: column-parallel projections (qkv, gate_up) narrow B's rows as their
 weight's, row-parallel ones (o, down) narrow A's columns, and their delta joins the partial
 product before the all-reduce (the sum over ranks of (xᵢ Aᵢᵀ) Bᵀ is (x Aᵀ) Bᵀ). Under
 w8a8_int8, A's columns take SmoothQuant's factors as the base weights did.
 
 Per step, `prepare` turns the batch's per-request adapter names into groups: for each adapter
-in the batch, the packed token rows that use it (None when they are all of them). Each wrapped
-projection then computes its base output as before and adds, per group,
-`(x[rows] Aᵀ) (scaling · Bᵀ)` to those rows. A step without adapter rows runs the
-base layers untouched (CUDA graphs, the fused SiLU kernel). The CPU's C++ decode step takes
-decode steps with adapters too (`run_lora`: the same deltas by the same ops, bitwise, the
-groups' rows and weights in `LoRABatch.step_*`): on SmolLM2-135M in bf16 with a rank-16
-adapter on every projection, a one-row step 12.5 → 16 ms, 32 rows 0.75× the base model's
-output rate (in Python layers: 23 ms and 0.61×). The scheduler caps the distinct adapters in
-one batch at --max-loras-per-batch (base-model requests do not count).
+in the batch, the packed token rows that use it (None when they are all of them), and for the
+kernel each row's group (-1: the base model). Each wrapped projection then computes its base
+output as before and adds `(x[rows] Aᵀ) (scaling · Bᵀ)` to each group's rows. A step without
+adapter rows runs the base layers untouched (CUDA graphs, the fused SiLU kernel). The CPU's C++
+decode step takes decode steps with adapters too (`run_lora`: the same deltas by the same
+calls, bitwise, the groups' rows and weights in `LoRABatch.step_*`). The scheduler caps the
+distinct adapters in one batch at --max-loras-per-batch (base-model requests do not count).
 """
 
 from __future__ import annotations
@@ -36,13 +39,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from radixserve.layers.cpu_kernels import cpu_kernels_available
 from radixserve.layers.parallel_layers import RowParallelLinear
 from radixserve.lora.adapter import LoRAAdapter, LoRAError, ModelShape, parse_lora_paths
 from radixserve.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
+_NONE = torch.empty(0)  # an adapter's matrices where it leaves the projection alone
 
-FP32_ROWS = 32  # up to this many rows of a non-fp32 model, the deltas run in fp32
+# Up to this many rows a step's deltas take the one-call kernel (lora_delta) where it is built,
+# and elsewhere run in fp32 for a model in another dtype.
+SMALL_ROWS = 32
+TILE = 64  # columns of B per tile in lora_delta's layout (csrc/lora_ops.cpp's kTile)
 
 # (module path in a decoder layer, the adapter projections it fuses, row-parallel)
 WRAPPED = (
@@ -61,6 +69,19 @@ class _Packed:
     b: torch.Tensor  # [ΣR, out (this rank's)]: scaling · each part's Bᵀ in its block
     a_t_model: torch.Tensor | None = None  # the two in the model's dtype (None: it is fp32)
     b_model: torch.Tensor | None = None
+    # lora_delta's two (the kernel, model's dtype): A untransposed [ΣR, in], and B in tiles of
+    # TILE columns [ceil(out / TILE), ΣR, TILE] (each a contiguous read; zeros past `out`)
+    a_rows: torch.Tensor | None = None
+    b_tiles: torch.Tensor | None = None
+
+
+def b_tiles(b: torch.Tensor) -> torch.Tensor:
+    """[R, out] → lora_delta's [ceil(out / TILE), R, TILE] column tiles, zero-padded."""
+    rank, out = b.shape
+    tiles = -(-out // TILE)
+    padded = b.new_zeros(rank, tiles * TILE)
+    padded[:, :out] = b
+    return padded.view(rank, tiles, TILE).transpose(0, 1).contiguous()
 
 
 @dataclass
@@ -68,11 +89,13 @@ class LoRABatch:
     """Which packed token rows use which adapter in this step (rows None: all of them)."""
 
     groups: list[tuple[dict[tuple[int, str], _Packed], torch.Tensor | None]]
+    # Each packed row's group (-1: no adapter) where the deltas take the kernel, else None.
+    slots: torch.Tensor | None
     # The same for the C++ decode step (csrc/decode_step.cpp's run_lora): each group's rows
-    # (empty: all) and its weights, 4 per layer and projection.
+    # (empty: all) and its weights, 6 per layer and projection.
     step_rows: list[torch.Tensor]
     step_weights: list[torch.Tensor]
-    fp32_rows: int = FP32_ROWS
+    small_rows: int = SMALL_ROWS
 
 
 class LoRALinear(nn.Module):
@@ -106,12 +129,22 @@ class LoRALinear(nn.Module):
     def _add_deltas(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
         flat_x = x.reshape(-1, x.shape[-1])
         flat_y = y.view(-1, y.shape[-1])
+        if batch.slots is not None:
+            ws = [weights.get(self.key) for weights, _ in batch.groups]
+            torch.ops.radixserve.lora_delta(
+                flat_y,
+                flat_x,
+                [_NONE if w is None else w.a_rows for w in ws],
+                [_NONE if w is None else w.b_tiles for w in ws],
+                batch.slots,
+            )
+            return
         for weights, rows in batch.groups:
             w = weights.get(self.key)
             if w is None:
                 continue
             xs = flat_x if rows is None else flat_x.index_select(0, rows)
-            if w.a_t_model is not None and xs.shape[0] > FP32_ROWS:
+            if w.a_t_model is not None and xs.shape[0] > SMALL_ROWS:
                 xa = torch.mm(xs, w.a_t_model)
                 if rows is None:
                     flat_y.addmm_(xa, w.b_model)
@@ -141,6 +174,8 @@ class LoRAManager:
         self.adapters: dict[str, dict[tuple[int, str], _Packed]] = {}
         self.step_weights: dict[str, list[torch.Tensor]] = {}  # LoRABatch.step_weights' part
         self.batch: LoRABatch | None = None  # the step running now (read by the LoRALinears)
+        # Whether small steps take the one-call kernel (radixserve's CPU kernels).
+        self.kernel = torch.device(device).type == "cpu" and cpu_kernels_available()
         self._sizes = self._wrap(model)
         for name, path in parse_lora_paths(lora_paths).items():
             self.load(name, path)
@@ -158,10 +193,10 @@ class LoRAManager:
             for _, fused, _, _ in WRAPPED:
                 w = packed.get((layer, fused))
                 if w is None:
-                    flat += [none] * 4
+                    flat += [none] * 6
                 else:
                     model = (w.a_t_model, w.b_model) if w.a_t_model is not None else (none, none)
-                    flat += [w.a_t, w.b, *model]
+                    flat += [w.a_t, w.b, *model, w.a_rows, w.b_tiles]
         self.step_weights[name] = flat
         targets = sorted({proj for _, proj in adapter.weights})
         logger.info(
@@ -217,6 +252,8 @@ class LoRAManager:
                 )
                 if self.dtype != torch.float32:
                     w.a_t_model, w.b_model = w.a_t.to(self.dtype), w.b.to(self.dtype)
+                w.a_rows = w.a_t.t().to(self.dtype).contiguous()
+                w.b_tiles = b_tiles(w.b.to(self.dtype))
                 packed[(layer, fused)] = w
         return packed
 
@@ -254,7 +291,8 @@ class LoRAManager:
                 rows.setdefault(name, []).extend(range(start, start + n))
             start += n
         groups, step_rows, step_weights = [], [], []
-        for name, idx in rows.items():
+        slots = [-1] * start if self.kernel and start <= SMALL_ROWS else None
+        for g, (name, idx) in enumerate(rows.items()):
             weights = self.adapters.get(name)
             if weights is None:
                 raise LoRAError(f"no LoRA adapter named {name!r} is loaded")
@@ -262,7 +300,11 @@ class LoRAManager:
             groups.append((weights, picked))
             step_rows.append(torch.empty(0, dtype=torch.int64) if picked is None else picked)
             step_weights += self.step_weights[name]
-        return LoRABatch(groups, step_rows, step_weights)
+            if slots is not None:
+                for i in idx:
+                    slots[i] = g
+        kernel_slots = None if slots is None else torch.tensor(slots, dtype=torch.int64)
+        return LoRABatch(groups, kernel_slots, step_rows, step_weights)
 
     def run(self, batch: LoRABatch | None, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """forward() with `batch`'s adapters applied by the wrapped projections."""

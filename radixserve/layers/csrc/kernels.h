@@ -8,6 +8,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace radixserve {
 
@@ -40,6 +41,10 @@ bool tiled_supported();
 at::Tensor q4_dense(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                     const at::Tensor& m, bool bf16);
 at::Tensor q8_dense(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, bool bf16);
+
+// lora_ops.cpp
+void lora_delta(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a,
+                const std::vector<at::Tensor>& b, const at::Tensor& slots);
 
 // w8a8_linear.cpp
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale,

@@ -1,0 +1,107 @@
+"""csrc/lora_ops.cpp's lora_delta: every adapter's deltas of a small step in one call (each row
+its own adapter's A and B), against the sum computed in float64 row by row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.layers.cpu_kernels import cpu_kernels_available
+from radixserve.lora.manager import b_tiles
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels_available(), reason="radixserve's CPU kernels are not built on this machine"
+)
+
+# the accumulation is fp32 in every dtype; y is rounded once to its dtype
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def delta(y, x, a, b, slots):
+    """lora_delta with each B [R, out] in the kernel's tiles."""
+    tiles = [t if t.numel() == 0 else b_tiles(t) for t in b]
+    torch.ops.radixserve.lora_delta(y, x, a, tiles, slots)
+
+
+def reference(y, x, a, b, slots):
+    want = y.double().clone()
+    for r, g in enumerate(slots.tolist()):
+        if g >= 0 and a[g].numel():
+            want[r] += (x[r].double() @ a[g].double().t()) @ b[g].double()
+    return want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "n,fan_in,fan_out,ranks,slots",
+    [
+        (1, 576, 960, [48], [0]),
+        (1, 7, 3, [1], [0]),
+        (9, 100, 130, [8, 0, 5], [0, 2, -1, 1, 2, 0, 2, 2, 2]),  # a group with no weights here
+        (32, 576, 3072, [32, 16, 16, 4], [i % 4 for i in range(32)]),
+        (32, 1536, 576, [16], [0] * 32),  # blocks of four rows of one adapter
+        (13, 64, 200, [12, 3], [1, 1, 1, 1, 1, 0, 0, -1, 0, 0, 0, 0, 1]),
+        (6, 48, 64, [16, 16], [-1] * 6),  # no row uses an adapter
+    ],
+)
+def test_lora_delta_adds_each_rows_adapter(dtype, n, fan_in, fan_out, ranks, slots):
+    g = torch.Generator().manual_seed(n * 7 + fan_in)
+    x = torch.randn(n, fan_in, generator=g).to(dtype)
+    # y: a view with a row stride larger than its width (as a fused output's slice would be)
+    base = torch.randn(n, fan_out + 5, generator=g).to(dtype)
+    y = base[:, :fan_out]
+    a = [
+        (torch.randn(r, fan_in, generator=g) * 0.1).to(dtype) if r else torch.empty(0)
+        for r in ranks
+    ]
+    b = [
+        (torch.randn(r, fan_out, generator=g) * 0.1).to(dtype) if r else torch.empty(0)
+        for r in ranks
+    ]
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    before = base.clone()
+    want = reference(y, x, a, b, slot_t)
+    delta(y, x, a, b, slot_t)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(y.double(), want, rtol=rtol, atol=atol)
+    assert torch.equal(base[:, fan_out:], before[:, fan_out:])  # nothing beyond y's columns
+    for r, s in enumerate(slots):
+        if s < 0 or ranks[s] == 0:
+            assert torch.equal(y[r], before[r, :fan_out])  # rows without a delta untouched
+
+
+def test_lora_delta_is_the_same_bits_whatever_else_is_in_the_step():
+    """A row's delta does not depend on the other rows or adapters of the call (what the
+    scheduler batches with a request must not change its output)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 96, generator=g).bfloat16()
+    a = [torch.randn(r, 96, generator=g).bfloat16() for r in (8, 16, 4)]
+    b = [torch.randn(r, 80, generator=g).bfloat16() for r in (8, 16, 4)]
+    y0 = torch.randn(12, 80, generator=g).bfloat16()
+    mixed = torch.tensor([0, 1, 2, 1, 0, -1, 1, 1, 1, 2, 0, 1])
+    y = y0.clone()
+    delta(y, x, a, b, mixed)
+    for r in range(12):
+        if mixed[r] < 0:
+            continue
+        alone = y0[r : r + 1].clone()
+        delta(alone, x[r : r + 1], a, b, torch.tensor([int(mixed[r])]))
+        assert torch.equal(alone[0], y[r]), r
+
+
+def test_lora_delta_refuses_bad_arguments():
+    x, y = torch.randn(2, 8), torch.randn(2, 6)
+    a, b = [torch.randn(4, 8)], [b_tiles(torch.randn(4, 6))]
+    op = torch.ops.radixserve.lora_delta
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        op(y, x, a, b, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="slots \\[n\\] int64"):
+        op(y, x, a, b, torch.tensor([0, 0], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="a\\[g\\] \\[R, in\\]"):
+        op(y, x, [torch.randn(4, 7)], b, torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match="a\\[g\\] \\[R, in\\]"):
+        op(y, x, a, [torch.randn(4, 6)], torch.tensor([0, 0]))  # B not in tiles
+    with pytest.raises(RuntimeError, match="in x's dtype"):
+        op(y, x, [a[0].double()], b, torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(y.double(), x, a, b, torch.tensor([0, 0]))
