@@ -69,19 +69,30 @@ class _Packed:
     b: torch.Tensor  # [ΣR, out (this rank's)]: scaling · each part's Bᵀ in its block
     a_t_model: torch.Tensor | None = None  # the two in the model's dtype (None: it is fp32)
     b_model: torch.Tensor | None = None
-    # lora_delta's two (the kernel, model's dtype): A untransposed [ΣR, in], and B in tiles of
-    # TILE columns [ceil(out / TILE), ΣR, TILE] (each a contiguous read; zeros past `out`)
+    # lora_delta's two (the kernel, model's dtype; kernel_weights): A untransposed [ΣR, in],
+    # and B in tiles of TILE columns (each a contiguous read)
     a_rows: torch.Tensor | None = None
     b_tiles: torch.Tensor | None = None
 
 
-def b_tiles(b: torch.Tensor) -> torch.Tensor:
-    """[R, out] → lora_delta's [ceil(out / TILE), R, TILE] column tiles, zero-padded."""
+def kernel_weights(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [R, in] and B [R, out] in lora_delta's layout: A as it is, B in column tiles
+    [ceil(out / TILE), R, TILE] (zeros past `out`); where bf16 adapters take vdpbf16ps
+    (lora_delta_pairs), R padded to even with zeros and each tile's ranks in pairs
+    ([R / 2, TILE, 2] in memory)."""
     rank, out = b.shape
+    pairs = b.dtype == torch.bfloat16 and torch.ops.radixserve.lora_delta_pairs()
+    padded_rank = rank + rank % 2 if pairs else rank
     tiles = -(-out // TILE)
-    padded = b.new_zeros(rank, tiles * TILE)
-    padded[:, :out] = b
-    return padded.view(rank, tiles, TILE).transpose(0, 1).contiguous()
+    padded = b.new_zeros(padded_rank, tiles * TILE)
+    padded[:rank, :out] = b
+    a = a.contiguous()
+    if padded_rank != rank:
+        a = torch.cat([a, a.new_zeros(1, a.shape[1])])
+    if not pairs:
+        return a, padded.view(rank, tiles, TILE).transpose(0, 1).contiguous()
+    paired = padded.view(padded_rank // 2, 2, tiles, TILE).permute(2, 0, 3, 1).contiguous()
+    return a, paired.view(tiles, padded_rank, TILE)
 
 
 @dataclass
@@ -196,7 +207,8 @@ class LoRAManager:
                     flat += [none] * 6
                 else:
                     model = (w.a_t_model, w.b_model) if w.a_t_model is not None else (none, none)
-                    flat += [w.a_t, w.b, *model, w.a_rows, w.b_tiles]
+                    kernel = (w.a_rows, w.b_tiles) if w.a_rows is not None else (none, none)
+                    flat += [w.a_t, w.b, *model, *kernel]
         self.step_weights[name] = flat
         targets = sorted({proj for _, proj in adapter.weights})
         logger.info(
@@ -252,8 +264,10 @@ class LoRAManager:
                 )
                 if self.dtype != torch.float32:
                     w.a_t_model, w.b_model = w.a_t.to(self.dtype), w.b.to(self.dtype)
-                w.a_rows = w.a_t.t().to(self.dtype).contiguous()
-                w.b_tiles = b_tiles(w.b.to(self.dtype))
+                if self.kernel:
+                    w.a_rows, w.b_tiles = kernel_weights(
+                        w.a_t.t().to(self.dtype), w.b.to(self.dtype)
+                    )
                 packed[(layer, fused)] = w
         return packed
 

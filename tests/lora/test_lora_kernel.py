@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixserve.layers.cpu_kernels import cpu_kernels_available
-from radixserve.lora.manager import b_tiles
+from radixserve.lora.manager import kernel_weights
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="radixserve's CPU kernels are not built on this machine"
@@ -18,9 +18,9 @@ TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1e-2), torch.float16:
 
 
 def delta(y, x, a, b, slots):
-    """lora_delta with each B [R, out] in the kernel's tiles."""
-    tiles = [t if t.numel() == 0 else b_tiles(t) for t in b]
-    torch.ops.radixserve.lora_delta(y, x, a, tiles, slots)
+    """lora_delta with each adapter's A [R, in] and B [R, out] in the kernel's layout."""
+    packed = [(p, q) if p.numel() == 0 else kernel_weights(p, q) for p, q in zip(a, b, strict=True)]
+    torch.ops.radixserve.lora_delta(y, x, [p for p, _ in packed], [q for _, q in packed], slots)
 
 
 def reference(y, x, a, b, slots):
@@ -91,7 +91,8 @@ def test_lora_delta_is_the_same_bits_whatever_else_is_in_the_step():
 
 def test_lora_delta_refuses_bad_arguments():
     x, y = torch.randn(2, 8), torch.randn(2, 6)
-    a, b = [torch.randn(4, 8)], [b_tiles(torch.randn(4, 6))]
+    a, b = kernel_weights(torch.randn(4, 8), torch.randn(4, 6))
+    a, b = [a], [b]
     op = torch.ops.radixserve.lora_delta
     with pytest.raises(RuntimeError, match="slot out of range"):
         op(y, x, a, b, torch.tensor([0, 1]))
@@ -105,3 +106,7 @@ def test_lora_delta_refuses_bad_arguments():
         op(y, x, [a[0].double()], b, torch.tensor([0, 0]))
     with pytest.raises(RuntimeError, match="one dtype"):
         op(y.double(), x, a, b, torch.tensor([0, 0]))
+    if torch.ops.radixserve.lora_delta_pairs():  # bf16 takes ranks in pairs
+        a16, b16 = (torch.randn(3, 8).bfloat16(),), (torch.randn(3, 64).bfloat16().view(1, 3, 64),)
+        with pytest.raises(RuntimeError, match="pairs of ranks"):
+            op(y.bfloat16(), x.bfloat16(), list(a16), list(b16), torch.tensor([0, 0]))

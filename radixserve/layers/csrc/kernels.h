@@ -43,6 +43,7 @@ at::Tensor q4_dense(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
 at::Tensor q8_dense(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, bool bf16);
 
 // lora_ops.cpp
+bool lora_delta_pairs();  // whether bf16 adapters take vdpbf16ps (B's tiles as pairs of ranks)
 void lora_delta(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a,
                 const std::vector<at::Tensor>& b, const at::Tensor& slots);
 

@@ -25,6 +25,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -151,6 +153,120 @@ void expand_block(const float* xa, int64_t xa_stride, const T* tile, int64_t ran
       return expand_rows<kRowBlock>(xa, xa_stride, tile, rank, rb, rows, j0, width, y, ys, next);
   }
 }
+
+#if defined(__AVX512BF16__)
+#define RADIXSERVE_LORA_PAIRS 1
+// bf16 adapters on AVX512-BF16 (vdpbf16ps: 32 products a call, two per fp32 lane). The first
+// product reads x's and A's bf16 rows as they are; its results are rounded to bf16 (as a bf16
+// GEMM's output would be: lora/manager.py's products above SMALL_ROWS round there too) and the
+// second takes them in pairs of ranks against B stored as pairs: a tile [R / 2, kTile, 2]
+// (R even), so one load holds ranks w and w + 1 of 16 columns.
+
+// xa[i, w0 + w] = bf16(x[i] · a[w]) for the block's rows (xr: their bf16 rows) and w < nw.
+template <int64_t kRows>
+void shrink_pairs(const c10::BFloat16* const* xr, int64_t in, const c10::BFloat16* a,
+                  int64_t first_row, int64_t w0, int64_t nw, uint16_t* xa, int64_t xa_stride,
+                  const c10::BFloat16* next) {
+  const c10::BFloat16* ar[kRankBlock];
+  for (int64_t w = 0; w < kRankBlock; ++w) ar[w] = a + std::min(w, nw - 1) * in;
+  __m512 acc[kRows][kRankBlock];
+#pragma GCC unroll 16
+  for (int64_t e = 0; e < kRows * kRankBlock; ++e)
+    acc[e / kRankBlock][e % kRankBlock] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 32) {
+    const __mmask32 mask = in - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (in - k)) - 1;
+    __m512bh av[kRankBlock];
+#pragma GCC unroll 4
+    for (int64_t w = 0; w < kRankBlock; ++w)
+      av[w] = (__m512bh)_mm512_maskz_loadu_epi16(mask, ar[w] + k);
+    if (next != nullptr) {
+#pragma GCC unroll 4
+      for (int64_t w = 0; w < kRankBlock; ++w) __builtin_prefetch(next + w * in + k, 0, 3);
+    }
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kRows; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[i] + k);
+#pragma GCC unroll 4
+      for (int64_t w = 0; w < kRankBlock; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], xv, av[w]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < kRows; ++i) {
+#pragma GCC unroll 4
+    for (int64_t w = 0; w < kRankBlock; ++w) {
+      if (w < nw)
+        xa[(first_row + i) * xa_stride + w0 + w] =
+            c10::BFloat16(_mm512_reduce_add_ps(acc[i][w])).x;
+    }
+  }
+}
+
+// y[rows, j0 .. j0 + width) += xa[rows] · tile for the block's rows (tile: pairs, rank even).
+template <int64_t kRows>
+void expand_pairs(const uint16_t* xa, int64_t xa_stride, const c10::BFloat16* tile, int64_t rank,
+                  const RowBlock& rb, const int64_t* rows, int64_t j0, int64_t width,
+                  c10::BFloat16* y, int64_t ys, const c10::BFloat16* next) {
+  constexpr int64_t kVecs = kTile / 16;
+  __mmask16 mask[kVecs];
+  for (int64_t c = 0; c < kVecs; ++c) mask[c] = width > 16 * c ? first(width - 16 * c) : 0;
+  const uint16_t* xr = xa + rb.first * xa_stride;
+  __m512 acc[kRows][kVecs];
+#pragma GCC unroll 16
+  for (int64_t e = 0; e < kRows * kVecs; ++e) acc[e / kVecs][e % kVecs] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < rank / 2; ++p) {
+    const c10::BFloat16* tp = tile + p * 2 * kTile;
+    if (next != nullptr) {
+      const char* line = reinterpret_cast<const char*>(next + p * 2 * kTile);
+      for (int64_t off = 0; off < 2 * kTile * 2; off += 64) __builtin_prefetch(line + off, 0, 3);
+    }
+    __m512bh bv[kVecs];
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < kVecs; ++c) bv[c] = (__m512bh)_mm512_loadu_si512(tp + 32 * c);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < kRows; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, xr + i * xa_stride + 2 * p, sizeof(pair));
+      const __m512bh v = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 4
+      for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], bv[c], v);
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < kRows; ++i) {
+    c10::BFloat16* yr = y + rows[rb.first + i] * ys + j0;
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < kVecs; ++c)
+      store16(yr + 16 * c, _mm512_add_ps(load16(yr + 16 * c, mask[c]), acc[i][c]), mask[c]);
+  }
+}
+
+
+void shrink_pairs_block(const c10::BFloat16* x, int64_t xs, const int64_t* rows, int64_t in,
+                        const c10::BFloat16* a, const RowBlock& rb, int64_t w0, int64_t nw,
+                        uint16_t* xa, int64_t xa_stride, const c10::BFloat16* next) {
+  const c10::BFloat16* xr[kRowBlock];
+  for (int64_t i = 0; i < rb.count; ++i) xr[i] = x + rows[rb.first + i] * xs;
+  switch (rb.count) {
+    case 1: return shrink_pairs<1>(xr, in, a, rb.first, w0, nw, xa, xa_stride, next);
+    case 2: return shrink_pairs<2>(xr, in, a, rb.first, w0, nw, xa, xa_stride, next);
+    case 3: return shrink_pairs<3>(xr, in, a, rb.first, w0, nw, xa, xa_stride, next);
+    default: return shrink_pairs<kRowBlock>(xr, in, a, rb.first, w0, nw, xa, xa_stride, next);
+  }
+}
+
+void expand_pairs_block(const uint16_t* xa, int64_t xa_stride, const c10::BFloat16* tile,
+                        int64_t rank, const RowBlock& rb, const int64_t* rows, int64_t j0,
+                        int64_t width, c10::BFloat16* y, int64_t ys, const c10::BFloat16* next) {
+  switch (rb.count) {
+    case 1: return expand_pairs<1>(xa, xa_stride, tile, rank, rb, rows, j0, width, y, ys, next);
+    case 2: return expand_pairs<2>(xa, xa_stride, tile, rank, rb, rows, j0, width, y, ys, next);
+    case 3: return expand_pairs<3>(xa, xa_stride, tile, rank, rb, rows, j0, width, y, ys, next);
+    default:
+      return expand_pairs<kRowBlock>(xa, xa_stride, tile, rank, rb, rows, j0, width, y, ys,
+                                     next);
+  }
+}
+#endif  // __AVX512BF16__
 #else
 template <typename T>
 void shrink_block(const float* xf, int64_t in, const T* a, const RowBlock& rb, int64_t w0,
@@ -223,18 +339,27 @@ void lora_delta_impl(at::Tensor& y, const at::Tensor& x, const std::vector<at::T
     blocks.push_back({i, count, g});
     i += count;
   }
-  // x's rows in fp32, in `rows` order.
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  std::vector<float> xf(m * in), xa(m * max_rank, 0.f);
-  for (int64_t i = 0; i < m; ++i) {
-    const T* src = xp + rows[i] * xs;
-    float* dst = xf.data() + i * in;
-#pragma omp simd
-    for (int64_t k = 0; k < in; ++k) dst[k] = static_cast<float>(src[k]);
-  }
   const int64_t rank_blocks = (max_rank + kRankBlock - 1) / kRankBlock;
   const int64_t tiles = (out + kTile - 1) / kTile;
+#if defined(RADIXSERVE_LORA_PAIRS)
+  constexpr bool kPaired = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPaired = false;
+#endif
+  // The first product's results: fp32, or bf16 for the pairs; and x's rows in fp32 (in `rows`
+  // order) where the first product takes fp32.
+  std::vector<float> xf(kPaired ? 0 : m * in), xa(kPaired ? 0 : m * max_rank, 0.f);
+  std::vector<uint16_t> xa16(kPaired ? m * max_rank : 0, 0);
+  if constexpr (!kPaired) {
+    for (int64_t i = 0; i < m; ++i) {
+      const T* src = xp + rows[i] * xs;
+      float* dst = xf.data() + i * in;
+#pragma omp simd
+      for (int64_t k = 0; k < in; ++k) dst[k] = static_cast<float>(src[k]);
+    }
+  }
 
   // Thread `tid` of `nt`: its share of the rank blocks, a barrier, its share of the tiles.
   auto work = [&](int64_t tid, int64_t nt, auto&& barrier) {
@@ -252,11 +377,19 @@ void lora_delta_impl(at::Tensor& y, const at::Tensor& x, const std::vector<at::T
       for (const RowBlock& rb : blocks) {
         const int64_t nw = std::min(kRankBlock, rank[rb.group] - w0);
         if (nw <= 0) continue;
-        const T* a_next = t + 1 < t_end && w0 + kRankBlock + kRankBlock <= rank[rb.group]
-                              ? ap[rb.group] + (w0 + kRankBlock) * in
-                              : nullptr;
-        shrink_block(xf.data(), in, ap[rb.group] + w0 * in, rb, w0, nw, xa.data(), max_rank,
-                     a_next);
+        const T* a_block = ap[rb.group] + w0 * in;
+        const T* a_next =
+            t + 1 < t_end && w0 + 2 * kRankBlock <= rank[rb.group] ? a_block + kRankBlock * in
+                                                                   : nullptr;
+#if defined(RADIXSERVE_LORA_PAIRS)
+        if constexpr (kPaired) {
+          shrink_pairs_block(xp, xs, rows.data(), in, a_block, rb, w0, nw, xa16.data(), max_rank,
+                             a_next);
+          continue;
+        }
+#endif
+        if constexpr (!kPaired)
+          shrink_block(xf.data(), in, a_block, rb, w0, nw, xa.data(), max_rank, a_next);
       }
     }
     barrier();
@@ -265,8 +398,17 @@ void lora_delta_impl(at::Tensor& y, const at::Tensor& x, const std::vector<at::T
       for (const RowBlock& rb : blocks) {
         const int64_t tile_size = rank[rb.group] * kTile;
         const T* tile = bp[rb.group] + c * tile_size;
-        expand_block(xa.data(), max_rank, tile, rank[rb.group], rb, rows.data(), j0, width, yp,
-                     ys, c + 1 < c_end ? tile + tile_size : nullptr);
+        const T* next = c + 1 < c_end ? tile + tile_size : nullptr;
+#if defined(RADIXSERVE_LORA_PAIRS)
+        if constexpr (kPaired) {
+          expand_pairs_block(xa16.data(), max_rank, tile, rank[rb.group], rb, rows.data(), j0,
+                             width, yp, ys, next);
+          continue;
+        }
+#endif
+        if constexpr (!kPaired)
+          expand_block(xa.data(), max_rank, tile, rank[rb.group], rb, rows.data(), j0, width, yp,
+                       ys, next);
       }
     }
   };
@@ -290,6 +432,14 @@ void lora_delta_impl(at::Tensor& y, const at::Tensor& x, const std::vector<at::T
 }  // namespace
 
 namespace radixserve {
+
+bool lora_delta_pairs() {
+#if defined(RADIXSERVE_LORA_PAIRS)
+  return true;
+#else
+  return false;
+#endif
+}
 
 void lora_delta(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a,
                 const std::vector<at::Tensor>& b, const at::Tensor& slots) {
@@ -315,6 +465,8 @@ void lora_delta(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
                 "lora_delta: a[g] [R, in] and b[g] [ceil(out / 64), R, 64], contiguous");
     TORCH_CHECK(a[g].scalar_type() == x.scalar_type() && b[g].scalar_type() == x.scalar_type(),
                 "lora_delta: the adapter's matrices in x's dtype");
+    TORCH_CHECK(!(lora_delta_pairs() && x.scalar_type() == at::kBFloat16) || a[g].size(0) % 2 == 0,
+                "lora_delta: bf16 adapters in pairs of ranks (an even rank, B's tiles as pairs)");
   }
   switch (x.scalar_type()) {
     case at::kFloat:
@@ -332,6 +484,7 @@ void lora_delta(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("lora_delta(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, Tensor slots) -> ()");
+  lib.def("lora_delta_pairs", &radixserve::lora_delta_pairs);
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) { lib.impl("lora_delta", &radixserve::lora_delta); }
