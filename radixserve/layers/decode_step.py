@@ -107,7 +107,7 @@ class CpuDecodeStep:
         if lora is None:
             return self.step.run(*args)
         slots = _EMPTY if lora.slots is None else lora.slots
-        return self.step.run_lora(*args, lora.step_rows, lora.step_weights, slots, lora.small_rows)
+        return self.step.run_lora(*args, lora.step_rows, lora.step_weights, slots, lora.fp32_rows)
 
 
 class _Unsupported(Exception):

@@ -8,11 +8,12 @@ block-diagonal [ΣR, out] matrix of the parts' Bᵀ times the scaling, each in t
 the fused output its part adds to; so a projection's delta is two products whatever it fuses.
 They are kept in fp32, and for a model in another dtype also in its dtype, plus, in the
 model's dtype, A untransposed and B in column tiles for the decode kernel. A step of up to
-SMALL_ROWS rows on a CPU with radixserve's kernels adds every adapter's deltas to a projection
+KERNEL_ROWS rows on a CPU with radixserve's kernels adds every adapter's deltas to a projection
 in one call, `lora_delta` (csrc/lora_ops.cpp: each row gathers its own adapter's matrices, in
-the model's dtype, accumulating in fp32), whatever the number of adapters in the step. Larger
+the model's dtype, accumulating in fp32; bf16 by vdpbf16ps where the CPU has AVX512-BF16),
+whatever the number of adapters in the step. Larger
 steps (and GPUs, and CPUs without the kernels) compute each adapter's rows by two products:
-up to SMALL_ROWS rows in fp32 (a bf16 product of these small shapes costs oneDNN ≈ 20 µs a
+up to FP32_ROWS rows in fp32 (a bf16 product of these small shapes costs oneDNN ≈ 20 µs a
 call against ≈ 3-5 µs in fp32, for a cast of the few input rows), beyond in the model's
 dtype (at 6,400 rows 7× faster than in fp32). With tensor parallelism
 each rank keeps its shard: column-parallel projections (qkv, gate_up) narrow B's rows as their
@@ -47,9 +48,12 @@ from radixserve.model_executor.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 _NONE = torch.empty(0)  # an adapter's matrices where it leaves the projection alone
 
-# Up to this many rows a step's deltas take the one-call kernel (lora_delta) where it is built,
-# and elsewhere run in fp32 for a model in another dtype.
-SMALL_ROWS = 32
+# Up to KERNEL_ROWS rows a step's deltas take the one-call kernel (lora_delta) where it is built
+# (SmolLM2-135M in bf16, rank 16, one adapter: a decode step of 128 rows 1.05x faster than by
+# the products, of 256 as fast; four adapters mixed 1.24x and 1.09x); elsewhere they run by
+# two products per adapter, up to FP32_ROWS rows in fp32 for a model in another dtype.
+KERNEL_ROWS = 128
+FP32_ROWS = 32
 TILE = 64  # columns of B per tile in lora_delta's layout (csrc/lora_ops.cpp's kTile)
 
 # (module path in a decoder layer, the adapter projections it fuses, row-parallel)
@@ -106,7 +110,7 @@ class LoRABatch:
     # (empty: all) and its weights, 6 per layer and projection.
     step_rows: list[torch.Tensor]
     step_weights: list[torch.Tensor]
-    small_rows: int = SMALL_ROWS
+    fp32_rows: int = FP32_ROWS
 
 
 class LoRALinear(nn.Module):
@@ -155,7 +159,7 @@ class LoRALinear(nn.Module):
             if w is None:
                 continue
             xs = flat_x if rows is None else flat_x.index_select(0, rows)
-            if w.a_t_model is not None and xs.shape[0] > SMALL_ROWS:
+            if w.a_t_model is not None and xs.shape[0] > FP32_ROWS:
                 xa = torch.mm(xs, w.a_t_model)
                 if rows is None:
                     flat_y.addmm_(xa, w.b_model)
@@ -305,7 +309,7 @@ class LoRAManager:
                 rows.setdefault(name, []).extend(range(start, start + n))
             start += n
         groups, step_rows, step_weights = [], [], []
-        slots = [-1] * start if self.kernel and start <= SMALL_ROWS else None
+        slots = [-1] * start if self.kernel and start <= KERNEL_ROWS else None
         for g, (name, idx) in enumerate(rows.items()):
             weights = self.adapters.get(name)
             if weights is None:

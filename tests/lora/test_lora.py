@@ -212,6 +212,41 @@ def test_mixed_adapters_in_one_batch_give_each_adapters_greedy_tokens(tiny, kwar
     _assert_drained(h)
 
 
+def test_more_adapter_rows_than_the_kernel_takes(tiny):
+    """168 requests at once under three adapters and none, then 24: steps of more rows than
+    KERNEL_ROWS take the per-adapter products, smaller ones lora_delta (where it is built);
+    every request gets its adapter's tokens, and the pool drains."""
+    from radixserve.lora.manager import KERNEL_ROWS
+
+    h = _harness(tiny, attention_backend="cpu_paged", max_total_tokens=12288)
+    manager = h.scheduler.tp_worker.model_runner.lora_manager
+    prepare, steps = manager.prepare, []
+
+    def spy(fb):
+        batch = prepare(fb)
+        if batch is not None:
+            steps.append((sum(fb.extend_seq_lens_cpu), batch.slots is not None))
+        return batch
+
+    manager.prepare = spy
+    names = [None, "a", "b", "c"]
+    expected = {}
+    for copies in (7, 1):  # 168 requests at once, then 24
+        for k in range(copies):
+            for i, p in enumerate(tiny["prompts"]):
+                for lora in names:
+                    rid = f"{copies}-{k}-{i}-{lora}"
+                    _submit(h, rid, p, lora)
+                    expected[rid] = tiny["refs"][lora][i]
+        h.run_until_idle()
+    assert len(expected) > KERNEL_ROWS
+    assert h.results() == expected
+    _assert_drained(h)
+    assert any(rows > KERNEL_ROWS and not kernel for rows, kernel in steps)
+    assert all(kernel == manager.kernel for rows, kernel in steps if rows <= KERNEL_ROWS)
+    assert any(rows <= KERNEL_ROWS for rows, _ in steps)
+
+
 def test_at_most_max_loras_per_batch_adapters_in_a_step(tiny):
     """--max-loras-per-batch 1: requests of three adapters and of none, sent together, all
     finish right; no step ever holds two adapters (base-model rows join any step)."""
@@ -445,7 +480,7 @@ def test_the_default_model_with_an_adapter_gives_transformers_tokens(default_mod
     [
         ("float32", None, 5),
         ("bfloat16", None, 5),
-        ("bfloat16", None, 40),  # above SMALL_ROWS: the deltas by products in bf16
+        ("bfloat16", None, 130),  # above KERNEL_ROWS: the deltas by products in bf16
         ("float32", "int4", 7),
         ("bfloat16", "int8", 40),
     ],

@@ -25,14 +25,14 @@
 //     kv_start [B], kv_end [B]) -> (x, residual)
 //   x: the embeddings; returns the last layer's MLP output and the residual stream before it
 //   (the model's final norm adds them). Writes each layer's K and V at out_cache_loc.
-// run_lora(the same, lora_rows, lora_weights, lora_slots, small_rows): with LoRA adapters'
+// run_lora(the same, lora_rows, lora_weights, lora_slots, fp32_rows): with LoRA adapters'
 //   deltas added to the four projections as lora/manager.py's LoRALinear adds them (the same
 //   calls, in the same order): per group g (one adapter), lora_rows[g] its rows of x (empty:
 //   all of them), and per layer and projection six tensors in lora_weights, at
 //   ((g * layers + l) * 4 + i) * 6: a_t, b (fp32), a_t and b in the model's dtype (empty where
 //   it is fp32), and lora_delta's a and b (lora_ops.cpp); a projection the adapter leaves
 //   alone has empty ones. lora_slots (each row's group, -1: none) non-empty: the
-//   deltas take lora_delta, one call per projection; else up to small_rows rows they run in
+//   deltas take lora_delta, one call per projection; else up to fp32_rows rows they run in
 //   fp32, beyond in the model's dtype.
 
 #include <ATen/ATen.h>
@@ -70,7 +70,7 @@ struct Lora {
   const std::vector<at::Tensor>& rows;
   const std::vector<at::Tensor>& weights;
   const at::Tensor& slots;
-  int64_t n_layers, small_rows;
+  int64_t n_layers, fp32_rows;
 
   bool touches(int64_t layer, int64_t proj) const {
     for (size_t g = 0; g < rows.size(); ++g) {
@@ -103,7 +103,7 @@ struct Lora {
       if (a_t.numel() == 0) continue;
       const bool all = rows[g].numel() == 0;
       const at::Tensor xs = all ? x : x.index_select(0, rows[g]);
-      if (a_t_model.numel() > 0 && xs.size(0) > small_rows) {
+      if (a_t_model.numel() > 0 && xs.size(0) > fp32_rows) {
         const at::Tensor xa = at::mm(xs, a_t_model);
         if (all) {
           y.addmm_(xa, b_model);
@@ -284,8 +284,8 @@ class DecodeStep : public torch::CustomClassHolder {
       at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_bufs,
       std::vector<at::Tensor> v_bufs, at::Tensor out_cache_loc, at::Tensor kv_rows,
       at::Tensor kv_start, at::Tensor kv_end, std::vector<at::Tensor> lora_rows,
-      std::vector<at::Tensor> lora_weights, at::Tensor lora_slots, int64_t small_rows) {
-    const Lora lora{lora_rows, lora_weights, lora_slots, num_layers(), small_rows};
+      std::vector<at::Tensor> lora_weights, at::Tensor lora_slots, int64_t fp32_rows) {
+    const Lora lora{lora_rows, lora_weights, lora_slots, num_layers(), fp32_rows};
     TORCH_CHECK(lora_weights.size() == lora.index(lora_rows.size(), 0, 0),
                 "DecodeStep.run_lora: 24 tensors per group and layer");
     return layers(x, cos, sin, k_bufs, v_bufs, out_cache_loc, kv_rows, kv_start, kv_end, &lora);

@@ -9,9 +9,11 @@
 //   64c + 64) (zeros past `out`), so that each tile is one contiguous read. An empty a[g] (the
 //   adapter leaves this projection alone) or slots[r] = -1 (a base-model row) adds nothing.
 //   x, y, a and b share one dtype (fp32, bf16 or fp16); both products accumulate in fp32 and y
-//   is rounded once, y[r, j] = T(y[r, j] + Σ_w ...).
+//   is rounded once, y[r, j] = T(y[r, j] + Σ_w ...). bf16 on CPUs with AVX512-BF16 differs
+//   (lora_delta_pairs(): vdpbf16ps, below): the first product's results are rounded to bf16,
+//   and a rank must be even, B's tiles holding ranks in pairs.
 //
-// Why: a decode step's rows are few (≤ lora/manager.py's SMALL_ROWS), and the ATen route of a
+// Why: a decode step's rows are few (≤ lora/manager.py's KERNEL_ROWS), and the ATen route of a
 // step with G adapters is, per projection, G times a gather, two products and a scatter-add:
 // at one row 120 projections × 5 calls for SmolLM2-135M, mostly per-call cost, growing with G.
 // Here it is one call per projection for any G, reading each adapter's matrices once per block
@@ -158,7 +160,7 @@ void expand_block(const float* xa, int64_t xa_stride, const T* tile, int64_t ran
 #define RADIXSERVE_LORA_PAIRS 1
 // bf16 adapters on AVX512-BF16 (vdpbf16ps: 32 products a call, two per fp32 lane). The first
 // product reads x's and A's bf16 rows as they are; its results are rounded to bf16 (as a bf16
-// GEMM's output would be: lora/manager.py's products above SMALL_ROWS round there too) and the
+// GEMM's output would be: lora/manager.py's bf16 products round there too) and the
 // second takes them in pairs of ranks against B stored as pairs: a tile [R / 2, kTile, 2]
 // (R even), so one load holds ranks w and w + 1 of 16 columns.
 
