@@ -6,8 +6,8 @@ adapter, kept in memory in the layout the layers use: per (layer, projection) th
 matrices side by side, transposed ([in, ΣR]; q, k and v share one product), and one
 block-diagonal [ΣR, out] matrix of the parts' Bᵀ times the scaling, each in the columns of
 the fused output its part adds to; so a projection's delta is two products whatever it fuses.
-They are kept in fp32, and for a model in another dtype also in its dtype, plus, in the
-model's dtype, A untransposed and B in column tiles for the decode kernel. A step of up to
+They are kept in the model's dtype, plus, where the decode kernel below runs, A untransposed
+and B in column tiles for it, else in fp32 too (the small steps' products). A step of up to
 KERNEL_ROWS rows on a CPU with radixserve's kernels adds every adapter's deltas to a projection
 in one call, `lora_delta` (csrc/lora_ops.cpp: each row gathers its own adapter's matrices, in
 the model's dtype, accumulating in fp32; bf16 by vdpbf16ps where the CPU has AVX512-BF16),
@@ -67,8 +67,9 @@ WRAPPED = (
 
 @dataclass
 class _Packed:
-    """One adapter's weights for one wrapped projection of one layer (fp32)."""
+    """One adapter's weights for one wrapped projection of one layer."""
 
+    # (a_t and b are fp32, or the model's dtype's where the kernel takes the small steps)
     a_t: torch.Tensor  # [in (this rank's), ΣR]: the parts' A, transposed, side by side
     b: torch.Tensor  # [ΣR, out (this rank's)]: scaling · each part's Bᵀ in its block
     a_t_model: torch.Tensor | None = None  # the two in the model's dtype (None: it is fp32)
@@ -272,6 +273,8 @@ class LoRAManager:
                     w.a_rows, w.b_tiles = kernel_weights(
                         w.a_t.t().to(self.dtype), w.b.to(self.dtype)
                     )
+                    if w.a_t_model is not None:  # the fp32 pair would serve only the kernel's
+                        w.a_t, w.b = w.a_t_model, w.b_model  # steps: not kept
                 packed[(layer, fused)] = w
         return packed
 

@@ -29,11 +29,11 @@
 //   deltas added to the four projections as lora/manager.py's LoRALinear adds them (the same
 //   calls, in the same order): per group g (one adapter), lora_rows[g] its rows of x (empty:
 //   all of them), and per layer and projection six tensors in lora_weights, at
-//   ((g * layers + l) * 4 + i) * 6: a_t, b (fp32), a_t and b in the model's dtype (empty where
-//   it is fp32), and lora_delta's a and b (lora_ops.cpp); a projection the adapter leaves
-//   alone has empty ones. lora_slots (each row's group, -1: none) non-empty: the
-//   deltas take lora_delta, one call per projection; else up to fp32_rows rows they run in
-//   fp32, beyond in the model's dtype.
+//   ((g * layers + l) * 4 + i) * 6: a_t, b (fp32, or the model's dtype where it has the kernel),
+//   a_t and b in the model's dtype (empty where it is fp32), and lora_delta's a and b
+//   (lora_ops.cpp); a projection the adapter leaves alone has empty ones. lora_slots (each
+//   row's group, -1: none) non-empty: the deltas take lora_delta, one call per projection;
+//   else up to fp32_rows rows they run in a_t's dtype, beyond in the model's dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -112,7 +112,7 @@ struct Lora {
         }
         continue;
       }
-      const at::Tensor delta = at::mm(at::mm(xs.to(at::kFloat), a_t), b).to(y.scalar_type());
+      const at::Tensor delta = at::mm(at::mm(xs.to(a_t.scalar_type()), a_t), b).to(y.scalar_type());
       if (all) {
         y.add_(delta);
       } else {
