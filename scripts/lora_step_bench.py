@@ -1,0 +1,71 @@
+"""A decode step's time with LoRA adapters, straight through the ModelRunner (no server):
+the base model, every row on one adapter, and the adapters in turn, at each batch size.
+docs/performance.md, "Every adapter of a decode step in one call".
+
+    .venv/bin/python scripts/lora_step_bench.py --adapters DIR_A DIR_B DIR_C DIR_D --rows 1 32
+
+(the adapters there: tests/lora/test_lora.py's write_adapter(dir, model, r=16, seed=3 + i,
+scale=0.03); the default model in its default dtype; 200-token prompts, the median of 60
+steps.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+
+def main() -> None:
+    from rs_testing import prefill_batch
+
+    from radixserve.args import ServerArgs
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.model_loader.default_model import ensure_default_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--adapters", nargs="+", required=True)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64, 128])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--prompt-len", type=int, default=200)
+    a = ap.parse_args()
+    names = [f"l{i}" for i in range(len(a.adapters))]
+    args = ServerArgs(
+        model_path=ensure_default_model(),
+        device="cpu",
+        max_total_tokens=max(a.rows) * (a.prompt_len + a.steps + 8) + 1024,
+        lora_paths=tuple(f"{n}={d}" for n, d in zip(names, a.adapters, strict=True)),
+    ).resolve()
+    runner = ModelRunner(args)
+    for n in a.rows:
+        for label, loras in (
+            ("base", [None] * n),
+            ("one", [names[0]] * n),
+            ("mixed", [names[i % len(names)] for i in range(n)]),
+        ):
+            batch = prefill_batch(runner, [list(range(100, 100 + a.prompt_len))] * n)
+            for req, lora in zip(batch.reqs, loras, strict=True):
+                req.lora_id = lora
+            runner.forward(batch.get_forward_batch(runner.device))
+            times = []
+            for _ in range(a.steps):
+                for req in batch.reqs:
+                    req.output_ids.append(5)
+                batch.prepare_for_decode()
+                fb = batch.get_forward_batch(runner.device)
+                start = time.perf_counter()
+                runner.forward(fb)
+                times.append(time.perf_counter() - start)
+            for req in batch.reqs:
+                batch.tree_cache.cache_finished_req(req)
+            times.sort()
+            print(
+                f"rows {n} {label}: median step {times[len(times) // 2] * 1e3:.2f} ms", flush=True
+            )
+
+
+if __name__ == "__main__":
+    main()
