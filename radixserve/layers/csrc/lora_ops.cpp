@@ -58,6 +58,25 @@ using radixserve_vec::store16;
 // with fixed bounds, fully unrolled, so that the accumulators stay in registers (a short rank
 // block repeats its last rank and keeps only its own results).
 
+// The masks of a tile's four vectors for its first `width` columns.
+constexpr int64_t kVecs = kTile / 16;
+inline void tile_masks(int64_t width, __mmask16* mask) {
+  for (int64_t c = 0; c < kVecs; ++c) mask[c] = width > 16 * c ? first(width - 16 * c) : 0;
+}
+
+// y[rows of the block, j0 ..] += acc (rounded once to y's dtype), the masked columns only.
+template <int64_t kRows, typename T>
+inline void add_to_rows(const __m512 (&acc)[kRows][kVecs], const __mmask16* mask,
+                        const RowBlock& rb, const int64_t* rows, int64_t j0, T* y, int64_t ys) {
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < kRows; ++i) {
+    T* yr = y + rows[rb.first + i] * ys + j0;
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < kVecs; ++c)
+      store16(yr + 16 * c, _mm512_add_ps(load16(yr + 16 * c, mask[c]), acc[i][c]), mask[c]);
+  }
+}
+
 // xa[i, w0 + w] = xf[i] · a[w] over `in`, for the block's rows i and w < nw; `next` (or null):
 // the rows to prefetch meanwhile.
 template <int64_t kRows, typename T>
@@ -101,9 +120,8 @@ template <int64_t kRows, typename T>
 void expand_rows(const float* xa, int64_t xa_stride, const T* tile, int64_t rank,
                  const RowBlock& rb, const int64_t* rows, int64_t j0, int64_t width, T* y,
                  int64_t ys, const T* next) {
-  constexpr int64_t kVecs = kTile / 16;
   __mmask16 mask[kVecs];
-  for (int64_t c = 0; c < kVecs; ++c) mask[c] = width > 16 * c ? first(width - 16 * c) : 0;
+  tile_masks(width, mask);
   const float* xr = xa + rb.first * xa_stride;
   __m512 acc[kRows][kVecs];
 #pragma GCC unroll 16
@@ -123,13 +141,7 @@ void expand_rows(const float* xa, int64_t xa_stride, const T* tile, int64_t rank
       for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = _mm512_fmadd_ps(v, bv[c], acc[i][c]);
     }
   }
-#pragma GCC unroll 4
-  for (int64_t i = 0; i < kRows; ++i) {
-    T* yr = y + rows[rb.first + i] * ys + j0;
-#pragma GCC unroll 4
-    for (int64_t c = 0; c < kVecs; ++c)
-      store16(yr + 16 * c, _mm512_add_ps(load16(yr + 16 * c, mask[c]), acc[i][c]), mask[c]);
-  }
+  add_to_rows<kRows>(acc, mask, rb, rows, j0, y, ys);
 }
 
 template <typename T>
@@ -208,9 +220,8 @@ template <int64_t kRows>
 void expand_pairs(const uint16_t* xa, int64_t xa_stride, const c10::BFloat16* tile, int64_t rank,
                   const RowBlock& rb, const int64_t* rows, int64_t j0, int64_t width,
                   c10::BFloat16* y, int64_t ys, const c10::BFloat16* next) {
-  constexpr int64_t kVecs = kTile / 16;
   __mmask16 mask[kVecs];
-  for (int64_t c = 0; c < kVecs; ++c) mask[c] = width > 16 * c ? first(width - 16 * c) : 0;
+  tile_masks(width, mask);
   const uint16_t* xr = xa + rb.first * xa_stride;
   __m512 acc[kRows][kVecs];
 #pragma GCC unroll 16
@@ -233,13 +244,7 @@ void expand_pairs(const uint16_t* xa, int64_t xa_stride, const c10::BFloat16* ti
       for (int64_t c = 0; c < kVecs; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], bv[c], v);
     }
   }
-#pragma GCC unroll 4
-  for (int64_t i = 0; i < kRows; ++i) {
-    c10::BFloat16* yr = y + rows[rb.first + i] * ys + j0;
-#pragma GCC unroll 4
-    for (int64_t c = 0; c < kVecs; ++c)
-      store16(yr + 16 * c, _mm512_add_ps(load16(yr + 16 * c, mask[c]), acc[i][c]), mask[c]);
-  }
+  add_to_rows<kRows>(acc, mask, rb, rows, j0, y, ys);
 }
 
 
