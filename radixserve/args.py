@@ -332,8 +332,6 @@ class ServerArgs:
             raise ValueError("--max-lora-rank must be >= 1")
         if not (self.lora_paths or self.enable_lora):
             return
-        if self.speculative_algorithm:
-            raise ValueError("LoRA with --speculative-algorithm is not supported yet")
         from radixserve.lora.adapter import LoRAError, check_adapter_dir, parse_lora_paths
 
         try:

@@ -91,10 +91,13 @@ class SpecWorker:
     def node_batch(mwb: ModelWorkerBatch, spec: SpecVerifyInput) -> ModelWorkerBatch:
         """The verify step as the model sees it: a decode of one query per tree node."""
         seq, owner, rids = [], [], []
+        loras: list[str | None] | None = [] if mwb.lora_ids else None
         for b, (s, tree) in enumerate(zip(spec.seq_lens, spec.trees, strict=True)):
             seq.extend(s + d + 1 for d in tree.depths)
             owner.extend([mwb.req_pool_indices[b]] * len(tree))
             rids.extend([mwb.rids[b]] * len(tree))
+            if loras is not None:  # each node under its request's LoRA adapter
+                loras.extend([mwb.lora_ids[b]] * len(tree))
         return ModelWorkerBatch(
             forward_mode=ForwardMode.DECODE,
             input_ids=[t for tree in spec.trees for t in tree.tokens],
@@ -106,6 +109,7 @@ class SpecWorker:
             out_cache_loc=mwb.out_cache_loc,
             kv_rows=spec.node_kv_rows(mwb.kv_rows),
             rids=rids,
+            lora_ids=loras,
         )
 
     def move_accepted_kv(

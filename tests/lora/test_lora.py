@@ -247,6 +247,54 @@ def test_more_adapter_rows_than_the_kernel_takes(tiny):
     assert any(rows <= KERNEL_ROWS for rows, _ in steps)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4},
+        {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8},
+        {"speculative_algorithm": "STANDALONE", "speculative_num_steps": 3},
+    ],
+    ids=["ngram-4", "ngram-8", "standalone"],
+)
+def test_speculative_decoding_verifies_under_each_requests_adapter(tiny, spec):
+    """Speculative decoding with mixed adapters: each verify step runs every draft node under
+    its request's adapter (the rows of a request's tree share it), so each request still gets
+    its adapter's greedy tokens; a draft model (here the base model itself) drafts without
+    adapters. The pool drains."""
+    if spec["speculative_algorithm"] == "STANDALONE":
+        spec = {**spec, "speculative_draft_model_path": tiny["model"]}
+    h = _harness(tiny, attention_backend="cpu_paged", speculative_disable_adaptive=True, **spec)
+    worker = h.scheduler.spec_worker
+    node_batch, trees = worker.node_batch, []
+
+    def spy(mwb, spec):
+        nodes = node_batch(mwb, spec)
+        trees.append((len(mwb.rids), len(nodes.rids), nodes.lora_ids))
+        return nodes
+
+    worker.node_batch = spy
+    names = [None, "a", "b", "c"]
+    expected = {}
+    for i, p in enumerate(tiny["prompts"]):
+        for lora in names:
+            # the prompt twice over: its n-grams recur, so NGRAM proposes drafts
+            _submit(h, f"{i}-{lora}", p + p, lora)
+    h.run_until_idle()
+    refs = {
+        lora: peft_greedy(
+            tiny["model"], tiny["adapters"].get(lora), [p + p for p in tiny["prompts"]]
+        )
+        for lora in names
+    }
+    for i in range(len(tiny["prompts"])):
+        for lora in names:
+            expected[f"{i}-{lora}"] = refs[lora][i]
+    assert h.results() == expected
+    _assert_drained(h)
+    assert any(n > r for r, n, _ in trees)  # verify steps with draft nodes
+    assert all(loras is not None and set(loras) == set(names) for r, n, loras in trees if r == 24)
+
+
 def test_at_most_max_loras_per_batch_adapters_in_a_step(tiny):
     """--max-loras-per-batch 1: requests of three adapters and of none, sent together, all
     finish right; no step ever holds two adapters (base-model rows join any step)."""
@@ -361,7 +409,6 @@ def test_the_flags(tiny, tmp_path):
         ({"lora_paths": (f"x={a}", f"x={b}")}, "given twice"),
         ({"lora_paths": (str(tmp_path),)}, "adapter_config.json"),
         ({"lora_paths": ("x=" + str(tmp_path / "nope"),)}, "not a directory"),
-        ({"lora_paths": (a,), "speculative_algorithm": "NGRAM"}, "speculative"),
         ({"max_loras_per_batch": 0}, "max-loras-per-batch"),
     ]:
         with pytest.raises(ValueError, match=match):
