@@ -153,6 +153,23 @@ def _submit(h: SchedulerHarness, rid: str, ids: list[int], lora: str | None) -> 
     )
 
 
+NAMES = (None, "a", "b", "c")  # the tiny fixture's adapters and the base model
+
+
+def _submit_each(
+    h: SchedulerHarness, tag: str, prompts: list[list[int]], refs: dict[Any, list[list[int]]]
+) -> dict[str, list[int]]:
+    """Every prompt under every adapter and under none (rids f"{tag}{i}-{lora}"); returns
+    each request's expected tokens (refs[lora][i])."""
+    expected = {}
+    for i, p in enumerate(prompts):
+        for lora in NAMES:
+            rid = f"{tag}{i}-{lora}"
+            _submit(h, rid, p, lora)
+            expected[rid] = refs[lora][i]
+    return expected
+
+
 def _harness(tiny: dict[str, Any], **kwargs: Any) -> SchedulerHarness:
     kwargs.setdefault("max_total_tokens", 4096)  # (the integrity checks walk the whole pool)
     h = SchedulerHarness(model_path=tiny["model"], lora_paths=_paths(tiny), **kwargs)
@@ -190,24 +207,18 @@ def test_mixed_adapters_in_one_batch_give_each_adapters_greedy_tokens(tiny, kwar
     batches mix adapters), and again staggered: each request gets the tokens of its own
     adapter; nothing leaks."""
     h = _harness(tiny, **kwargs)
-    names = [None, "a", "b", "c"]
-    expected = {}
-    for i, p in enumerate(tiny["prompts"]):
-        for lora in names:
-            rid = f"{i}-{lora}"
-            _submit(h, rid, p, lora)
-            expected[rid] = tiny["refs"][lora][i]
+    expected = _submit_each(h, "", tiny["prompts"], tiny["refs"])
     h.run_until_idle()
     assert h.results() == expected
     for i, p in enumerate(tiny["prompts"]):  # staggered: arriving while others decode
-        for lora in names:
+        for lora in NAMES:
             _submit(h, f"again-{i}-{lora}", p, lora)
             h.step()
             h.step()
     h.run_until_idle()
     got = h.results()
     for i in range(len(tiny["prompts"])):
-        for lora in names:
+        for lora in NAMES:
             assert got[f"again-{i}-{lora}"] == tiny["refs"][lora][i], (i, lora)
     _assert_drained(h)
 
@@ -229,15 +240,10 @@ def test_more_adapter_rows_than_the_kernel_takes(tiny):
         return batch
 
     manager.prepare = spy
-    names = [None, "a", "b", "c"]
     expected = {}
     for copies in (7, 1):  # 168 requests at once, then 24
         for k in range(copies):
-            for i, p in enumerate(tiny["prompts"]):
-                for lora in names:
-                    rid = f"{copies}-{k}-{i}-{lora}"
-                    _submit(h, rid, p, lora)
-                    expected[rid] = tiny["refs"][lora][i]
+            expected.update(_submit_each(h, f"{copies}-{k}-", tiny["prompts"], tiny["refs"]))
         h.run_until_idle()
     assert len(expected) > KERNEL_ROWS
     assert h.results() == expected
@@ -245,6 +251,14 @@ def test_more_adapter_rows_than_the_kernel_takes(tiny):
     assert any(rows > KERNEL_ROWS and not kernel for rows, kernel in steps)
     assert all(kernel == manager.kernel for rows, kernel in steps if rows <= KERNEL_ROWS)
     assert any(rows <= KERNEL_ROWS for rows, _ in steps)
+
+
+@pytest.fixture(scope="module")
+def doubled(tiny) -> tuple[list[list[int]], dict[Any, list[list[int]]]]:
+    """Each prompt twice over (its n-grams recur, so NGRAM proposes drafts) and its greedy
+    tokens under each adapter and none."""
+    prompts = [p + p for p in tiny["prompts"]]
+    return prompts, {n: peft_greedy(tiny["model"], tiny["adapters"].get(n), prompts) for n in NAMES}
 
 
 @pytest.mark.parametrize(
@@ -256,7 +270,7 @@ def test_more_adapter_rows_than_the_kernel_takes(tiny):
     ],
     ids=["ngram-4", "ngram-8", "standalone"],
 )
-def test_speculative_decoding_verifies_under_each_requests_adapter(tiny, spec):
+def test_speculative_decoding_verifies_under_each_requests_adapter(tiny, doubled, spec):
     """Speculative decoding with mixed adapters: each verify step runs every draft node under
     its request's adapter (the rows of a request's tree share it), so each request still gets
     its adapter's greedy tokens; a draft model (here the base model itself) drafts without
@@ -273,26 +287,12 @@ def test_speculative_decoding_verifies_under_each_requests_adapter(tiny, spec):
         return nodes
 
     worker.node_batch = spy
-    names = [None, "a", "b", "c"]
-    expected = {}
-    for i, p in enumerate(tiny["prompts"]):
-        for lora in names:
-            # the prompt twice over: its n-grams recur, so NGRAM proposes drafts
-            _submit(h, f"{i}-{lora}", p + p, lora)
+    expected = _submit_each(h, "", *doubled)
     h.run_until_idle()
-    refs = {
-        lora: peft_greedy(
-            tiny["model"], tiny["adapters"].get(lora), [p + p for p in tiny["prompts"]]
-        )
-        for lora in names
-    }
-    for i in range(len(tiny["prompts"])):
-        for lora in names:
-            expected[f"{i}-{lora}"] = refs[lora][i]
     assert h.results() == expected
     _assert_drained(h)
     assert any(n > r for r, n, _ in trees)  # verify steps with draft nodes
-    assert all(loras is not None and set(loras) == set(names) for r, n, loras in trees if r == 24)
+    assert all(loras is not None and set(loras) == set(NAMES) for r, n, loras in trees if r == 24)
 
 
 def test_at_most_max_loras_per_batch_adapters_in_a_step(tiny):
