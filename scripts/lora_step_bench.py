@@ -4,6 +4,14 @@ docs/performance.md, "Every adapter of a decode step in one call".
 
     .venv/bin/python scripts/lora_step_bench.py --adapters DIR_A DIR_B DIR_C DIR_D --rows 1 32
 
+With --prefill, a prefill's time instead: `--rows` prompts of --prompt-len tokens in one
+extend step, base / one adapter / the adapters in turn (one per prompt), and with
+--compare-products the same with the deltas by the per-adapter products instead of inside
+the bf16 tiled products (docs/performance.md, "LoRA prefills inside the tiled products"):
+
+    .venv/bin/python scripts/lora_step_bench.py --adapters A B C D --prefill --rows 1 4 \
+        --prompt-len 200 1024 --compare-products
+
 (the adapters there: tests/lora/test_lora.py's write_adapter(dir, model, r=16, seed=3 + i,
 scale=0.03); the default model in its default dtype; 200-token prompts, the median of 60
 steps.)
@@ -15,6 +23,8 @@ import argparse
 import os
 import sys
 import time
+
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
@@ -30,13 +40,17 @@ def main() -> None:
     ap.add_argument("--adapters", nargs="+", required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64, 128])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[200])
+    ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--compare-products", action="store_true")
     a = ap.parse_args()
+    if a.prefill:
+        return prefill(a)
     names = [f"l{i}" for i in range(len(a.adapters))]
     args = ServerArgs(
         model_path=ensure_default_model(),
         device="cpu",
-        max_total_tokens=max(a.rows) * (a.prompt_len + a.steps + 8) + 1024,
+        max_total_tokens=max(a.rows) * (a.prompt_len[0] + a.steps + 8) + 1024,
         lora_paths=tuple(f"{n}={d}" for n, d in zip(names, a.adapters, strict=True)),
     ).resolve()
     runner = ModelRunner(args)
@@ -46,7 +60,7 @@ def main() -> None:
             ("one", [names[0]] * n),
             ("mixed", [names[i % len(names)] for i in range(n)]),
         ):
-            batch = prefill_batch(runner, [list(range(100, 100 + a.prompt_len))] * n)
+            batch = prefill_batch(runner, [list(range(100, 100 + a.prompt_len[0]))] * n)
             for req, lora in zip(batch.reqs, loras, strict=True):
                 req.lora_id = lora
             runner.forward(batch.get_forward_batch(runner.device))
@@ -65,6 +79,56 @@ def main() -> None:
             print(
                 f"rows {n} {label}: median step {times[len(times) // 2] * 1e3:.2f} ms", flush=True
             )
+
+
+def prefill(a: argparse.Namespace) -> None:
+    from rs_testing import prefill_batch
+
+    from radixserve.args import ServerArgs
+    from radixserve.lora.manager import LoRALinear
+    from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.model_loader.default_model import ensure_default_model
+
+    names = [f"l{i}" for i in range(len(a.adapters))]
+    args = ServerArgs(
+        model_path=ensure_default_model(),
+        device="cpu",
+        max_total_tokens=max(a.rows) * max(a.prompt_len) + 1024,
+        lora_paths=tuple(f"{n}={d}" for n, d in zip(names, a.adapters, strict=True)),
+    ).resolve()
+    runner = ModelRunner(args)
+    wrapped = [m for m in runner.model.modules() if isinstance(m, LoRALinear)]
+    tiled = [m.tiled for m in wrapped]
+    paths = [("tiled", tiled), ("products", [False] * len(wrapped))]
+    g = torch.Generator().manual_seed(0)
+    for length in a.prompt_len:
+        for n in a.rows:
+            prompts = [torch.randint(100, 40000, (length,), generator=g).tolist() for _ in range(n)]
+            cases = [("base", [None] * n), ("one", [names[0]] * n)]
+            cases.append(("mixed", [names[i % len(names)] for i in range(n)]))
+            for path, flags in paths[: 2 if a.compare_products else 1]:
+                for m, flag in zip(wrapped, flags, strict=True):
+                    m.tiled = flag
+                for label, loras in cases:
+                    if label == "base" and path != "tiled":
+                        continue
+                    times = []
+                    for _ in range(a.steps):
+                        batch = prefill_batch(runner, prompts)
+                        for req, lora in zip(batch.reqs, loras, strict=True):
+                            req.lora_id = lora
+                        fb = batch.get_forward_batch(runner.device)
+                        start = time.perf_counter()
+                        runner.forward(fb)
+                        times.append(time.perf_counter() - start)
+                        for req in batch.reqs:
+                            batch.tree_cache.cache_finished_req(req)
+                    times.sort()
+                    print(
+                        f"prefill {n} x {length}: {label} ({path}) median "
+                        f"{times[len(times) // 2] * 1e3:.1f} ms",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

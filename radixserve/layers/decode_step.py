@@ -33,7 +33,7 @@ from radixserve.mem_cache.memory_pool import MHATokenToKVPool
 from radixserve.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
-_EMPTY = torch.empty(0, dtype=torch.int64)  # run_lora's slots where the deltas take no kernel
+_EMPTY = torch.empty(0, dtype=torch.int64)  # run_lora's slots where there are none
 
 # csrc/decode_step.cpp's linear kinds
 DENSE, Q4, Q8, W8A8, Q4_TILED, Q8_TILED, BF16_TILED, BIAS = 0, 1, 2, 3, 4, 5, 6, 8
@@ -107,7 +107,9 @@ class CpuDecodeStep:
         if lora is None:
             return self.step.run(*args)
         slots = _EMPTY if lora.slots is None else lora.slots
-        return self.step.run_lora(*args, lora.step_rows, lora.step_weights, slots, lora.fp32_rows)
+        return self.step.run_lora(
+            *args, lora.step_rows, lora.step_weights, slots, lora.kernel, lora.fp32_rows
+        )
 
 
 class _Unsupported(Exception):

@@ -11,11 +11,16 @@ and B in column tiles for it, else in fp32 too (the small steps' products). A st
 KERNEL_ROWS rows on a CPU with radixserve's kernels adds every adapter's deltas to a projection
 in one call, `lora_delta` (csrc/lora_ops.cpp: each row gathers its own adapter's matrices, in
 the model's dtype, accumulating in fp32; bf16 by vdpbf16ps where the CPU has AVX512-BF16),
-whatever the number of adapters in the step. Larger
-steps (and GPUs, and CPUs without the kernels) compute each adapter's rows by two products:
-up to FP32_ROWS rows in fp32 (a bf16 product of these small shapes costs oneDNN ≈ 20 µs a
-call against ≈ 3-5 µs in fp32, for a cast of the few input rows), beyond in the model's
-dtype (at 6,400 rows 7× faster than in fp32). With tensor parallelism
+whatever the number of adapters in the step. In larger steps (prefills), where the base
+projection runs on radixserve's bf16 tiles (layers/linear.py), the deltas join the base
+product itself: every row's first product x Aᵀ by one call (bf16_tiled_lora_shrink), then
+the base product whose sums also take each row's xa times its adapter's B before the one
+rounding (bf16_tiled_linear_lora / bf16_tiled_silu_mul_lora, csrc/bf16_linear.cpp), so the
+output is never re-read to add a delta and the MLP keeps its fused SiLU. Elsewhere (GPUs,
+CPUs without the kernels, other weight forms) each adapter's rows take two products: up to
+FP32_ROWS rows in fp32 (a bf16 product of these small shapes costs oneDNN ≈ 20 µs a call
+against ≈ 3-5 µs in fp32, for a cast of the few input rows), beyond in the model's dtype (at
+6,400 rows 7× faster than in fp32). With tensor parallelism
 each rank keeps its shard: column-parallel projections (qkv, gate_up) narrow B's rows as their
 weight's, row-parallel ones (o, down) narrow A's columns, and their delta joins the partial
 product before the all-reduce (the sum over ranks of (xᵢ Aᵢᵀ) Bᵀ is (x Aᵀ) Bᵀ). Under
@@ -41,6 +46,7 @@ import torch
 from torch import nn
 
 from radixserve.layers.cpu_kernels import cpu_kernels_available
+from radixserve.layers.linear import Linear, tile_layout
 from radixserve.layers.parallel_layers import RowParallelLinear
 from radixserve.lora.adapter import LoRAAdapter, LoRAError, ModelShape, parse_lora_paths
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -78,6 +84,11 @@ class _Packed:
     # and B in tiles of TILE columns (each a contiguous read)
     a_rows: torch.Tensor | None = None
     b_tiles: torch.Tensor | None = None
+    # Where the base projection runs on radixserve's bf16 tiles (layers/linear.py), the two in
+    # that tile layout, ranks padded to a multiple of 32 (the tile unit's step): A [ΣR, in]
+    # for bf16_tiled_lora_shrink, B [ΣR, out] for the base product's own (bf16_tiled_*_lora).
+    shrink_tiles: torch.Tensor | None = None
+    expand_tiles: torch.Tensor | None = None
 
 
 def kernel_weights(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,15 +111,38 @@ def kernel_weights(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
     return a, paired.view(tiles, padded_rank, TILE)
 
 
+def tiled_weights(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [R, in] and B [R, out] in the bf16 tiles' layout (layers/linear.py's tile_layout),
+    R padded with zero ranks to a multiple of 32: A as a weight [R, in] (the first product
+    x Aᵀ), B as the second product's weight Bᵀ [out, R]."""
+    rank = a.shape[0]
+    padded = -(-rank // 32) * 32
+    a_pad = a.new_zeros(padded, a.shape[1])
+    a_pad[:rank] = a
+    bt_pad = b.new_zeros(b.shape[1], padded)
+    bt_pad[:, :rank] = b.t()
+    return tile_layout(a_pad), tile_layout(bt_pad)
+
+
+def _tiled_base(base: nn.Module) -> bool:
+    """Whether a projection's product runs on radixserve's bf16 tiles (prepack's own layout),
+    which take the adapters' deltas inside the product (bf16_tiled_*_lora)."""
+    packed = getattr(base, "packed", None)
+    return type(base) is Linear and packed is not None and not packed.is_mkldnn
+
+
 @dataclass
 class LoRABatch:
     """Which packed token rows use which adapter in this step (rows None: all of them)."""
 
     groups: list[tuple[dict[tuple[int, str], _Packed], torch.Tensor | None]]
-    # Each packed row's group (-1: no adapter) where the deltas take the kernel, else None.
+    # Each packed row's group (-1: no adapter) on a CPU with radixserve's kernels, else None;
+    # `kernel`: whether lora_delta takes the step (else the tiled products where the base
+    # projection is tiled, and the per-adapter products elsewhere).
     slots: torch.Tensor | None
+    kernel: bool
     # The same for the C++ decode step (csrc/decode_step.cpp's run_lora): each group's rows
-    # (empty: all) and its weights, 6 per layer and projection.
+    # (empty: all) and its weights, 8 per layer and projection.
     step_rows: list[torch.Tensor]
     step_weights: list[torch.Tensor]
     fp32_rows: int = FP32_ROWS
@@ -122,6 +156,7 @@ class LoRALinear(nn.Module):
         self.base = base
         self.key = key
         self.row_parallel = row and isinstance(base, RowParallelLinear)
+        self.tiled = _tiled_base(base)
         self._manager = [manager]  # a list: not a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,22 +165,58 @@ class LoRALinear(nn.Module):
             return self.base(x)
         if self.row_parallel:
             return self.base(x, lambda y: self._add_deltas(y, x, batch))
+        operands = self._tiled_operands(x, batch)
+        if operands is not None:  # the deltas inside the base product
+            flat, xa, expand = operands
+            y = torch.ops.radixserve.bf16_tiled_linear_lora(
+                flat, self.base.packed, self.base.bias, xa, batch.slots, expand
+            )
+            return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
         y = self.base(x)
         self._add_deltas(y, x, batch)
         return y
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The base projection's fused SiLU kernel, where no adapter of the step adapts it."""
+        """silu_and_mul of this projection in one kernel where the base has one (its fused SiLU
+        kernel, with the step's deltas inside the product where they apply), else None."""
         fused = getattr(self.base, "silu_and_mul", None)
         batch = self._manager[0].batch
-        if fused is None or (batch is not None and any(self.key in w for w, _ in batch.groups)):
+        if fused is None:
             return None
-        return fused(x)
+        if batch is None or not any(self.key in w for w, _ in batch.groups):
+            return fused(x)
+        if self.base.bias is not None or self.base.out_features % 32:
+            return None
+        operands = self._tiled_operands(x, batch)
+        if operands is None:
+            return None
+        flat, xa, expand = operands
+        y = torch.ops.radixserve.bf16_tiled_silu_mul_lora(
+            flat, self.base.packed, xa, batch.slots, expand
+        )
+        return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+    def _tiled_operands(
+        self, x: torch.Tensor, batch: LoRABatch
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+        """Where this step's deltas join the base's tiled product (a step lora_delta does not
+        take, the base in bf16 tiles): x's rows in bf16, their first products xa, and each
+        group's B in tiles; else None."""
+        if batch.kernel or batch.slots is None or not self.tiled:
+            return None
+        ws = [weights.get(self.key) for weights, _ in batch.groups]
+        if any(w is not None and w.shrink_tiles is None for w in ws):
+            return None
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        xa = torch.ops.radixserve.bf16_tiled_lora_shrink(
+            flat, [_NONE if w is None else w.shrink_tiles for w in ws], batch.slots
+        )
+        return flat, xa, [_NONE if w is None else w.expand_tiles for w in ws]
 
     def _add_deltas(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
         flat_x = x.reshape(-1, x.shape[-1])
         flat_y = y.view(-1, y.shape[-1])
-        if batch.slots is not None:
+        if batch.kernel:
             ws = [weights.get(self.key) for weights, _ in batch.groups]
             torch.ops.radixserve.lora_delta(
                 flat_y,
@@ -209,11 +280,13 @@ class LoRAManager:
             for _, fused, _, _ in WRAPPED:
                 w = packed.get((layer, fused))
                 if w is None:
-                    flat += [none] * 6
+                    flat += [none] * 8
                 else:
                     model = (w.a_t_model, w.b_model) if w.a_t_model is not None else (none, none)
                     kernel = (w.a_rows, w.b_tiles) if w.a_rows is not None else (none, none)
-                    flat += [w.a_t, w.b, *model, *kernel]
+                    tiled = (w.shrink_tiles, w.expand_tiles)
+                    tiled = tiled if w.shrink_tiles is not None else (none, none)
+                    flat += [w.a_t, w.b, *model, *kernel, *tiled]
         self.step_weights[name] = flat
         targets = sorted({proj for _, proj in adapter.weights})
         logger.info(
@@ -269,6 +342,10 @@ class LoRAManager:
                 )
                 if self.dtype != torch.float32:
                     w.a_t_model, w.b_model = w.a_t.to(self.dtype), w.b.to(self.dtype)
+                if getattr(getattr(block, sub), fused).tiled:
+                    w.shrink_tiles, w.expand_tiles = tiled_weights(
+                        w.a_t.t().to(torch.bfloat16), w.b.to(torch.bfloat16)
+                    )
                 if self.kernel:
                     w.a_rows, w.b_tiles = kernel_weights(
                         w.a_t.t().to(self.dtype), w.b.to(self.dtype)
@@ -312,7 +389,7 @@ class LoRAManager:
                 rows.setdefault(name, []).extend(range(start, start + n))
             start += n
         groups, step_rows, step_weights = [], [], []
-        slots = [-1] * start if self.kernel and start <= KERNEL_ROWS else None
+        slots = torch.full((start,), -1, dtype=torch.int64) if self.kernel else None
         for g, (name, idx) in enumerate(rows.items()):
             weights = self.adapters.get(name)
             if weights is None:
@@ -321,11 +398,12 @@ class LoRAManager:
             groups.append((weights, picked))
             step_rows.append(torch.empty(0, dtype=torch.int64) if picked is None else picked)
             step_weights += self.step_weights[name]
-            if slots is not None:
-                for i in idx:
-                    slots[i] = g
-        kernel_slots = None if slots is None else torch.tensor(slots, dtype=torch.int64)
-        return LoRABatch(groups, kernel_slots, step_rows, step_weights)
+            if slots is not None and picked is None:
+                slots.fill_(g)
+            elif slots is not None:
+                slots.index_fill_(0, picked, g)
+        kernel = slots is not None and start <= KERNEL_ROWS
+        return LoRABatch(groups, slots, kernel, step_rows, step_weights)
 
     def run(self, batch: LoRABatch | None, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """forward() with `batch`'s adapters applied by the wrapped projections."""

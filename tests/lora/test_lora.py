@@ -236,7 +236,7 @@ def test_more_adapter_rows_than_the_kernel_takes(tiny):
     def spy(fb):
         batch = prepare(fb)
         if batch is not None:
-            steps.append((sum(fb.extend_seq_lens_cpu), batch.slots is not None))
+            steps.append((sum(fb.extend_seq_lens_cpu), batch.kernel))
         return batch
 
     manager.prepare = spy
@@ -527,7 +527,7 @@ def test_the_default_model_with_an_adapter_gives_transformers_tokens(default_mod
     [
         ("float32", None, 5),
         ("bfloat16", None, 5),
-        ("bfloat16", None, 130),  # above KERNEL_ROWS: the deltas by products in bf16
+        ("bfloat16", None, 130),  # above KERNEL_ROWS: inside the bf16 tiled products
         ("float32", "int4", 7),
         ("bfloat16", "int8", 40),
     ],
@@ -585,6 +585,64 @@ def test_the_cpp_decode_step_adds_the_deltas_as_the_python_layers(
         assert torch.equal(got, want)
     alloc = runner.token_to_kv_pool_allocator
     assert alloc.available_size() == runner.max_total_num_tokens
+
+
+def test_large_steps_sum_the_deltas_inside_the_bf16_tiled_products(tiny, monkeypatch):
+    """A prefill of more rows than KERNEL_ROWS in bf16, the projections in radixserve's
+    tiles: each adapter's second product joins the base product's sums (bf16_tiled_*_lora).
+    The logits are as near the fp32 model's as the per-adapter bf16 products' are (the tiny
+    random model amplifies bf16's roundings: the two paths differ from each other about as
+    much as each from fp32), the base rows' are the base model's bitwise."""
+    from radixserve.layers.linear import bf16_tiles_supported
+    from radixserve.lora.manager import KERNEL_ROWS, LoRALinear
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    if not bf16_tiles_supported():
+        pytest.skip("no bf16 tiles here (radixserve's kernels without AVX512-BF16)")
+
+    def runner(dtype: str) -> ModelRunner:
+        return ModelRunner(
+            ServerArgs(
+                model_path=tiny["model"],
+                device="cpu",
+                dtype=dtype,
+                attention_backend="cpu_paged",
+                max_total_tokens=4096,
+                lora_paths=_paths(tiny),
+            ).resolve()
+        )
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(3, 320, (int(k),), generator=g).tolist()
+        for k in torch.randint(8, 40, (16,), generator=g)
+    ]
+    assert sum(map(len, prompts)) > KERNEL_ROWS
+    loras = [NAMES[i % len(NAMES)] for i in range(len(prompts))]
+    want = greedy_step_logits(runner("float32"), prompts, 0, loras)[0].double()
+    bf16 = runner("bfloat16")
+    wrapped = [m for m in bf16.model.modules() if isinstance(m, LoRALinear)]
+    assert wrapped and all(m.tiled for m in wrapped)
+    taken = []
+    operands = LoRALinear._tiled_operands
+
+    def spy(self, x, batch):
+        out = operands(self, x, batch)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LoRALinear, "_tiled_operands", spy)
+    fused = greedy_step_logits(bf16, prompts, 0, loras)[0].double()
+    assert taken and all(taken)
+    base = greedy_step_logits(bf16, prompts, 0)[0].double()
+    for m in wrapped:
+        m.tiled = False
+    products = greedy_step_logits(bf16, prompts, 0, loras)[0].double()
+    # mean |error| (here ≈ 0.012 and 0.011; without the deltas it would be ≈ 0.5)
+    err_fused, err_products = (fused - want).abs().mean(), (products - want).abs().mean()
+    assert err_fused < 0.03 and err_fused < 1.5 * err_products, (err_fused, err_products)
+    plain = [i for i, name in enumerate(loras) if name is None]
+    assert torch.equal(fused[plain], base[plain])
 
 
 # -- adapters loaded into a running server ------------------------------------------------------

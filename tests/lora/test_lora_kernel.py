@@ -1,5 +1,7 @@
 """csrc/lora_ops.cpp's lora_delta: every adapter's deltas of a small step in one call (each row
-its own adapter's A and B), against the sum computed in float64 row by row."""
+its own adapter's A and B), against the sum computed in float64 row by row; and the deltas of
+larger steps inside the base's bf16 tiled product (csrc/bf16_linear.cpp's bf16_tiled_*_lora,
+their first products by bf16_tiled_lora_shrink), against the same sums."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import pytest
 import torch
 
 from radixserve.layers.cpu_kernels import cpu_kernels_available
-from radixserve.lora.manager import kernel_weights
+from radixserve.layers.linear import tile_layout
+from radixserve.lora.manager import kernel_weights, tiled_weights
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason="radixserve's CPU kernels are not built on this machine"
@@ -110,3 +113,104 @@ def test_lora_delta_refuses_bad_arguments():
         a16, b16 = (torch.randn(3, 8).bfloat16(),), (torch.randn(3, 64).bfloat16().view(1, 3, 64),)
         with pytest.raises(RuntimeError, match="pairs of ranks"):
             op(y.bfloat16(), x.bfloat16(), list(a16), list(b16), torch.tensor([0, 0]))
+
+
+# -- the deltas inside the bf16 tiled product -----------------------------------------------------
+def _tiles_built() -> bool:
+    return bool(torch.ops.radixserve.bf16_tiled_supported())
+
+
+def _tiled(x, w, bias, a, b, slots, silu):
+    """bf16_tiled_lora_shrink then bf16_tiled_(linear|silu_mul)_lora, as LoRALinear calls them."""
+    ops = torch.ops.radixserve
+    packed = [(p, q) if p.numel() == 0 else tiled_weights(p, q) for p, q in zip(a, b, strict=True)]
+    xa = ops.bf16_tiled_lora_shrink(x, [p for p, _ in packed], slots)
+    bt = [q for _, q in packed]
+    if silu:
+        return xa, ops.bf16_tiled_silu_mul_lora(x, tile_layout(w), xa, slots, bt)
+    return xa, ops.bf16_tiled_linear_lora(x, tile_layout(w), bias, xa, slots, bt)
+
+
+@pytest.mark.skipif(not cpu_kernels_available() or not _tiles_built(), reason="no bf16 tiles")
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize(
+    "n,fan_in,fan_out,ranks,order",
+    [
+        (1, 576, 960, [48], "random"),
+        (200, 576, 960, [48, 16, 0, 64], "runs"),  # SmolLM2's qkv; ranks 48 and 64 span tiles
+        (257, 576, 3072, [16, 8], "runs"),  # a row past the 256-row blocks
+        (130, 1536, 576, [16, 16, 4], "random"),  # every 32 rows mixed: copied per adapter
+        (33, 64, 128, [4, 8, 2], "random"),
+        (70, 48, 64, [16, 8], "random"),  # K not a multiple of 32: vdpbf16ps even with AMX
+        (40, 80, 96, [40], "runs"),
+    ],
+)
+def test_tiled_product_adds_each_rows_adapter(silu, n, fan_in, fan_out, ranks, order):
+    if silu and fan_out % 32:
+        pytest.skip("silu_mul takes whole tiles of gate and of up")
+    g = torch.Generator().manual_seed(n + fan_in)
+    x = torch.randn(n, fan_in, generator=g).bfloat16()
+    w = (torch.randn(fan_out, fan_in, generator=g) * 0.05).bfloat16()
+    bias = None if silu else (torch.randn(fan_out, generator=g) * 0.1).bfloat16()
+    a = [
+        (torch.randn(r, fan_in, generator=g) * 0.05).bfloat16() if r else torch.empty(0)
+        for r in ranks
+    ]
+    b = [
+        (torch.randn(r, fan_out, generator=g) * 0.05).bfloat16() if r else torch.empty(0)
+        for r in ranks
+    ]
+    slots = torch.randint(-1, len(ranks), (n,), generator=g)
+    if order == "runs":  # a prefill's: each request's rows together
+        slots = slots.sort().values
+    xa, y = _tiled(x, w, bias, a, b, slots, silu)
+    # the first products: each row's x Aᵀ rounded to bf16, zeros elsewhere
+    want_xa = torch.zeros(n, xa.shape[1], dtype=torch.float64)
+    for r, s in enumerate(slots.tolist()):
+        if s >= 0 and ranks[s]:
+            want_xa[r, : ranks[s]] = x[r].double() @ a[s].double().t()
+    torch.testing.assert_close(xa.double(), want_xa, rtol=1e-2, atol=1e-2)
+    # the product plus, from those first products, each row's B
+    want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    for r, s in enumerate(slots.tolist()):
+        if s >= 0 and ranks[s]:
+            want[r] += xa[r, : ranks[s]].double() @ b[s].double()
+    if silu:
+        half = fan_out // 2
+        want = torch.nn.functional.silu(want[:, :half]) * want[:, half:]
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)
+    # a row without an adapter is the plain product's, bitwise; each row's result is the same
+    # bits whatever the other rows' adapters are (its step's company never changes it)
+    ops = torch.ops.radixserve
+    plain = (
+        ops.bf16_tiled_silu_mul(x, tile_layout(w))
+        if silu
+        else ops.bf16_tiled_linear(x, tile_layout(w), bias)
+    )
+    free = slots < 0
+    assert torch.equal(y[free], plain[free])
+    for r in torch.randperm(n, generator=g)[:4].tolist():
+        alone = _tiled(x[r : r + 1], w, bias, a, b, slots[r : r + 1], silu)[1]
+        assert torch.equal(alone[0], y[r]), r
+
+
+@pytest.mark.skipif(not cpu_kernels_available() or not _tiles_built(), reason="no bf16 tiles")
+def test_tiled_lora_ops_refuse_bad_arguments():
+    ops = torch.ops.radixserve
+    x, w = torch.randn(3, 64).bfloat16(), tile_layout(torch.randn(32, 64).bfloat16())
+    at, bt = tiled_weights(torch.randn(4, 64).bfloat16(), torch.randn(4, 32).bfloat16())
+    slots = torch.tensor([0, -1, 0])
+    xa = ops.bf16_tiled_lora_shrink(x, [at], slots)
+    assert xa.shape == (3, 32)
+    with pytest.raises(RuntimeError, match="slot 1 of row 0 is not -1 or one of the 1 groups"):
+        ops.bf16_tiled_lora_shrink(x, [at], torch.tensor([1, 0, 0]))
+    with pytest.raises(RuntimeError, match="slots must be \\[M\\] int64"):
+        ops.bf16_tiled_linear_lora(x, w, None, xa, slots.int(), [bt])
+    with pytest.raises(RuntimeError, match="A has 32 columns, x 64"):
+        ops.bf16_tiled_lora_shrink(x, [at[:, :16].contiguous()], slots)
+    with pytest.raises(RuntimeError, match="B must be \\[N/16, R/2, 32\\]"):
+        ops.bf16_tiled_linear_lora(x, w, None, xa, slots, [bt[:1].contiguous()])
+    with pytest.raises(RuntimeError, match="rank 64 exceeds xa's 32 columns"):
+        ops.bf16_tiled_linear_lora(x, w, None, xa, slots, [torch.cat([bt, bt], 1)])
+    with pytest.raises(RuntimeError, match="xa must be contiguous \\[M, R\\] bf16"):
+        ops.bf16_tiled_linear_lora(x, w, None, xa.float(), slots, [bt])

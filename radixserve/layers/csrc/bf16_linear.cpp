@@ -22,6 +22,15 @@
 //   bf16_tiled_silu_mul(x, wt) -> [M, N/2]: wt an MLP's [gate; up] weight in tiles; the
 //     result silu_and_mul's (fused_ops.cpp) of the product, bitwise: silu(gate) * up with the
 //     bf16 roundings silu_and_mul finds between the steps.
+//   bf16_tiled_linear_lora(x, wt, bias, xa [M, RA] bf16, slots [M] int64, bt [G] of
+//     [N/16, R_g/2, 32] bf16 or empty) and bf16_tiled_silu_mul_lora(x, wt, xa, slots, bt):
+//     LoRA adapters' deltas inside the product. Row i of adapter g = slots[i] (-1: none) adds
+//     xa[i, :R_g] times B_g (bt[g]: B_g [R_g, N], scaling included, in the weight's tile
+//     layout, R_g a multiple of 32) into the same fp32 sums before the one rounding (and the
+//     SiLU), so y is never re-read to add a delta. xa: bf16_tiled_lora_shrink's.
+//   bf16_tiled_lora_shrink(x [M, K] bf16, a [G] of [R_g/16, K/2, 32] bf16 or empty, slots)
+//     -> xa [M, max(32, R_g)] bf16: row i's x times A_g^T (A_g [R_g, K] in tiles), rounded
+//     to bf16, zeros elsewhere.
 //   bf16_tiled_supported() says whether this build has them; bf16_tiled_amx() whether their
 //     products run on AMX here (this build has it and Linux granted the tile state).
 
@@ -32,6 +41,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "kernels.h"
 
@@ -70,14 +80,31 @@ constexpr int64_t kRowBlock = 256;  // rows whose activations a thread's tiles m
 #if defined(RADIXSERVE_BF16_TILES)
 constexpr bool kTiles = true;
 
+// LoRA adapters' second products joined to a tiled product (bf16_tiled_linear_lora): row i
+// adds xa[i, :R_g] times B_g, g = slots[i] (nothing where g is -1 or b[g] is null), into the
+// accumulators of its base product, before the one rounding. B_g is [R_g, N] in the weight's
+// tile layout ([N/16, R_g/2, 32]: tile t's pairs of ranks at b[g] + t * kp[g] * 32).
+struct LoraExpand {
+  const uint16_t* xa = nullptr;  // [M, ra] bf16: each row's first products (lora_shrink's)
+  int64_t ra = 0;
+  const int64_t* slots = nullptr;
+  std::vector<const uint16_t*> b;  // per group: B's tiles, or null (the projection's own)
+  std::vector<int64_t> kp;         // per group: R_g / 2
+  int64_t up = 0;                  // silu_mul: tiles from a gate tile to its up tile
+};
+
 // One pass: rows r .. r + R - 1 (x: their activations as pairs, xs pairs apart) times C
 // adjacent tiles (w: the first; ts elements from one to the next), KP pairs; y gets the
 // R x 16C results, its rows ys apart. kSiluMul: the C tiles are gate tiles, each with its up
 // tile `up` elements further, and y gets silu(gate) * up (R x 16C).
-template <int R, int C, bool kSiluMul>
+// kLora: rows row0 .. row0 + R - 1 add their adapters' products (lora; the pass's first tile
+// is tile t0 of the weight).
+template <int R, int C, bool kSiluMul, bool kLora = false>
 __attribute__((noinline)) void tile_pass(const uint16_t* w, int64_t ts, int64_t up,
                                          const uint32_t* x, int64_t xs, int64_t KP,
-                                         const float* bias, at::BFloat16* y, int64_t ys) {
+                                         const float* bias, at::BFloat16* y, int64_t ys,
+                                         const LoraExpand* lora = nullptr, int64_t row0 = 0,
+                                         int64_t t0 = 0) {
   constexpr int W = kSiluMul ? 2 * C : C;  // weight tiles the pass reads
   __m512 acc[R][W];
   for (int c = 0; c < W; ++c) {
@@ -95,6 +122,27 @@ __attribute__((noinline)) void tile_pass(const uint16_t* w, int64_t ts, int64_t 
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * xs + p]));
       for (int c = 0; c < W; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], a);
+    }
+  }
+  if constexpr (kLora) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t g = lora->slots[row0 + r];
+      if (g < 0 || lora->b[g] == nullptr) continue;
+      const int64_t kp = lora->kp[g];
+      const uint16_t* bc[W];
+      for (int c = 0; c < W; ++c) {
+        bc[c] = lora->b[g] + (t0 + (c < C ? c : c - C + lora->up)) * kp * 2 * kTile;
+      }
+      const uint32_t* xr = reinterpret_cast<const uint32_t*>(lora->xa + (row0 + r) * lora->ra);
+      for (int64_t p = 0; p < kp; ++p) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[p]));
+#pragma GCC unroll 8
+        for (int c = 0; c < W; ++c) {
+          const __m512bh bv = (__m512bh)_mm512_loadu_si512(bc[c] + p * 2 * kTile);
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], bv, a);
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -121,21 +169,43 @@ void pass_of(int64_t count, const uint16_t* w, int64_t ts, int64_t up, const uin
   }
 }
 
-// Every row of C tiles: passes of kRows rows, then one of the rows left.
-template <int C, bool kSiluMul>
-void tile_rows(const uint16_t* w, int64_t ts, int64_t up, const uint32_t* x, int64_t M,
-               int64_t KP, const float* bias, at::BFloat16* y, int64_t ys) {
+// Every row of C tiles: passes of kRows rows, then one of the rows left (lora: the rows are
+// rows row0 .. row0 + M - 1 of the product, the first tile tile t0).
+template <int C, bool kSiluMul, bool kLora>
+void tile_rows_of(const uint16_t* w, int64_t ts, int64_t up, const uint32_t* x, int64_t M,
+                  int64_t KP, const float* bias, at::BFloat16* y, int64_t ys,
+                  const LoraExpand* lora, int64_t row0, int64_t t0) {
   int64_t r = 0;
   for (; r + kRows <= M; r += kRows) {
-    tile_pass<kRows, C, kSiluMul>(w, ts, up, x + r * KP, KP, KP, bias, y + r * ys, ys);
+    tile_pass<kRows, C, kSiluMul, kLora>(w, ts, up, x + r * KP, KP, KP, bias, y + r * ys, ys,
+                                         lora, row0 + r, t0);
   }
   const uint32_t* xr = x + r * KP;
   at::BFloat16* yr = y + r * ys;
+  const int64_t rr = row0 + r;
   switch (M - r) {
-    case 3: tile_pass<3, C, kSiluMul>(w, ts, up, xr, KP, KP, bias, yr, ys); break;
-    case 2: tile_pass<2, C, kSiluMul>(w, ts, up, xr, KP, KP, bias, yr, ys); break;
-    case 1: tile_pass<1, C, kSiluMul>(w, ts, up, xr, KP, KP, bias, yr, ys); break;
-    default: break;
+    case 3:
+      tile_pass<3, C, kSiluMul, kLora>(w, ts, up, xr, KP, KP, bias, yr, ys, lora, rr, t0);
+      break;
+    case 2:
+      tile_pass<2, C, kSiluMul, kLora>(w, ts, up, xr, KP, KP, bias, yr, ys, lora, rr, t0);
+      break;
+    case 1:
+      tile_pass<1, C, kSiluMul, kLora>(w, ts, up, xr, KP, KP, bias, yr, ys, lora, rr, t0);
+      break;
+    default:
+      break;
+  }
+}
+
+template <int C, bool kSiluMul>
+void tile_rows(const uint16_t* w, int64_t ts, int64_t up, const uint32_t* x, int64_t M,
+               int64_t KP, const float* bias, at::BFloat16* y, int64_t ys,
+               const LoraExpand* lora = nullptr, int64_t row0 = 0, int64_t t0 = 0) {
+  if (lora != nullptr) {
+    tile_rows_of<C, kSiluMul, true>(w, ts, up, x, M, KP, bias, y, ys, lora, row0, t0);
+  } else {
+    tile_rows_of<C, kSiluMul, false>(w, ts, up, x, M, KP, bias, y, ys, nullptr, 0, 0);
   }
 }
 
@@ -180,17 +250,11 @@ void configure_tiles(int rows0, int rows1) {
   _tile_loadconfig(&cfg);
 }
 
-// c [32, 32] fp32 = rows 0 .. 16 + (kTwo ? 16 : 0) of x (K bf16 a row) times the weight tiles
-// at w0 (columns 0-15) and w1 (columns 16-31), KP pairs (a multiple of 16).
+// The accumulators += rows 0 .. 16 + (kTwo ? 16 : 0) of x (K bf16 a row) times the weight
+// tiles at w0 (columns 0-15) and w1 (columns 16-31), KP pairs (a multiple of 16).
 template <bool kTwo>
-void amx_step(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1, int64_t KP,
-              float* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (kTwo) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+inline void amx_products(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1,
+                         int64_t KP) {
   const int64_t xstride = K * 2;
   for (int64_t p = 0; p < KP; p += 16) {
     _tile_loadd(6, w0 + p * 2 * kTile, 64);
@@ -204,6 +268,36 @@ void amx_step(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* 
       _tile_dpbf16ps(3, 5, 7);
     }
   }
+}
+
+// An adapter's second product for up to 32 rows of a step (amx_step): its rows' first products
+// (xa, `stride` elements a row; the other rows' zeros) and its B in the weight's tile layout.
+struct LoraOperand {
+  const uint16_t* xa;
+  int64_t stride;
+  const uint16_t* b;
+  int64_t kp;  // pairs of ranks: a multiple of 16
+};
+
+// c [32, 32] fp32 = rows 0 .. 16 + (kTwo ? 16 : 0) of x (K bf16 a row) times the weight tiles
+// t0 (at w0: columns 0-15) and t1 (w1: columns 16-31), KP pairs (a multiple of 16); plus, for
+// each of the `count` adapter operands, its rows' first products times its B's tiles t0, t1.
+template <bool kTwo>
+void amx_step(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1, int64_t KP,
+              float* c, const LoraOperand* lora = nullptr, int count = 0, int64_t t0 = 0,
+              int64_t t1 = 0) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  amx_products<kTwo>(x, K, w0, w1, KP);
+  for (int i = 0; i < count; ++i) {
+    const LoraOperand& o = lora[i];
+    const int64_t ts = o.kp * 2 * kTile;
+    amx_products<kTwo>(o.xa, o.stride, o.b + t0 * ts, o.b + t1 * ts, o.kp);
+  }
   _tile_stored(0, c, 128);
   _tile_stored(1, c + kTile, 128);
   if constexpr (kTwo) {
@@ -212,8 +306,82 @@ void amx_step(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* 
   }
 }
 
+// A thread's adapter operands for the 32-row groups of one block of rows (amx_product): per
+// group of rows, one operand per adapter among them. Where the rows are all one adapter's,
+// the operand reads xa in place; else a copy holds that adapter's rows and zeros for the
+// others.
+class LoraRows {
+ public:
+  void prepare(const LoraExpand& l, int64_t r0, int64_t rows) {
+    uses_.clear();
+    size_t copied = 0;
+    for (int64_t lo = r0; lo < r0 + rows; lo += 32) {
+      const int64_t n = std::min<int64_t>(32, r0 + rows - lo);
+      int64_t seen[32];
+      int count = 0;
+      bool mixed = false;
+      for (int64_t i = lo; i < lo + n; ++i) {
+        const int64_t g = group(l, i);
+        mixed |= g != group(l, lo);
+        if (g < 0 || std::find(seen, seen + count, g) != seen + count) continue;
+        seen[count++] = g;
+      }
+      for (int k = 0; k < count; ++k) {
+        uses_.push_back({lo, n, seen[k], mixed});
+        if (mixed) copied += 32 * 2 * l.kp[seen[k]];
+      }
+    }
+    copies_.resize(copied);
+    ops_.clear();
+    begin_.assign(1, 0);
+    uint16_t* next = copies_.data();
+    int64_t group_lo = r0;
+    for (const Use& u : uses_) {
+      while (group_lo < u.lo) {
+        begin_.push_back(static_cast<int>(ops_.size()));
+        group_lo += 32;
+      }
+      const int64_t width = 2 * l.kp[u.g];
+      if (!u.mixed) {
+        ops_.push_back({l.xa + u.lo * l.ra, l.ra, l.b[u.g], l.kp[u.g]});
+        continue;
+      }
+      std::fill(next, next + 32 * width, 0);
+      for (int64_t i = 0; i < u.n; ++i) {
+        if (group(l, u.lo + i) == u.g) {
+          std::copy(l.xa + (u.lo + i) * l.ra, l.xa + (u.lo + i) * l.ra + width, next + i * width);
+        }
+      }
+      ops_.push_back({next, width, l.b[u.g], l.kp[u.g]});
+      next += 32 * width;
+    }
+    while (group_lo < r0 + rows) {
+      begin_.push_back(static_cast<int>(ops_.size()));
+      group_lo += 32;
+    }
+  }
+  // The operands of the rows' `index`th group of 32 (from the block's first row).
+  const LoraOperand* ops(int64_t index) const { return ops_.data() + begin_[index]; }
+  int count(int64_t index) const { return begin_[index + 1] - begin_[index]; }
+
+ private:
+  struct Use {
+    int64_t lo, n, g;
+    bool mixed;
+  };
+  static int64_t group(const LoraExpand& l, int64_t row) {
+    const int64_t g = l.slots[row];
+    return g >= 0 && l.b[g] != nullptr ? g : -1;
+  }
+  std::vector<Use> uses_;
+  std::vector<LoraOperand> ops_;
+  std::vector<int> begin_;
+  std::vector<uint16_t> copies_;
+};
+
 template <bool kSiluMul>
-void amx_product(const at::Tensor& x, const at::Tensor& wt, const float* bp, at::Tensor& y) {
+void amx_product(const at::Tensor& x, const at::Tensor& wt, const float* bp, at::Tensor& y,
+                 const LoraExpand* lora) {
   const int64_t M = x.size(0), K = x.size(1), tiles = wt.size(0), KP = wt.size(1);
   const int64_t ts = KP * 2 * kTile, n_out = y.size(1);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(wt.data_ptr<at::BFloat16>());
@@ -225,8 +393,10 @@ void amx_product(const at::Tensor& x, const at::Tensor& wt, const float* bp, at:
   at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
     alignas(64) float c[32 * 32];
     int rows0 = -1, rows1 = -1;
+    LoraRows lora_rows;
     for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
       const int64_t block = std::min(kRowBlock, M - r0);
+      if (lora != nullptr) lora_rows.prepare(*lora, r0, block);
       for (int64_t it = lo; it < hi; ++it) {
         const int64_t t0 = kSiluMul ? it : 2 * it;
         const int64_t t1 = kSiluMul ? it + items : std::min(2 * it + 1, tiles - 1);
@@ -240,10 +410,16 @@ void amx_product(const at::Tensor& x, const at::Tensor& wt, const float* bp, at:
             rows0 = a0;
             rows1 = a1;
           }
+          const LoraOperand* ops = nullptr;
+          int count = 0;
+          if (lora != nullptr) {
+            ops = lora_rows.ops((r - r0) / 32);
+            count = lora_rows.count((r - r0) / 32);
+          }
           if (a1) {
-            amx_step<true>(xp + r * K, K, w0, w1, KP, c);
+            amx_step<true>(xp + r * K, K, w0, w1, KP, c, ops, count, t0, t1);
           } else {
-            amx_step<false>(xp + r * K, K, w0, w1, KP, c);
+            amx_step<false>(xp + r * K, K, w0, w1, KP, c, ops, count, t0, t1);
           }
           for (int i = 0; i < rows; ++i) {
             const float* ci = c + i * 32;
@@ -272,7 +448,8 @@ void amx_product(const at::Tensor& x, const at::Tensor& wt, const float* bp, at:
 
 template <bool kSiluMul>
 at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt,
-                         const std::optional<at::Tensor>& bias_in) {
+                         const std::optional<at::Tensor>& bias_in,
+                         const LoraExpand* lora = nullptr) {
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), tiles = wt.size(0), KP = wt.size(1), ts = KP * 2 * kTile;
   const int64_t N = tiles * kTile, n_out = kSiluMul ? N / 2 : N;
@@ -283,7 +460,7 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt,
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
 #if defined(RADIXSERVE_AMX)
   if (KP % 16 == 0 && amx_permitted()) {
-    amx_product<kSiluMul>(x, wt, bp, y);
+    amx_product<kSiluMul>(x, wt, bp, y, lora);
     return y;
   }
 #endif
@@ -296,7 +473,7 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt,
   // stay in L2 while the thread's tiles multiply them.
   const int64_t items = kSiluMul ? tiles / 2 : tiles;
   at::parallel_for(0, items, 1, [&](int64_t lo, int64_t hi) {
-    if (M <= 2) {  // passes over more tiles (kSiluMul: half of them gates, half up)
+    if (M <= 2 && lora == nullptr) {  // passes over more tiles (kSiluMul: half gates, half up)
       const int64_t per_pass = (M == 1 ? kTilesOneRow : kTilesTwoRows) / (kSiluMul ? 2 : 1);
       for (int64_t t = lo; t < hi; t += per_pass) {
         const int64_t count = std::min(per_pass, hi - t);
@@ -321,10 +498,11 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt,
         for (int64_t t = lo; t < hi; t += 2) {
           // gate tiles t (and t + 1) with their up tiles, `items` tiles further
           const uint16_t* w = wp + t * ts;
+          at::BFloat16* yt = yb + t * kTile;
           if (t + 1 < hi) {
-            tile_rows<2, true>(w, ts, items * ts, xb, rows, KP, nullptr, yb + t * kTile, n_out);
+            tile_rows<2, true>(w, ts, items * ts, xb, rows, KP, nullptr, yt, n_out, lora, r0, t);
           } else {
-            tile_rows<1, true>(w, ts, items * ts, xb, rows, KP, nullptr, yb + t * kTile, n_out);
+            tile_rows<1, true>(w, ts, items * ts, xb, rows, KP, nullptr, yt, n_out, lora, r0, t);
           }
         }
       } else {
@@ -333,10 +511,10 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt,
           const float* b = bp ? bp + t * kTile : nullptr;
           at::BFloat16* yt = yb + t * kTile;
           switch (std::min<int64_t>(kTilesMax, hi - t)) {
-            case 4: tile_rows<4, false>(w, ts, 0, xb, rows, KP, b, yt, N); break;
-            case 3: tile_rows<3, false>(w, ts, 0, xb, rows, KP, b, yt, N); break;
-            case 2: tile_rows<2, false>(w, ts, 0, xb, rows, KP, b, yt, N); break;
-            default: tile_rows<1, false>(w, ts, 0, xb, rows, KP, b, yt, N); break;
+            case 4: tile_rows<4, false>(w, ts, 0, xb, rows, KP, b, yt, N, lora, r0, t); break;
+            case 3: tile_rows<3, false>(w, ts, 0, xb, rows, KP, b, yt, N, lora, r0, t); break;
+            case 2: tile_rows<2, false>(w, ts, 0, xb, rows, KP, b, yt, N, lora, r0, t); break;
+            default: tile_rows<1, false>(w, ts, 0, xb, rows, KP, b, yt, N, lora, r0, t); break;
           }
         }
       }
@@ -344,14 +522,83 @@ at::Tensor tiled_product(const at::Tensor& x_in, const at::Tensor& wt,
   });
   return y;
 }
+
+// xa [M, ra] (zeros) gets each adapter row's x times its A (at[g]: [R_g/16, K/2, 32] tiles,
+// R_g a multiple of 32), rounded to bf16, in its first R_g columns.
+void lora_shrink_into(const at::Tensor& x, const std::vector<const uint16_t*>& at_,
+                      const std::vector<int64_t>& tiles, const int64_t* slots, at::Tensor& xa) {
+  const int64_t M = x.size(0), K = x.size(1), KP = K / 2, ts = KP * 2 * kTile;
+  const int64_t ra = xa.size(1);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::BFloat16* out = xa.data_ptr<at::BFloat16>();
+  auto group = [&](int64_t row) {
+    const int64_t g = slots[row];
+    return g >= 0 && at_[g] != nullptr ? g : -1;
+  };
+  const int64_t blocks = (M + 31) / 32;
+#if defined(RADIXSERVE_AMX)
+  if (KP % 16 == 0 && amx_permitted()) {
+    at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+      alignas(64) float c[32 * 32];
+      int rows0 = -1, rows1 = -1;
+      for (int64_t blk = lo; blk < hi; ++blk) {
+        const int64_t r = blk * 32;
+        const int rows = static_cast<int>(std::min<int64_t>(32, M - r));
+        const int a0 = std::min(rows, 16), a1 = rows - a0;
+        int64_t done[32];
+        int count = 0;
+        for (int i = 0; i < rows; ++i) {
+          const int64_t g = group(r + i);
+          if (g < 0 || std::find(done, done + count, g) != done + count) continue;
+          done[count++] = g;
+          if (a0 != rows0 || a1 != rows1) {
+            configure_tiles(a0, a1);
+            rows0 = a0;
+            rows1 = a1;
+          }
+          for (int64_t j = 0; j < tiles[g]; j += 2) {
+            const uint16_t* w0 = at_[g] + j * ts;
+            if (a1) {
+              amx_step<true>(xp + r * K, K, w0, w0 + ts, KP, c);
+            } else {
+              amx_step<false>(xp + r * K, K, w0, w0 + ts, KP, c);
+            }
+            for (int k = i; k < rows; ++k) {
+              if (group(r + k) != g) continue;
+              at::BFloat16* o = out + (r + k) * ra + j * kTile;
+              store16(o, _mm512_loadu_ps(c + k * 32));
+              store16(o + kTile, _mm512_loadu_ps(c + k * 32 + kTile));
+            }
+          }
+        }
+      }
+      if (rows0 >= 0) _tile_release();
+    });
+    return;
+  }
+#endif
+  const uint32_t* xq = reinterpret_cast<const uint32_t*>(xp);
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo * 32; r < std::min(M, hi * 32);) {  // runs of one adapter's rows
+      const int64_t g = group(r);
+      int64_t e = r + 1;
+      while (e < std::min(M, hi * 32) && group(e) == g) ++e;
+      for (int64_t j = 0; g >= 0 && j < tiles[g]; j += 2) {
+        tile_rows<2, false>(at_[g] + j * ts, ts, 0, xq + r * KP, e - r, KP, nullptr,
+                            out + r * ra + j * kTile, ra);
+      }
+      r = e;
+    }
+  });
+}
 #else
 constexpr bool kTiles = false;
 #endif
 
 // x [M, K] bf16, wt [N/16, K/2, 32] bf16 contiguous, bias [N] bf16; kSiluMul: N/16 even.
 template <bool kSiluMul>
-at::Tensor tiled_op(const char* op, const at::Tensor& x, const at::Tensor& wt,
-                    const std::optional<at::Tensor>& bias) {
+void check_tiled(const char* op, const at::Tensor& x, const at::Tensor& wt,
+                 const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(kTiles, op, ": this build has no AVX512-BF16 kernels");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [M, K] bf16");
   TORCH_CHECK(wt.dim() == 3 && wt.size(2) == 2 * kTile && wt.scalar_type() == at::kBFloat16 &&
@@ -364,8 +611,70 @@ at::Tensor tiled_op(const char* op, const at::Tensor& x, const at::Tensor& wt,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == wt.size(0) * kTile, op,
                 ": bias must be [N]");
   }
+}
+
+template <bool kSiluMul>
+at::Tensor tiled_op(const char* op, const at::Tensor& x, const at::Tensor& wt,
+                    const std::optional<at::Tensor>& bias) {
+  check_tiled<kSiluMul>(op, x, wt, bias);
 #if defined(RADIXSERVE_BF16_TILES)
   return tiled_product<kSiluMul>(x, wt, bias);
+#else
+  return at::Tensor();
+#endif
+}
+
+// The adapters' operands of bf16_tiled_*_lora and bf16_tiled_lora_shrink: each row's group
+// (slots [M] int64, -1 or an index of `ws`) and each group's tiles (ws[g]: 3-d contiguous
+// bf16 [., ., 32], or empty: the group leaves the projection alone).
+void check_lora(const char* op, const at::Tensor& slots, const std::vector<at::Tensor>& ws,
+                int64_t M) {
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == M && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
+              op, ": slots must be [M] int64");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t groups = static_cast<int64_t>(ws.size());
+  for (int64_t i = 0; i < M; ++i) {
+    TORCH_CHECK(sp[i] >= -1 && sp[i] < groups, op, ": slot ", sp[i], " of row ", i,
+                " is not -1 or one of the ", groups, " groups");
+  }
+  for (const at::Tensor& w : ws) {
+    if (w.numel() == 0) continue;
+    TORCH_CHECK(w.dim() == 3 && w.size(2) == 2 * kTile && w.scalar_type() == at::kBFloat16 &&
+                    w.is_contiguous(),
+                op, ": each adapter's tiles must be contiguous [., ., 32] bf16");
+  }
+}
+
+template <bool kSiluMul>
+at::Tensor tiled_lora_op(const char* op, const at::Tensor& x, const at::Tensor& wt,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& xa,
+                         const at::Tensor& slots, const std::vector<at::Tensor>& bt) {
+  check_tiled<kSiluMul>(op, x, wt, bias);
+  check_lora(op, slots, bt, x.size(0));
+  TORCH_CHECK(xa.dim() == 2 && xa.size(0) == x.size(0) && xa.scalar_type() == at::kBFloat16 &&
+                  xa.is_contiguous(),
+              op, ": xa must be contiguous [M, R] bf16");
+  for (const at::Tensor& b : bt) {
+    if (b.numel() == 0) continue;
+    TORCH_CHECK(b.size(0) == wt.size(0) && b.size(1) % 16 == 0, op,
+                ": an adapter's B must be [N/16, R/2, 32], R a multiple of 32");
+    TORCH_CHECK(2 * b.size(1) <= xa.size(1), op, ": an adapter's rank ", 2 * b.size(1),
+                " exceeds xa's ", xa.size(1), " columns");
+  }
+#if defined(RADIXSERVE_BF16_TILES)
+  LoraExpand lora;
+  lora.xa = reinterpret_cast<const uint16_t*>(xa.data_ptr<at::BFloat16>());
+  lora.ra = xa.size(1);
+  lora.slots = slots.data_ptr<int64_t>();
+  for (const at::Tensor& b : bt) {
+    const bool used = b.numel() != 0;
+    lora.b.push_back(used ? reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>())
+                          : nullptr);
+    lora.kp.push_back(used ? b.size(1) : 0);
+  }
+  lora.up = kSiluMul ? wt.size(0) / 2 : 0;
+  return tiled_product<kSiluMul>(x, wt, bias, &lora);
 #else
   return at::Tensor();
 #endif
@@ -394,11 +703,62 @@ at::Tensor bf16_tiled_silu_mul(const at::Tensor& x, const at::Tensor& wt) {
   return tiled_op<true>("bf16_tiled_silu_mul", x, wt, std::nullopt);
 }
 
+at::Tensor bf16_tiled_linear_lora(const at::Tensor& x, const at::Tensor& wt,
+                                  const std::optional<at::Tensor>& bias, const at::Tensor& xa,
+                                  const at::Tensor& slots, const std::vector<at::Tensor>& bt) {
+  return tiled_lora_op<false>("bf16_tiled_linear_lora", x, wt, bias, xa, slots, bt);
+}
+
+at::Tensor bf16_tiled_silu_mul_lora(const at::Tensor& x, const at::Tensor& wt,
+                                    const at::Tensor& xa, const at::Tensor& slots,
+                                    const std::vector<at::Tensor>& bt) {
+  return tiled_lora_op<true>("bf16_tiled_silu_mul_lora", x, wt, std::nullopt, xa, slots, bt);
+}
+
+at::Tensor bf16_tiled_lora_shrink(const at::Tensor& x_in, const std::vector<at::Tensor>& a,
+                                  const at::Tensor& slots) {
+  const char* op = "bf16_tiled_lora_shrink";
+  TORCH_CHECK(kTiles, op, ": this build has no AVX512-BF16 kernels");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.size(1) % 2 == 0,
+              op, ": x must be [M, K] bf16, K even");
+  const at::Tensor x = x_in.contiguous();
+  check_lora(op, slots, a, x.size(0));
+  int64_t ra = 32;
+  for (const at::Tensor& w : a) {
+    if (w.numel() == 0) continue;
+    TORCH_CHECK(w.size(0) % 2 == 0, op, ": an adapter's A must be [R/16, K/2, 32], R a "
+                "multiple of 32");
+    TORCH_CHECK(w.size(1) * 2 == x.size(1), op, ": an adapter's A has ", w.size(1) * 2,
+                " columns, x ", x.size(1));
+    ra = std::max(ra, w.size(0) * kTile);
+  }
+  at::Tensor xa = at::zeros({x.size(0), ra}, x.options());
+#if defined(RADIXSERVE_BF16_TILES)
+  std::vector<const uint16_t*> ptrs;
+  std::vector<int64_t> tiles;
+  for (const at::Tensor& w : a) {
+    const bool used = w.numel() != 0;
+    ptrs.push_back(used ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>())
+                        : nullptr);
+    tiles.push_back(used ? w.size(0) : 0);
+  }
+  if (x.size(0) > 0) lora_shrink_into(x, ptrs, tiles, slots.data_ptr<int64_t>(), xa);
+#endif
+  return xa;
+}
+
 }  // namespace radixserve
 
 TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
   lib.def("bf16_tiled_linear(Tensor x, Tensor wt, Tensor? bias=None) -> Tensor");
   lib.def("bf16_tiled_silu_mul(Tensor x, Tensor wt) -> Tensor");
+  lib.def(
+      "bf16_tiled_linear_lora(Tensor x, Tensor wt, Tensor? bias, Tensor xa, Tensor slots, "
+      "Tensor[] bt) -> Tensor");
+  lib.def(
+      "bf16_tiled_silu_mul_lora(Tensor x, Tensor wt, Tensor xa, Tensor slots, Tensor[] bt) -> "
+      "Tensor");
+  lib.def("bf16_tiled_lora_shrink(Tensor x, Tensor[] a, Tensor slots) -> Tensor");
   lib.def("bf16_tiled_supported", &radixserve::bf16_tiled_supported);
   lib.def("bf16_tiled_amx", &radixserve::bf16_tiled_amx);
 }
@@ -406,4 +766,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, lib) {
 TORCH_LIBRARY_IMPL(radixserve, CPU, lib) {
   lib.impl("bf16_tiled_linear", &radixserve::bf16_tiled_linear);
   lib.impl("bf16_tiled_silu_mul", &radixserve::bf16_tiled_silu_mul);
+  lib.impl("bf16_tiled_linear_lora", &radixserve::bf16_tiled_linear_lora);
+  lib.impl("bf16_tiled_silu_mul_lora", &radixserve::bf16_tiled_silu_mul_lora);
+  lib.impl("bf16_tiled_lora_shrink", &radixserve::bf16_tiled_lora_shrink);
 }

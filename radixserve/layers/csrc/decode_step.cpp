@@ -25,15 +25,18 @@
 //     kv_start [B], kv_end [B]) -> (x, residual)
 //   x: the embeddings; returns the last layer's MLP output and the residual stream before it
 //   (the model's final norm adds them). Writes each layer's K and V at out_cache_loc.
-// run_lora(the same, lora_rows, lora_weights, lora_slots, fp32_rows): with LoRA adapters'
-//   deltas added to the four projections as lora/manager.py's LoRALinear adds them (the same
-//   calls, in the same order): per group g (one adapter), lora_rows[g] its rows of x (empty:
-//   all of them), and per layer and projection six tensors in lora_weights, at
-//   ((g * layers + l) * 4 + i) * 6: a_t, b (fp32, or the model's dtype where it has the kernel),
-//   a_t and b in the model's dtype (empty where it is fp32), and lora_delta's a and b
-//   (lora_ops.cpp); a projection the adapter leaves alone has empty ones. lora_slots (each
-//   row's group, -1: none) non-empty: the deltas take lora_delta, one call per projection;
-//   else up to fp32_rows rows they run in a_t's dtype, beyond in the model's dtype.
+// run_lora(the same, lora_rows, lora_weights, lora_slots, lora_kernel, fp32_rows): with LoRA
+//   adapters' deltas added to the four projections as lora/manager.py's LoRALinear adds them
+//   (the same calls, in the same order): per group g (one adapter), lora_rows[g] its rows of x
+//   (empty: all of them), and per layer and projection eight tensors in lora_weights, at
+//   ((g * layers + l) * 4 + i) * 8: a_t, b (fp32, or the model's dtype where it has the kernel),
+//   a_t and b in the model's dtype (empty where it is fp32), lora_delta's a and b
+//   (lora_ops.cpp), and A and B in the bf16 tiles' layout (bf16_linear.cpp's
+//   bf16_tiled_lora_shrink and bf16_tiled_*_lora; empty where the projection is not in
+//   tiles); a projection the adapter leaves alone has empty ones. lora_slots: each row's group
+//   (-1: none), or empty. With lora_kernel the deltas take lora_delta, one call per projection;
+//   else, with slots, a projection in bf16 tiles takes them inside its product; else up to
+//   fp32_rows rows they run in a_t's dtype, beyond in the model's dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -66,11 +69,35 @@ struct Layer {
 
 // The LoRA groups of one run_lora call (see the header).
 struct Lora {
-  static constexpr size_t kPerProjection = 6;
+  static constexpr size_t kPerProjection = 8;
   const std::vector<at::Tensor>& rows;
   const std::vector<at::Tensor>& weights;
   const at::Tensor& slots;
+  bool kernel;
   int64_t n_layers, fp32_rows;
+
+  // LoRALinear._tiled_operands: whether the deltas join the projection's tiled product.
+  bool tiled(const Linear& lin, int64_t layer, int64_t proj) const {
+    if (kernel || slots.numel() == 0 || lin.kind != kBf16Tiled) return false;
+    for (size_t g = 0; g < rows.size(); ++g) {
+      const size_t w = index(g, layer, proj);
+      if (weights[w].numel() > 0 && weights[w + 6].numel() == 0) return false;
+    }
+    return true;
+  }
+
+  // The rows' first products (x in bf16) and each group's B tiles, for bf16_tiled_*_lora.
+  std::vector<at::Tensor> expand(int64_t layer, int64_t proj) const {
+    std::vector<at::Tensor> b;
+    for (size_t g = 0; g < rows.size(); ++g) b.push_back(weights[index(g, layer, proj) + 7]);
+    return b;
+  }
+  at::Tensor shrink(const at::Tensor& xb, int64_t layer, int64_t proj) const {
+    RECORD_FUNCTION("radixserve::bf16_tiled_lora_shrink", std::vector<c10::IValue>());
+    std::vector<at::Tensor> a;
+    for (size_t g = 0; g < rows.size(); ++g) a.push_back(weights[index(g, layer, proj) + 6]);
+    return radixserve::bf16_tiled_lora_shrink(xb, a, slots);
+  }
 
   bool touches(int64_t layer, int64_t proj) const {
     for (size_t g = 0; g < rows.size(); ++g) {
@@ -86,7 +113,7 @@ struct Lora {
   // LoRALinear._add_deltas: y [rows, N] += each group's (x[rows] A^T) (scaling B^T).
   void add(at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t proj) const {
     RECORD_FUNCTION("radixserve::lora_deltas", std::vector<c10::IValue>());
-    if (slots.numel() > 0) {  // one call for every group (lora_delta)
+    if (kernel) {  // one call for every group (lora_delta)
       std::vector<at::Tensor> a, b;
       for (size_t g = 0; g < rows.size(); ++g) {
         const size_t w = index(g, layer, proj);
@@ -284,14 +311,35 @@ class DecodeStep : public torch::CustomClassHolder {
       at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_bufs,
       std::vector<at::Tensor> v_bufs, at::Tensor out_cache_loc, at::Tensor kv_rows,
       at::Tensor kv_start, at::Tensor kv_end, std::vector<at::Tensor> lora_rows,
-      std::vector<at::Tensor> lora_weights, at::Tensor lora_slots, int64_t fp32_rows) {
-    const Lora lora{lora_rows, lora_weights, lora_slots, num_layers(), fp32_rows};
+      std::vector<at::Tensor> lora_weights, at::Tensor lora_slots, bool lora_kernel,
+      int64_t fp32_rows) {
+    const Lora lora{lora_rows, lora_weights, lora_slots, lora_kernel, num_layers(), fp32_rows};
     TORCH_CHECK(lora_weights.size() == lora.index(lora_rows.size(), 0, 0),
-                "DecodeStep.run_lora: 24 tensors per group and layer");
+                "DecodeStep.run_lora: 32 tensors per group and layer");
+    TORCH_CHECK(!lora_kernel || lora_slots.numel() > 0, "DecodeStep.run_lora: the kernel takes "
+                "the rows' slots");
     return layers(x, cos, sin, k_bufs, v_bufs, out_cache_loc, kv_rows, kv_start, kv_end, &lora);
   }
 
  private:
+  // A projection of x with its adapters' deltas (LoRALinear.forward): inside its tiled product
+  // where they join it, else added after.
+  at::Tensor project(const at::Tensor& x, const Linear& lin, const Lora* lora, int64_t layer,
+                     int64_t proj) const {
+    if (lora != nullptr && lora->tiled(lin, layer, proj)) {
+      RECORD_FUNCTION("radixserve::bf16_tiled_linear_lora", std::vector<c10::IValue>());
+      const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+      const at::Tensor y = radixserve::bf16_tiled_linear_lora(
+          xb, lin.w,
+          lin.bias.defined() ? std::optional<at::Tensor>(lin.bias) : std::optional<at::Tensor>(),
+          lora->shrink(xb, layer, proj), lora->slots, lora->expand(layer, proj));
+      return y.to(x.scalar_type());
+    }
+    at::Tensor y = apply(x, lin, sizes_);
+    if (lora != nullptr) lora->add(y, x, layer, proj);
+    return y;
+  }
+
   std::tuple<at::Tensor, at::Tensor> layers(at::Tensor x, const at::Tensor& cos,
                                             const at::Tensor& sin, std::vector<at::Tensor>& k_bufs,
                                             std::vector<at::Tensor>& v_bufs,
@@ -315,8 +363,7 @@ class DecodeStep : public torch::CustomClassHolder {
         radixserve::add_rms_norm(x, residual, layer.input_norm, eps_);
       }
       // LlamaAttention.forward, with CpuPagedAttnBackend.forward's decode branch.
-      at::Tensor qkv = apply(x, layer.qkv, sizes_);
-      if (lora != nullptr) lora->add(qkv, x, l, 0);
+      at::Tensor qkv = project(x, layer.qkv, lora, l, 0);
       at::Tensor q = qkv.slice(1, 0, q_size).reshape({-1, H, D});
       at::Tensor k = qkv.slice(1, q_size, q_size + kv_size).reshape({-1, Hkv, D});
       const at::Tensor v = qkv.slice(1, q_size + kv_size, q_size + 2 * kv_size).reshape({-1, Hkv, D});
@@ -332,20 +379,25 @@ class DecodeStep : public torch::CustomClassHolder {
                                                         scaling_, 0));
       }
       const at::Tensor o_in = attn.to(q.scalar_type()).reshape({B, q_size});
-      x = apply(o_in, layer.o, sizes_);
-      if (lora != nullptr) lora->add(x, o_in, l, 1);
+      x = project(o_in, layer.o, lora, l, 1);
       radixserve::add_rms_norm(x, residual, layer.post_norm, eps_);
       // LlamaMLP.forward (with an adapter on gate_up: the product, its delta, then the SiLU).
       at::Tensor act;
+      const Linear& gu = layer.gate_up;
       if (lora != nullptr && lora->touches(l, 2)) {
-        at::Tensor gate_up = apply(x, layer.gate_up, sizes_);
-        lora->add(gate_up, x, l, 2);
-        act = radixserve::silu_and_mul(gate_up);
+        if (lora->tiled(gu, l, 2) && !gu.bias.defined() && gu.w.size(0) % 2 == 0) {
+          RECORD_FUNCTION("radixserve::bf16_tiled_silu_mul_lora", std::vector<c10::IValue>());
+          const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+          const at::Tensor xa = lora->shrink(xb, l, 2);
+          act = radixserve::bf16_tiled_silu_mul_lora(xb, gu.w, xa, lora->slots, lora->expand(l, 2))
+                    .to(x.scalar_type());
+        } else {
+          act = radixserve::silu_and_mul(project(x, gu, lora, l, 2));
+        }
       } else {
-        act = gate_up_silu(x, layer.gate_up, sizes_);
+        act = gate_up_silu(x, gu, sizes_);
       }
-      x = apply(act, layer.down, sizes_);
-      if (lora != nullptr) lora->add(x, act, l, 3);
+      x = project(act, layer.down, lora, l, 3);
     }
     return {x, residual};
   }

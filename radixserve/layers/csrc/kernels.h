@@ -16,6 +16,14 @@ namespace radixserve {
 at::Tensor bf16_tiled_linear(const at::Tensor& x, const at::Tensor& wt,
                              const std::optional<at::Tensor>& bias);
 at::Tensor bf16_tiled_silu_mul(const at::Tensor& x, const at::Tensor& wt);
+at::Tensor bf16_tiled_linear_lora(const at::Tensor& x, const at::Tensor& wt,
+                                  const std::optional<at::Tensor>& bias, const at::Tensor& xa,
+                                  const at::Tensor& slots, const std::vector<at::Tensor>& bt);
+at::Tensor bf16_tiled_silu_mul_lora(const at::Tensor& x, const at::Tensor& wt,
+                                    const at::Tensor& xa, const at::Tensor& slots,
+                                    const std::vector<at::Tensor>& bt);
+at::Tensor bf16_tiled_lora_shrink(const at::Tensor& x, const std::vector<at::Tensor>& a,
+                                  const at::Tensor& slots);
 bool bf16_tiled_supported();
 // Whether the tiles' products run on AMX here (built with it, the tile state granted).
 bool bf16_tiled_amx();
