@@ -5,9 +5,10 @@ for prompts and shared prefixes, built on CPUs with AVX512-BF16), `q4_linear`, `
 `q8_linear`, `q8_dense` and, on CPUs with AVX-512 VNNI, `q4_tiled_linear` / `q8_tiled_linear`
 and the MLP's `q4_tiled_silu_mul` / `q8_tiled_silu_mul` (int4 and int8 weights,
 `--quantization`; quant_linear.cpp), on CPUs with AVX512-BF16 `bf16_tiled_linear` /
-`bf16_tiled_silu_mul` (bf16 weights in tiles; bf16_linear.cpp, linear.py) and the fused
-element-wise steps of a layer
-(`rms_norm`, `add_rms_norm`, `rotary_embedding`, `silu_and_mul`; fused_ops.py), LoRA
+`bf16_tiled_silu_mul` (bf16 weights in tiles; bf16_linear.cpp, linear.py; with LoRA deltas
+inside, `bf16_tiled_linear_lora` / `bf16_tiled_silu_mul_lora` after `bf16_tiled_lora_shrink`)
+and the fused element-wise steps of a layer (`rms_norm`, `add_rms_norm`, `rotary_embedding`,
+`silu_and_mul`; fused_ops.py), LoRA
 adapters' deltas of a decode step (`lora_delta`; lora/manager.py), and
 `torch.classes.radixserve.DecodeStep`, which runs a decode step's layers through them in one
 call (decode_step.py).
@@ -18,17 +19,23 @@ The build needs a C++ compiler (g++ or clang++) and ninja (a pip dependency); it
 $RADIXSERVE_KERNEL_CACHE (default ~/.cache/radixserve/kernels) under a name that hashes the
 source, the flags, the torch version and the CPU's instruction sets, so that a cache shared
 between machines never loads a binary built for another CPU. Later starts load the cached
-library directly (no compiler needed then).
+library directly (no compiler needed then). Builders of one cache take turns (an flock on
+the build directory's `build.flock`, which the kernel releases if its holder dies); so torch's
+own `lock` file found by the holder was left by a build that was killed, and is removed
+rather than waited on forever.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -85,17 +92,37 @@ def _build_name(paths: list[str]) -> str:
     return f"radixserve_cpu_{h.hexdigest()[:16]}"
 
 
+@contextlib.contextmanager
+def _builders_take_turns(build_dir: str) -> Iterator[None]:
+    """Hold build_dir's flock (waiting, with a log line, while another process builds)."""
+    fd = os.open(os.path.join(build_dir, "build.flock"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process that builds the CPU kernels in %s", build_dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (releases the flock)
+
+
+def build_paths() -> tuple[list[str], str, str, str]:
+    """(the sources, the build's name, its directory in the cache, the library's path)."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+    sources = [os.path.join(here, s) for s in _SOURCES]
+    name = _build_name(sources + [os.path.join(here, h) for h in _HEADERS])
+    build_dir = os.path.join(kernel_cache_dir(), name)
+    return sources, name, build_dir, os.path.join(build_dir, f"{name}.so")
+
+
 def load_cpu_kernels() -> None:
     """Make the `torch.ops.radixserve` kernels available, building them on first use."""
     global _loaded
     with _lock:
         if _loaded:
             return
-        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-        sources = [os.path.join(here, s) for s in _SOURCES]
-        name = _build_name(sources + [os.path.join(here, h) for h in _HEADERS])
-        build_dir = os.path.join(kernel_cache_dir(), name)
-        library = os.path.join(build_dir, f"{name}.so")
+        sources, name, build_dir, library = build_paths()
         # torch's builder holds build_dir/lock while it compiles and links: a library seen
         # then may be half written, so go through load(), which waits for the lock.
         if os.path.isfile(library) and not os.path.exists(os.path.join(build_dir, "lock")):
@@ -103,29 +130,40 @@ def load_cpu_kernels() -> None:
             _loaded = True
             return
         os.makedirs(build_dir, exist_ok=True)
-        logger.info(
-            "building the CPU kernels (first use on this machine, about a minute) in %s",
-            build_dir,
-        )
-        start = time.perf_counter()
-        try:
-            from torch.utils.cpp_extension import load
-
-            load(
-                name=name,
-                sources=sources,
-                extra_cflags=_CFLAGS,
-                build_directory=build_dir,
-                is_python_module=False,
-                verbose=False,
+        with _builders_take_turns(build_dir):
+            baton = os.path.join(build_dir, "lock")
+            stale = os.path.exists(baton)  # no live builder holds it (they take turns above)
+            if stale:
+                logger.warning("removing %s, left by a kernel build that was killed", baton)
+                os.remove(baton)
+            elif os.path.isfile(library):  # built by the process this one waited for
+                torch.ops.load_library(library)
+                _loaded = True
+                return
+            logger.info(
+                "building the CPU kernels (first use on this machine, about a minute) in %s",
+                build_dir,
             )
-        except Exception as exc:  # no compiler, no ninja, a compile error
-            raise KernelBuildError(
-                "could not build radixserve's CPU kernels (they need a C++ compiler such as g++ "
-                "and the ninja package); install them, or run with --attention-backend "
-                f"torch_native (int4 then uses ATen's kernel). Cause: {exc}"
-            ) from exc
-        logger.info("built the CPU kernels in %.1f s", time.perf_counter() - start)
+            start = time.perf_counter()
+            try:
+                from torch.utils.cpp_extension import load
+
+                load(  # (ninja's: only what is missing or stale is built)
+                    name=name,
+                    sources=sources,
+                    extra_cflags=_CFLAGS,
+                    build_directory=build_dir,
+                    is_python_module=False,
+                    verbose=False,
+                )
+            except Exception as exc:  # no compiler, no ninja, a compile error
+                raise KernelBuildError(
+                    "could not build radixserve's CPU kernels (they need a C++ compiler such "
+                    "as g++ and the ninja package); install them, or run with "
+                    "--attention-backend torch_native (int4 then uses ATen's kernel). "
+                    f"Cause: {exc}"
+                ) from exc
+            logger.info("built the CPU kernels in %.1f s", time.perf_counter() - start)
         _loaded = True
 
 
