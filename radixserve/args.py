@@ -541,7 +541,8 @@ class ServerArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             flag = "--" + _flag(f.name)
-            help_text = f.metadata.get("help", "")
+            # (argparse formats help with %: a literal one is %%)
+            help_text = f.metadata.get("help", "").replace("%", "%%")
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
@@ -554,7 +555,7 @@ class ServerArgs:
                 type=_arg_type(f.type),
                 default=f.default,
                 choices=f.metadata.get("choices"),
-                help=f"{help_text} (default: {f.default})",
+                help=f"{help_text} (default: {str(f.default).replace('%', '%%')})",
             )
 
     @classmethod
