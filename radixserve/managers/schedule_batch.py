@@ -215,7 +215,12 @@ class Req:
             self.finished_reason = finish_length(len(self.output_ids))
 
     def _match_stop_str(self, tokenizer: Any) -> str | None:
-        max_len = max(len(s) for s in self.sampling_params.stop_strs)
+        # The tail decoded spans as many tokens as the longest stop string has UTF-8 bytes (a
+        # token holds at least one: an emoji can take four of a byte-level vocabulary), plus
+        # one for a token that straddles its start.
+        max_len = max(
+            len(s.encode("utf-8", "surrogatepass")) for s in self.sampling_params.stop_strs
+        )
         tail = tokenizer.decode(self.output_ids[-(max_len + 1) :], skip_special_tokens=False)
         for s in self.sampling_params.stop_strs:
             if s in tail:
