@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.io_struct import BatchTokenIDOutput
-from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort
+from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
 from radixserve.model_executor.forward_batch import ForwardMode
 from radixserve.speculative.spec_info import SpecVerifyInput
 
@@ -90,6 +90,11 @@ class SchedulerOutputMixin:
         self.stream_output(to_stream)
 
     def _append_token(self, req: Req, token: int, logprob: tuple[float, Any] | None) -> None:
+        if req.sampling_params.max_new_tokens == 0 and req.to_abort is None:
+            # A prompt-only request (its prompt logprobs: SGLang's scoring): the prefill's
+            # token is not part of it.
+            req.finished_reason = finish_length(0)
+            return
         req.output_ids.append(token)
         self.stats.generation_tokens += 1
         if logprob is not None:

@@ -252,9 +252,10 @@ class RadixCache:
         free what the tree does not keep, release its row and its lock."""
         kv_indices = self._req_slots(req, req.kv_allocated_len)
         if is_insert:
-            committed = req.kv_committed_len
-            token_ids = (req.origin_input_ids + req.output_ids)[:committed]
-            aligned = committed // self.page_size * self.page_size
+            # (a prompt-only request, max_new_tokens 0, finished in the overlap loop has its
+            # dropped token's slot committed too: only slots with a token are inserted)
+            token_ids = (req.origin_input_ids + req.output_ids)[: req.kv_committed_len]
+            aligned = len(token_ids) // self.page_size * self.page_size
             key = RadixKey(token_ids[:aligned], req.extra_key)
             new_prefix_len = self.insert(key, kv_indices[:aligned].clone(), req.priority)
             self._free(kv_indices[req.cache_protected_len : new_prefix_len])

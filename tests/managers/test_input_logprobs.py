@@ -119,3 +119,21 @@ def test_no_prompt_logprobs_without_return_logprob():
     got = collect(run)
     assert "a" not in got
     assert got["b"] == [([], [])]
+
+
+@pytest.mark.parametrize("overlap,chunk", [(False, None), (True, None), (False, 8), (True, 8)])
+def test_max_new_tokens_0_scores_the_prompt_and_generates_nothing(overlap, chunk):
+    """SGLang's prompt scoring (`max_new_tokens: 0` with prompt logprobs): the prompt is
+    prefilled (in chunks too), its logprobs sent, and the request finishes by length with no
+    token (the prefill's sampled token used to be returned); the pool drains."""
+    run = FakeRun(overlap=overlap, chunked_prefill_size=chunk)
+    prompt = _prompt(7, 20, [])
+    run.submit("score", prompt, 0, logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    run.submit("plain", prompt[:9], 0)
+    run.submit("gen", prompt, 3)
+    run.drain()
+    tokens, reasons, got = run.tokens(), run.reasons(), collect(run)
+    assert tokens["score"] == tokens["plain"] == []
+    assert reasons["score"] == reasons["plain"] == {"type": "length", "length": 0}
+    assert got["score"] == [expected_input_logprobs(prompt, 0, 2)]
+    assert tokens["gen"] == expected_output(prompt, 3)
