@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from radixserve.parser.json_scan import ObjectScan, scan_object, skip_ws
+from radixserve.parser.json_scan import ObjectScan, is_value_prefix, scan_object, skip_ws
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,8 @@ class ObjectCall:
         key = next((k for k in self.arg_keys if k in scan.values), None)
         if key is not None:
             args = scan.value_text(text, key) or ""
+            if len(args) > self.args_sent and not is_value_prefix(args):
+                return out, self.consumed  # broken after commit: what follows is normal text
             if len(args) > self.args_sent:
                 out.append(CallDelta(self.index, arguments=args[self.args_sent :]))
                 self.args_sent = len(args)
@@ -199,6 +201,8 @@ class ObjectCall:
             first = scan.values[key][0]
             if text[first] != "{":
                 raise NotACall("arguments are not an object")
+            if not is_value_prefix(scan.value_text(text, key) or ""):
+                raise NotACall("arguments are not JSON")
         elif scan.end is None:
             return False
         self.committed = True

@@ -3,7 +3,9 @@ end, without parsing what is inside them. The streaming tool-call parsers use it
 name as soon as its string closes and to forward the raw text of its arguments piece by piece.
 
 The scanner checks the structure at the top level only (keys, colons, commas, matching
-brackets); the caller parses the finished object with `json.loads` before trusting it.
+brackets); the caller parses the finished object with `json.loads` before trusting it, and
+`is_value_prefix` checks a value's text in full before it is forwarded (so text that no JSON
+value can hold, such as a closing tag after a broken call, never reaches the arguments).
 """
 
 from __future__ import annotations
@@ -136,3 +138,94 @@ def scan_object(text: str, start: int) -> ObjectScan:
             raise ScanError("expected ',' or '}'")
         i = skip_ws(text, i + 1)
     return scan
+
+
+class _Eof(Exception):
+    """The text ended inside the value: what came so far may begin one."""
+
+
+def is_value_prefix(text: str) -> bool:
+    """Whether `text` is one JSON value, or the beginning of one (strict JSON, as json.loads
+    reads it: no control characters inside strings)."""
+    try:
+        end = _value(text, skip_ws(text, 0))
+    except _Eof:
+        return True
+    except (ScanError, ValueError, RecursionError):
+        return False
+    return skip_ws(text, end) == len(text)
+
+
+def _value(text: str, i: int) -> int:
+    """Index past the JSON value at text[i]; _Eof where the text ends first."""
+    if i >= len(text):
+        raise _Eof
+    c = text[i]
+    if c == "{" or c == "[":
+        return _container(text, i)
+    if c == '"':
+        return _string(text, i)
+    j = i
+    while j < len(text) and text[j] in _LITERAL_CHARS:
+        j += 1
+    word = text[i:j]
+    if j == len(text):  # it may go on: a prefix of a literal or of a number
+        if any(lit.startswith(word) for lit in ("true", "false", "null")) or _number_prefix(word):
+            raise _Eof
+        raise ScanError(f"not a value: {word!r}")
+    if not word:
+        raise ScanError(f"unexpected {c!r}")
+    json.loads(word)  # (ValueError: not a literal or a number)
+    return j
+
+
+def _number_prefix(word: str) -> bool:
+    """Whether `word` can begin a JSON number (-?int(.frac)?(e[+-]?digits)?)."""
+    for tail in ("", "0", "1"):  # completions that close a prefix such as "-", "1.", "1e+"
+        try:
+            json.loads(word + tail)
+            return word[:1] in "-0123456789" and word[:1] != ""
+        except ValueError:
+            continue
+    return word == "-"
+
+
+def _string(text: str, i: int) -> int:
+    end = string_end(text, i)
+    if end == INCOMPLETE:
+        body = text[i + 1 :]
+        if any(ord(ch) < 0x20 for ch in body):
+            raise ScanError("a control character inside a string")
+        raise _Eof
+    json.loads(text[i:end])  # escapes, control characters (ValueError)
+    return end
+
+
+def _container(text: str, i: int) -> int:
+    obj = text[i] == "{"
+    close = "}" if obj else "]"
+    j = skip_ws(text, i + 1)
+    if j >= len(text):
+        raise _Eof
+    if text[j] == close:
+        return j + 1
+    while True:
+        if obj:
+            if text[j] != '"':
+                raise ScanError("expected a key")
+            j = skip_ws(text, _string(text, j))
+            if j >= len(text):
+                raise _Eof
+            if text[j] != ":":
+                raise ScanError("expected ':'")
+            j = skip_ws(text, j + 1)
+        j = skip_ws(text, _value(text, j))
+        if j >= len(text):
+            raise _Eof
+        if text[j] == close:
+            return j + 1
+        if text[j] != ",":
+            raise ScanError(f"expected ',' or {close!r}")
+        j = skip_ws(text, j + 1)
+        if j >= len(text):
+            raise _Eof

@@ -168,6 +168,49 @@ def test_malformed_after_commit_does_not_crash():
     assert make_detector("hermes", TOOLS).parse(text).calls == []
 
 
+@pytest.mark.parametrize("parser", ["hermes", "qwen25"])
+def test_arguments_that_stop_being_json_are_never_streamed(parser):
+    """Arguments broken mid-value (here a closing tag where a value should be): what is
+    streamed as arguments is only ever a beginning of a JSON value, and the rest is text; a
+    call whose arguments are already broken when it would commit is text whole, as parse()
+    reads it."""
+    from radixserve.parser.json_scan import is_value_prefix
+
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"tz": \n</tool_call> after'
+    detector = make_detector(parser, TOOLS)
+    pieces = [p for c in text for p in detector.parse_streaming(c).pieces]
+    pieces += detector.finish().pieces
+    args = "".join(p.arguments or "" for p in pieces if isinstance(p, CallDelta))
+    assert args and is_value_prefix(args) and "<" not in args
+    assert "".join(p for p in pieces if isinstance(p, str)).endswith(" after")
+    detector = make_detector(parser, TOOLS)
+    whole = detector.parse_streaming(text).pieces + detector.finish().pieces
+    assert whole == [text] and make_detector(parser, TOOLS).parse(text).calls == []
+
+
+@pytest.mark.parametrize(
+    "text,prefix",
+    [
+        ('{"a": [1, {"b": "c\\u00', True),
+        ('{"a": -', True),
+        ('{"a": 1.5e+', True),
+        ('{"a": fal', True),
+        ('{"a": {"b": null}}', True),
+        ('{"a": \n</tool_call>', False),
+        ('{"a": "x\ny"}', False),  # a raw newline inside a string: json.loads refuses it
+        ('{"a": 01', False),
+        ('{"a": 1,}', False),
+        ('{"a": 1} extra', False),
+        ('{"a": [1 2]', False),
+        ('{"a": tx', False),
+    ],
+)
+def test_is_value_prefix(text, prefix):
+    from radixserve.parser.json_scan import is_value_prefix
+
+    assert is_value_prefix(text) is prefix
+
+
 def test_any_name_without_a_tool_list():
     assert (
         make_detector("hermes").parse('<tool_call>{"name": "x"}</tool_call>').calls[0].name == "x"
