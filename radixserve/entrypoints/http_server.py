@@ -459,6 +459,10 @@ async def load_lora_adapter(request: Request) -> Response:
     --lora-paths); 400 with the reason when it cannot."""
     body = await parse_body(request, LoadLoRABody)
     tm = _tm(request)
+    if body.lora_name in _state(request).openai.model_names:
+        return error_response(
+            f"{body.lora_name!r} names the served model: an adapter needs a name of its own", 400
+        )
     out = await tm.load_lora_adapter(body.lora_name, body.lora_path)
     if not out.success:
         return error_response(out.message, 400)
@@ -584,6 +588,15 @@ class _Signals:
             signal.signal(sig, handler)
 
 
+def _adapters_named_like_the_model(server_args: ServerArgs) -> str:
+    """The --lora-paths names a request's `model` could not reach (they name the model)."""
+    from radixserve.entrypoints.openai_api import model_aliases
+    from radixserve.lora.adapter import parse_lora_paths
+
+    names = set(parse_lora_paths(server_args.lora_paths)) if server_args.lora_paths else set()
+    return ", ".join(sorted(names & model_aliases(server_args)))
+
+
 def launch_server(server_args: ServerArgs) -> int:
     """Serve until a signal (exit 0) or a failure (exit non-zero); always stop the children."""
     from radixserve.entrypoints.engine import (
@@ -596,6 +609,10 @@ def launch_server(server_args: ServerArgs) -> int:
     configure_logging(server_args.log_level)
     if server_args.node_rank > 0:
         return run_worker_node(server_args)
+    clash = _adapters_named_like_the_model(server_args)
+    if clash:
+        logger.error("--lora-paths: %s names the served model; give the adapter its own", clash)
+        return 2
     signals = _Signals()
     procs = None
     try:

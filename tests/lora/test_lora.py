@@ -729,6 +729,8 @@ def test_the_served_endpoints(tiny, tmp_path):
         ids = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
         assert ids[1:] == ["b"]
         assert post("/load_lora_adapter", {"lora_name": "b"}).status_code == 400
+        r = post("/load_lora_adapter", {"lora_name": ids[0], "lora_path": tiny["adapters"]["a"]})
+        assert r.status_code == 400 and "names the served model" in r.json()["error"]["message"]
         r = post("/load_lora_adapter", {"lora_name": "c", "lora_path": "/nope"})
         assert r.status_code == 400 and "not a directory" in r.json()["error"]["message"]
         assert post("/unload_lora_adapter", {"lora_name": "b"}).json()["loaded_adapters"] == {}
@@ -737,6 +739,24 @@ def test_the_served_endpoints(tiny, tmp_path):
         wait_drained(server)
     finally:
         server.stop()
+
+
+def test_an_adapter_named_like_the_served_model_is_refused_at_start(tiny):
+    """A request's `model` naming the served model gets the base model, so an adapter of that
+    name could never be reached by it: `serve` refuses to start (exit 2) before any child
+    process."""
+    import subprocess
+
+    name = os.path.basename(tiny["model"])
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve", "serve", "--model-path", tiny["model"]]
+        + ["--lora-paths", f"{name}={tiny['adapters']['a']}", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"--lora-paths: {name} names the served model" in out.stderr
 
 
 def test_data_parallel_replicas_load_and_serve_alike(tiny):
@@ -798,6 +818,6 @@ def test_smoothquant_folds_into_the_adapters_a(tiny):
         # by two products, and (where radixserve's CPU kernels are built) by lora_delta
         for slots in (None, torch.zeros(5, dtype=torch.int64)) if manager.kernel else (None,):
             y = torch.zeros(5, want.shape[1])
-            batch = LoRABatch([(manager.adapters["a"], None)], slots, [], [])
+            batch = LoRABatch([(manager.adapters["a"], None)], slots, slots is not None, [], [])
             wrapped._add_deltas(y, x / s, batch)
             torch.testing.assert_close(y, want * scale, rtol=1e-4, atol=1e-4)
