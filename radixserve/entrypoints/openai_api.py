@@ -12,6 +12,7 @@ a null logprob, as in OpenAI's legacy API.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -305,17 +306,21 @@ def completion_logprobs(
     for (lp, tid, *_), top in entries:
         s = tok(tid)
         out.tokens.append(s)
-        out.token_logprobs.append(lp)
-        out.top_logprobs.append({tok(t): v for v, t, *_ in top} if top else None)
+        out.token_logprobs.append(_finite(lp))
+        out.top_logprobs.append({tok(t): _finite(v) for v, t, *_ in top} if top else None)
         out.text_offset.append(offset)
         offset += len(s)
     return out
 
 
+def _finite(lp: float | None) -> float | None:
+    """A logprob as OpenAI reports it: a token the grammar forbids (-inf) as -9999.0."""
+    return -9999.0 if lp is not None and not math.isfinite(lp) else lp
+
+
 def chat_logprobs(tok: TokenStrings, meta: dict[str, Any], start: int) -> ChoiceLogprobs:
     def entry(lp: float, tid: int) -> TopLogprob:
-        s = tok(tid)
-        return TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")))
+        return TopLogprob(token=tok(tid), logprob=_finite(lp), bytes=tok.token_bytes(tid))
 
     content = []
     pairs = meta.get("output_token_logprobs") or []

@@ -45,7 +45,7 @@ RANGES = {
     "max_new_tokens": Field(ge=0),
     "min_new_tokens": Field(ge=0),
 }
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, strict=True)]  # (strict: JSON true is not id 1)
 LEGACY_FUNCTIONS = "the deprecated functions API; use tools and tool_choice"
 # Fields we know but do not implement: (the values that ask for nothing, why another is a 400).
 NOOP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {

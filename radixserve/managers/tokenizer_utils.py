@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 def tokenizer_source(server_args: Any) -> str:
@@ -22,6 +26,7 @@ class TokenStrings:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         s = self._cache.get(token_id)
@@ -29,6 +34,46 @@ class TokenStrings:
             s = self.tokenizer.decode([token_id])
             self._cache[token_id] = s
         return s
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own UTF-8 bytes (OpenAI's logprob `bytes`): a token holding part of a
+        character decodes alone to U+FFFD, so its bytes come from its vocabulary piece (a
+        byte-level BPE's byte alphabet, or a SentencePiece byte token)."""
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = self._bytes[token_id] = self._token_bytes(token_id)
+        return b
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        text = self(token_id)
+        if "\ufffd" not in text:
+            return list(text.encode("utf-8"))
+        try:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        except Exception:  # (a tokenizer without pieces)
+            piece = None
+        if isinstance(piece, str):
+            m = _BYTE_PIECE.fullmatch(piece)
+            if m:
+                return [int(m.group(1), 16)]
+            table = _byte_level_decoder()
+            if piece and all(c in table for c in piece):
+                return [table[c] for c in piece]
+        return list(text.encode("utf-8"))
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for
+    themselves, the others for the characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
 def load_tokenizer_for(server_args: Any) -> Any:

@@ -56,6 +56,15 @@ def test_completion_empty_prompt_is_rejected(prompt):
         _completion(prompt=prompt)
 
 
+@pytest.mark.parametrize("prompt", [[True, False], [[5, True]], [5, "6"], [5.0]])
+def test_completion_token_ids_are_integers_only(prompt):
+    """JSON true is not token id 1 (pydantic's lax mode would take it), nor "6" id 6."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt=prompt)
+
+
 def test_completion_sampling_params_mapping():
     obj = _completion(
         prompt="x",
