@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from radixserve.args import ServerArgs
@@ -30,6 +31,8 @@ from radixserve.managers.scheduler_process import run_scheduler_process
 from radixserve.managers.tokenizer_manager import TokenizerManager
 from radixserve.managers.tokenizer_utils import load_tokenizer_for
 from radixserve.utils import PortArgs, zmq_socket
+
+_DONE = object()  # the end of a stream's queue (Engine._start_stream)
 
 logger = logging.getLogger(__name__)
 
@@ -314,9 +317,11 @@ class Engine:
             result = out
         return result
 
-    def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
+    def _start_stream(self, obj: GenerateReqInput) -> tuple[queue.Queue, Future]:
+        """Run the request on the engine's loop, its outputs (then an exception or _DONE) put
+        on a queue; cancelling the returned future aborts the request (generate_request's
+        own clean-up), which is what a consumer that stops reading early must do."""
         q: queue.Queue = queue.Queue()
-        done = object()
 
         async def pump() -> None:
             try:
@@ -324,13 +329,19 @@ class Engine:
                     q.put(out)
             except Exception as e:
                 q.put(e)
-            q.put(done)
+            q.put(_DONE)
 
-        asyncio.run_coroutine_threadsafe(pump(), self.loop)
-        while (item := q.get()) is not done:
-            if isinstance(item, Exception):
-                raise item
-            yield item
+        return q, asyncio.run_coroutine_threadsafe(pump(), self.loop)
+
+    def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
+        q, pump = self._start_stream(obj)
+        try:
+            while (item := q.get()) is not _DONE:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:  # (closed early, or garbage-collected: the request is aborted)
+            pump.cancel()
 
     async def async_generate(
         self,
@@ -348,11 +359,16 @@ class Engine:
         return await asyncio.wrap_future(fut)
 
     async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
-        it = self._stream_sync(obj)
+        q, pump = self._start_stream(obj)
         loop = asyncio.get_running_loop()
-        done = object()
-        while (item := await loop.run_in_executor(None, next, it, done)) is not done:
-            yield item
+        try:
+            while (item := await loop.run_in_executor(None, q.get)) is not _DONE:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:  # (aclose, or the consumer's task cancelled while it waited)
+            pump.cancel()
+            q.put(_DONE)  # frees an executor thread still waiting on the queue
 
     # -- control --------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
