@@ -139,13 +139,15 @@ def _n_of(sp: Any) -> int:
     return n
 
 
-def check_length(n: int, sp: SamplingParams, context_len: int) -> None:
+def check_length(n: int, sp: SamplingParams, context_len: int, explicit: bool = True) -> None:
+    """The prompt must leave room in the context; so must max_new_tokens where the request
+    set it (`explicit`; its default is capped to the room left by the scheduler, as SGLang's)."""
     if n >= context_len:
         raise RequestError(
             f"The prompt has {n} tokens, which exceeds the model's context length of "
             f"{context_len} tokens."
         )
-    if sp.max_new_tokens is not None and n + sp.max_new_tokens > context_len:
+    if explicit and sp.max_new_tokens is not None and n + sp.max_new_tokens > context_len:
         raise RequestError(
             f"Requested {n + sp.max_new_tokens} tokens ({n} in the prompt, "
             f"{sp.max_new_tokens} to generate), which exceeds the model's context length "

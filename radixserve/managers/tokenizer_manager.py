@@ -309,7 +309,11 @@ class TokenizerManager:
             sp.verify(self.vocab_size)
         except SamplingParamsError as e:
             raise RequestError(str(e)) from None
-        check_length(len(input_ids), sp, self.context_len)
+        given = obj.sampling_params
+        explicit = isinstance(given, SamplingParams) or (
+            isinstance(given, dict) and given.get("max_new_tokens") is not None
+        )
+        check_length(len(input_ids), sp, self.context_len, explicit)
         dp_rank, dp_size = obj.data_parallel_rank, self.server_args.dp_size
         if dp_rank is not None and not 0 <= dp_rank < dp_size:
             raise RequestError(
