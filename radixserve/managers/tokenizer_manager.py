@@ -67,6 +67,7 @@ class ReqState:
     error: dict[str, Any] | None = None  # {"message", "status_code"}: the request was refused
     finished: bool = False
     lora_id: str | None = None
+    parent_rid: str | None = None  # a choice of an n > 1 request: that request's rid
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     last_time: float = 0.0
@@ -391,6 +392,9 @@ class TokenizerManager:
             tokenized_list += [base] if n == 1 else _choices(base, n)
         self._admit(tokenized_list)
         states = [self._register(t) for t in tokenized_list]
+        if n > 1:
+            for state, t in zip(states, tokenized_list, strict=True):
+                state.parent_rid = t.rid.rpartition("_")[0]
         if len(tokenized_list) == 1:
             self.send_to_scheduler.send_pyobj(tokenized_list[0])
         else:
@@ -501,11 +505,15 @@ class TokenizerManager:
 
     def request_abort(self, rid: str) -> bool:
         """An abort asked by someone other than the waiter (e.g. /abort_request): the state stays
-        so the waiter receives the scheduler's finish_reason "abort"."""
-        if rid not in self.rid_to_state:
-            return False
-        self.send_to_scheduler.send_pyobj(AbortReq(rid))
-        return True
+        so the waiter receives the scheduler's finish_reason "abort". The rid of an n > 1
+        request aborts each of its choices."""
+        if rid in self.rid_to_state:
+            rids = [rid]
+        else:
+            rids = [r for r, s in self.rid_to_state.items() if s.parent_rid == rid]
+        for r in rids:
+            self.send_to_scheduler.send_pyobj(AbortReq(r))
+        return bool(rids)
 
     def request_abort_all(self) -> int:
         """Abort every request in flight (/abort_request with abort_all); their waiters receive
@@ -597,12 +605,13 @@ class TokenizerManager:
 
 
 def _choices(base: TokenizedGenerateReqInput, n: int) -> list[TokenizedGenerateReqInput]:
-    """n sub-requests of one prompt, each its own rid and, with a seed, its own stream of
-    random numbers (seed + i), so that seeded choices differ yet reproduce."""
+    """n sub-requests of one prompt, rids `<rid>_<i>` (SGLang's: the request's rid finds
+    them, TokenizerManager.request_abort) and, with a seed, each its own stream of random
+    numbers (seed + i), so that seeded choices differ yet reproduce."""
     out = []
     for i in range(n):
         t = copy.copy(base)
-        t.rid = new_rid()
+        t.rid = f"{base.rid}_{i}"
         t.sampling_params = copy.deepcopy(base.sampling_params)
         t.sampling_params.n = 1
         if t.sampling_params.seed is not None:

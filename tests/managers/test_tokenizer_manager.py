@@ -193,6 +193,29 @@ def test_a_failed_choice_aborts_its_siblings():
     run(body())
 
 
+def test_the_rid_of_an_n_request_names_and_aborts_its_choices():
+    """n > 1: the choices are `<rid>_<i>` (SGLang's), and /abort_request with the request's
+    own rid aborts every choice; each waiter then gets finish_reason abort."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        task = asyncio.create_task(_collect(tm, _req("mine", n=3)))
+        await _settle()
+        rids = [t.rid for t in sockets.requests()]
+        assert rids == ["mine_0", "mine_1", "mine_2"]
+        assert not tm.request_abort("min") and sockets.aborts() == []
+        assert tm.request_abort("mine")
+        assert sorted(sockets.aborts()) == rids
+        aborted = {"type": "abort", "message": "aborted by request"}
+        for rid in rids:
+            await sockets.inbox.put(_output(rid, "", [], aborted))
+        outs = await task
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * 3
+        assert tm.rid_to_state == {}
+
+    run(body())
+
+
 def test_cancelling_a_batch_aborts_every_sub_request():
     async def body():
         tm, sockets = _make_tm()
