@@ -185,7 +185,7 @@ class LoRALinear(nn.Module):
             return None
         if batch is None or not any(self.key in w for w, _ in batch.groups):
             return fused(x)
-        if self.base.bias is not None or self.base.out_features % 32:
+        if not self.tiled or self.base.bias is not None or self.base.out_features % 32:
             return None
         operands = self._tiled_operands(x, batch)
         if operands is None:
