@@ -46,19 +46,22 @@ def _serve(argv: list[str]) -> int:
     return launch_server(ServerArgs.from_cli_args(ns))
 
 
+BENCH_KINDS = (
+    "serving",
+    "one-batch",
+    "offline",
+    "hf-baseline",
+    "soak",
+    "overhead",
+    "perplexity",
+    "multiturn",
+)
+
+
 def _bench(argv: list[str]) -> int:
-    kinds = (
-        "serving",
-        "one-batch",
-        "offline",
-        "hf-baseline",
-        "soak",
-        "overhead",
-        "perplexity",
-        "multiturn",
-    )
-    if not argv or argv[0] not in kinds:
-        print(f"usage: python -m radixserve bench {{{','.join(kinds)}}} ...", file=sys.stderr)
+    if not argv or argv[0] not in BENCH_KINDS:
+        kinds = ",".join(BENCH_KINDS)
+        print(f"usage: python -m radixserve bench {{{kinds}}} ...", file=sys.stderr)
         return 2
     kind, rest = argv[0], argv[1:]
     if kind == "serving":

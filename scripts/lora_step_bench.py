@@ -29,12 +29,44 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
-def main() -> None:
-    from rs_testing import prefill_batch
-
+def _runner(adapters: list[str], max_total_tokens: int) -> tuple[object, list[str]]:
+    """The default model's ModelRunner with the adapters as l0, l1, ... (and their names)."""
     from radixserve.args import ServerArgs
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.model_loader.default_model import ensure_default_model
+
+    names = [f"l{i}" for i in range(len(adapters))]
+    args = ServerArgs(
+        model_path=ensure_default_model(),
+        device="cpu",
+        max_total_tokens=max_total_tokens,
+        lora_paths=tuple(f"{n}={d}" for n, d in zip(names, adapters, strict=True)),
+    ).resolve()
+    return ModelRunner(args), names
+
+
+def _timed_forward(runner, batch) -> float:
+    fb = batch.get_forward_batch(runner.device)
+    start = time.perf_counter()
+    runner.forward(fb)
+    return time.perf_counter() - start
+
+
+def _median_ms(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _cases(n: int, names: list[str]) -> list[tuple[str, list[str | None]]]:
+    """base, every row on the first adapter, the adapters in turn."""
+    return [
+        ("base", [None] * n),
+        ("one", [names[0]] * n),
+        ("mixed", [names[i % len(names)] for i in range(n)]),
+    ]
+
+
+def main() -> None:
+    from rs_testing import prefill_batch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--adapters", nargs="+", required=True)
@@ -46,21 +78,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.prefill:
         return prefill(a)
-    names = [f"l{i}" for i in range(len(a.adapters))]
-    args = ServerArgs(
-        model_path=ensure_default_model(),
-        device="cpu",
-        max_total_tokens=max(a.rows) * (a.prompt_len[0] + a.steps + 8) + 1024,
-        lora_paths=tuple(f"{n}={d}" for n, d in zip(names, a.adapters, strict=True)),
-    ).resolve()
-    runner = ModelRunner(args)
+    length = a.prompt_len[0]
+    runner, names = _runner(a.adapters, max(a.rows) * (length + a.steps + 8) + 1024)
     for n in a.rows:
-        for label, loras in (
-            ("base", [None] * n),
-            ("one", [names[0]] * n),
-            ("mixed", [names[i % len(names)] for i in range(n)]),
-        ):
-            batch = prefill_batch(runner, [list(range(100, 100 + a.prompt_len[0]))] * n)
+        for label, loras in _cases(n, names):
+            batch = prefill_batch(runner, [list(range(100, 100 + length))] * n)
             for req, lora in zip(batch.reqs, loras, strict=True):
                 req.lora_id = lora
             runner.forward(batch.get_forward_batch(runner.device))
@@ -69,47 +91,28 @@ def main() -> None:
                 for req in batch.reqs:
                     req.output_ids.append(5)
                 batch.prepare_for_decode()
-                fb = batch.get_forward_batch(runner.device)
-                start = time.perf_counter()
-                runner.forward(fb)
-                times.append(time.perf_counter() - start)
+                times.append(_timed_forward(runner, batch))
             for req in batch.reqs:
                 batch.tree_cache.cache_finished_req(req)
-            times.sort()
-            print(
-                f"rows {n} {label}: median step {times[len(times) // 2] * 1e3:.2f} ms", flush=True
-            )
+            print(f"rows {n} {label}: median step {_median_ms(times):.2f} ms", flush=True)
 
 
 def prefill(a: argparse.Namespace) -> None:
     from rs_testing import prefill_batch
 
-    from radixserve.args import ServerArgs
     from radixserve.lora.manager import LoRALinear
-    from radixserve.model_executor.model_runner import ModelRunner
-    from radixserve.model_loader.default_model import ensure_default_model
 
-    names = [f"l{i}" for i in range(len(a.adapters))]
-    args = ServerArgs(
-        model_path=ensure_default_model(),
-        device="cpu",
-        max_total_tokens=max(a.rows) * max(a.prompt_len) + 1024,
-        lora_paths=tuple(f"{n}={d}" for n, d in zip(names, a.adapters, strict=True)),
-    ).resolve()
-    runner = ModelRunner(args)
+    runner, names = _runner(a.adapters, max(a.rows) * max(a.prompt_len) + 1024)
     wrapped = [m for m in runner.model.modules() if isinstance(m, LoRALinear)]
-    tiled = [m.tiled for m in wrapped]
-    paths = [("tiled", tiled), ("products", [False] * len(wrapped))]
+    paths = [("tiled", [m.tiled for m in wrapped]), ("products", [False] * len(wrapped))]
     g = torch.Generator().manual_seed(0)
     for length in a.prompt_len:
         for n in a.rows:
             prompts = [torch.randint(100, 40000, (length,), generator=g).tolist() for _ in range(n)]
-            cases = [("base", [None] * n), ("one", [names[0]] * n)]
-            cases.append(("mixed", [names[i % len(names)] for i in range(n)]))
             for path, flags in paths[: 2 if a.compare_products else 1]:
                 for m, flag in zip(wrapped, flags, strict=True):
                     m.tiled = flag
-                for label, loras in cases:
+                for label, loras in _cases(n, names):
                     if label == "base" and path != "tiled":
                         continue
                     times = []
@@ -117,16 +120,12 @@ def prefill(a: argparse.Namespace) -> None:
                         batch = prefill_batch(runner, prompts)
                         for req, lora in zip(batch.reqs, loras, strict=True):
                             req.lora_id = lora
-                        fb = batch.get_forward_batch(runner.device)
-                        start = time.perf_counter()
-                        runner.forward(fb)
-                        times.append(time.perf_counter() - start)
+                        times.append(_timed_forward(runner, batch))
                         for req in batch.reqs:
                             batch.tree_cache.cache_finished_req(req)
-                    times.sort()
                     print(
                         f"prefill {n} x {length}: {label} ({path}) median "
-                        f"{times[len(times) // 2] * 1e3:.1f} ms",
+                        f"{_median_ms(times):.1f} ms",
                         flush=True,
                     )
 

@@ -5,22 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.__main__ import main
-
-BENCH = [
-    "serving",
-    "one-batch",
-    "offline",
-    "hf-baseline",
-    "soak",
-    "overhead",
-    "perplexity",
-    "multiturn",
-]
+from radixserve.__main__ import BENCH_KINDS, main
 
 
 @pytest.mark.parametrize(
-    "argv", [["serve"], ["generate"], *(["bench", kind] for kind in BENCH)], ids=" ".join
+    "argv", [["serve"], ["generate"], *(["bench", kind] for kind in BENCH_KINDS)], ids=" ".join
 )
 def test_every_command_prints_its_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
