@@ -386,15 +386,15 @@ class TokenizerManager:
         verify_request_fields(obj)
         n = num_choices(obj)
         singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
-        tokenized_list = []
+        tokenized_list, parents = [], []
         for single in singles:
             base = await self.tokenize_and_check(single)
             tokenized_list += [base] if n == 1 else _choices(base, n)
+            parents += [None] if n == 1 else [base.rid] * n
         self._admit(tokenized_list)
         states = [self._register(t) for t in tokenized_list]
-        if n > 1:
-            for state, t in zip(states, tokenized_list, strict=True):
-                state.parent_rid = t.rid.rpartition("_")[0]
+        for state, parent in zip(states, parents, strict=True):
+            state.parent_rid = parent
         if len(tokenized_list) == 1:
             self.send_to_scheduler.send_pyobj(tokenized_list[0])
         else:

@@ -180,14 +180,15 @@ def _value(text: str, i: int) -> int:
 
 
 def _number_prefix(word: str) -> bool:
-    """Whether `word` can begin a JSON number (-?int(.frac)?(e[+-]?digits)?)."""
-    for tail in ("", "0", "1"):  # completions that close a prefix such as "-", "1.", "1e+"
+    """Whether `word` can begin a JSON number: it is one, or one more digit makes it one
+    ("-", "1.", "1e+")."""
+    for candidate in (word, word + "0"):
         try:
-            json.loads(word + tail)
-            return word[:1] in "-0123456789" and word[:1] != ""
+            json.loads(candidate)
+            return True
         except ValueError:
             continue
-    return word == "-"
+    return False
 
 
 def _string(text: str, i: int) -> int:
