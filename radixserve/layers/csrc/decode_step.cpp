@@ -86,17 +86,21 @@ struct Lora {
     return true;
   }
 
-  // The rows' first products (x in bf16) and each group's B tiles, for bf16_tiled_*_lora.
+  // The k-th of each group's tensors for one projection (see the header's order).
+  std::vector<at::Tensor> each_group(int64_t layer, int64_t proj, size_t k) const {
+    std::vector<at::Tensor> out;
+    for (size_t g = 0; g < rows.size(); ++g) out.push_back(weights[index(g, layer, proj) + k]);
+    return out;
+  }
+
+  // For bf16_tiled_*_lora: each group's B in tiles, and the rows' first products (xb: x in
+  // bf16) by bf16_tiled_lora_shrink.
   std::vector<at::Tensor> expand(int64_t layer, int64_t proj) const {
-    std::vector<at::Tensor> b;
-    for (size_t g = 0; g < rows.size(); ++g) b.push_back(weights[index(g, layer, proj) + 7]);
-    return b;
+    return each_group(layer, proj, 7);
   }
   at::Tensor shrink(const at::Tensor& xb, int64_t layer, int64_t proj) const {
     RECORD_FUNCTION("radixserve::bf16_tiled_lora_shrink", std::vector<c10::IValue>());
-    std::vector<at::Tensor> a;
-    for (size_t g = 0; g < rows.size(); ++g) a.push_back(weights[index(g, layer, proj) + 6]);
-    return radixserve::bf16_tiled_lora_shrink(xb, a, slots);
+    return radixserve::bf16_tiled_lora_shrink(xb, each_group(layer, proj, 6), slots);
   }
 
   bool touches(int64_t layer, int64_t proj) const {
@@ -114,13 +118,7 @@ struct Lora {
   void add(at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t proj) const {
     RECORD_FUNCTION("radixserve::lora_deltas", std::vector<c10::IValue>());
     if (kernel) {  // one call for every group (lora_delta)
-      std::vector<at::Tensor> a, b;
-      for (size_t g = 0; g < rows.size(); ++g) {
-        const size_t w = index(g, layer, proj);
-        a.push_back(weights[w + 4]);
-        b.push_back(weights[w + 5]);
-      }
-      radixserve::lora_delta(y, x, a, b, slots);
+      radixserve::lora_delta(y, x, each_group(layer, proj, 4), each_group(layer, proj, 5), slots);
       return;
     }
     for (size_t g = 0; g < rows.size(); ++g) {
