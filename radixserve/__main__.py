@@ -22,8 +22,9 @@ def _generate(argv: list[str]) -> int:
     from radixserve.entrypoints.engine import Engine
     from radixserve.utils import configure_logging
 
-    configure_logging(ns.log_level)
-    with Engine(ServerArgs.from_cli_args(ns)) as engine:
+    server_args = _server_args(parser, ns)
+    configure_logging(server_args.log_level)
+    with Engine(server_args) as engine:
         params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
         if ns.raw:
             out = engine.generate(ns.prompt, params)
@@ -43,7 +44,22 @@ def _serve(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     from radixserve.entrypoints.http_server import launch_server
 
-    return launch_server(ServerArgs.from_cli_args(ns))
+    return launch_server(_server_args(parser, ns))
+
+
+def _server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
+    """The flags as ServerArgs; a bad value (or a model path that holds no model) ends the
+    command as argparse does, with its usage, one line and exit status 2."""
+    from radixserve.model_loader.loader import check_model_path
+
+    try:
+        server_args = ServerArgs.from_cli_args(ns)
+        check_model_path(server_args.model_path)
+        check_model_path(server_args.tokenizer_path, "--tokenizer-path")
+        check_model_path(server_args.speculative_draft_model_path, "--speculative-draft-model-path")
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    return server_args
 
 
 BENCH_KINDS = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_bac
 HICACHE_STORAGE_BACKENDS = ("file",)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "fake")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOAD_BALANCE_METHODS = ("prefix_affinity", "round_robin", "shortest_queue")
 # Extra option strings of a field's flag (SGLang's short forms).
 CLI_ALIASES = {"tp_size": ("--tp",), "dp_size": ("--dp",)}
@@ -297,18 +299,12 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ValueError(f"--{_flag(f.name)} must be one of {choices}, got {value!r}")
-        if self.page_size < 1:
-            raise ValueError("--page-size must be >= 1")
-        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
-            raise ValueError("--max-total-tokens must be positive")
-        if self.max_running_requests is not None and self.max_running_requests <= 0:
-            raise ValueError("--max-running-requests must be positive")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError("--max-queued-requests must be >= 0")
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
-            raise ValueError("--cuda-graph-max-bs must be positive")
-        if self.stream_interval < 1:
-            raise ValueError("--stream-interval must be >= 1")
+        self._check_numbers()
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {LOG_LEVELS} (any case)")
+        for name in ("api_key", "served_model_name"):
+            if getattr(self, name) == "":
+                raise ValueError(f"--{_flag(name)} is empty; leave it out for the default")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
         self._check_speculative()
@@ -320,6 +316,45 @@ class ServerArgs:
         self._check_hierarchical_cache()
         self._check_disaggregation()
         self._check_lora()
+
+    def _check_numbers(self) -> None:
+        """Every number a flag takes, in the range it means something (a value outside is
+        refused here, at start, rather than read as "unset" or failing in a child process)."""
+        at_least = {
+            "page_size": 1,
+            "max_total_tokens": 1,
+            "max_running_requests": 1,
+            "max_queued_requests": 0,
+            "max_prefill_tokens": 1,
+            "context_length": 1,
+            "num_threads": 1,
+            "cuda_graph_max_bs": 1,
+            "stream_interval": 1,
+            "random_seed": 0,
+        }
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"--{_flag(name)} must be >= {low}, got {value}")
+        if self.random_seed >= 2**63:
+            raise ValueError(f"--random-seed must be < 2**63, got {self.random_seed}")
+        chunk = self.chunked_prefill_size
+        if chunk is not None and chunk < 1 and chunk != -1:
+            raise ValueError(f"--chunked-prefill-size must be >= 1, or -1 to disable, got {chunk}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be a port (1-65535), got {self.port}")
+        fraction = self.mem_fraction_static
+        if fraction is not None and not 0 < fraction < 1:
+            raise ValueError(f"--mem-fraction-static must be between 0 and 1, got {fraction}")
+        # (a comparison with nan is false: each test below is written to refuse it)
+        if not 0 <= self.schedule_conservativeness < math.inf:
+            raise ValueError(
+                "--schedule-conservativeness must be a finite number >= 0, got "
+                f"{self.schedule_conservativeness}"
+            )
+        for name in ("watchdog_timeout", "disaggregation_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{_flag(name)} must be > 0 seconds, got {getattr(self, name)}")
 
     def _check_lora(self) -> None:
         if isinstance(self.lora_paths, str):  # Engine(lora_paths="dir")
@@ -349,7 +384,7 @@ class ServerArgs:
             raise ValueError(
                 "--enable-hierarchical-cache extends the radix cache: drop --disable-radix-cache"
             )
-        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+        if not (0 < self.hicache_ratio < math.inf and 0 <= self.hicache_size < math.inf):
             raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
         block = self.hicache_storage_block_size
         if block < 1 or block % self.page_size:

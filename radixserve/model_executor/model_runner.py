@@ -254,9 +254,16 @@ class ModelRunner:
             total = self.tp.min_int(total)
         total = max(sa.page_size, total // sa.page_size * sa.page_size)
         self.max_total_num_tokens = total
-        self.max_running_requests = sa.max_running_requests or min(
-            DEFAULT_MAX_RUNNING_REQUESTS, max(1, total // 2)
-        )
+        rows = sa.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max(1, total // 2))
+        if rows > total:  # each running request holds at least one of the pool's tokens
+            logger.warning(
+                "--max-running-requests %d: the KV pool holds %d tokens; running at most %d",
+                rows,
+                total,
+                total,
+            )
+            rows = total
+        self.max_running_requests = rows
         # The scheduler's tables stay in host memory on every device: a step copies the rows
         # it reads to the device (ModelWorkerBatch.kv_rows); only the KV itself lives there.
         self.req_to_token_pool = ReqToTokenPool(

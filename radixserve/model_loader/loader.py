@@ -48,6 +48,26 @@ def resolve_model_path(model_path: str | None) -> str:
     return model_path
 
 
+def check_model_path(path: str | None, flag: str = "--model-path") -> None:
+    """Refuse, before any process starts, a path that holds no model (or, for
+    --tokenizer-path, no tokenizer): missing, a file that is not a .gguf, or a model directory
+    without config.json. None is the default model."""
+    if path is None:
+        return
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{flag} {path!r} does not exist (give a Hugging Face directory or a .gguf file; "
+            "weights are never downloaded from a hub)"
+        )
+    if os.path.isdir(path):
+        if flag != "--tokenizer-path" and not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(
+                f"{flag} {path!r} is a directory without config.json: not a Hugging Face model"
+            )
+    elif not path.endswith(".gguf"):
+        raise FileNotFoundError(f"{flag} {path!r} is neither a .gguf file nor a directory")
+
+
 def detect_load_format(model_path: str, load_format: str) -> str:
     if load_format != "auto":
         return load_format

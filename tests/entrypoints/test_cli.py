@@ -3,6 +3,8 @@ help with %, so a flag whose text holds a literal % once made `serve --help` rai
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from radixserve.__main__ import BENCH_KINDS, main
@@ -17,3 +19,61 @@ def test_every_command_prints_its_help(argv, capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage:") and "--help" in out
+
+
+# Each value was once accepted: read as "unset" (0, nan), failing later inside a child process
+# with a traceback (--num-threads -1, --random-seed 2**64, --log-level bogus, a model path that
+# holds no model), or serving nothing (--context-length -5, --port 70000).
+BAD_FLAGS = [
+    (["--context-length", "0"], "--context-length must be >= 1"),
+    (["--context-length", "-5"], "--context-length must be >= 1"),
+    (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be >= 1, or -1"),
+    (["--chunked-prefill-size", "-5"], "--chunked-prefill-size must be >= 1, or -1"),
+    (["--num-threads", "0"], "--num-threads must be >= 1"),
+    (["--num-threads", "-1"], "--num-threads must be >= 1"),
+    (["--random-seed", "-1"], "--random-seed must be >= 0"),
+    (["--random-seed", str(2**64)], "--random-seed must be < 2\\*\\*63"),
+    (["--port", "0"], "--port must be a port"),
+    (["--port", "70000"], "--port must be a port"),
+    (["--mem-fraction-static", "0"], "--mem-fraction-static must be between 0 and 1"),
+    (["--mem-fraction-static", "2"], "--mem-fraction-static must be between 0 and 1"),
+    (["--mem-fraction-static", "nan"], "--mem-fraction-static must be between 0 and 1"),
+    (["--schedule-conservativeness", "-1"], "--schedule-conservativeness must be a finite"),
+    (["--schedule-conservativeness", "nan"], "--schedule-conservativeness must be a finite"),
+    (["--schedule-conservativeness", "inf"], "--schedule-conservativeness must be a finite"),
+    (["--watchdog-timeout", "0"], "--watchdog-timeout must be > 0"),
+    (["--watchdog-timeout", "nan"], "--watchdog-timeout must be > 0"),
+    (["--log-level", "bogus"], "--log-level must be one of"),
+    (["--api-key", ""], "--api-key is empty"),
+    (["--served-model-name", ""], "--served-model-name is empty"),
+    (["--enable-hierarchical-cache", "--hicache-ratio", "nan"], "--hicache-ratio must be > 0"),
+    (["--enable-hierarchical-cache", "--hicache-ratio", "inf"], "--hicache-ratio must be > 0"),
+    (["--node-rank", "5"], "--node-rank 5 needs --nnodes > 5"),
+    (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model' does not exist"),
+    (["--tokenizer-path", "/nonexistent/tok"], "--tokenizer-path '/nonexistent/tok' does not"),
+]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=lambda v: " ".join(v)[:40])
+def test_a_bad_flag_ends_the_command_with_usage_and_one_line(command, flags, message, capsys):
+    argv = [command, *(["hi"] if command == "generate" else []), *flags]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage:") and "Traceback" not in err
+    assert re.search(f"error: {message}", err), err
+
+
+def test_a_model_path_without_a_model_is_refused_before_anything_starts(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a model")
+    for path, message in (
+        (tmp_path, "is a directory without config.json"),
+        (tmp_path / "notes.txt", "is neither a .gguf file nor a directory"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--model-path", str(path)])
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
