@@ -49,15 +49,28 @@ class ControlChannel:
         self.address = f"tcp://{advertised_host}:{port}"
         self.peers: dict[str, Any] = {}
 
-    def send(self, address: str, msg: dict[str, Any]) -> None:
+    def connect(self, address: str) -> Any:
+        """The outbound socket to `address`, connected on first use (ZMQ connects in the
+        background: an unreachable peer is found by pings). ValueError where ZMQ refuses the
+        address itself."""
         zmq = self._zmq
         sock = self.peers.get(address)
         if sock is None:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.connect(address)
+            sock.setsockopt(zmq.IPV6, 1)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError as e:
+                sock.close()
+                raise ValueError(f"cannot connect to {address}: {e}") from None
             self.peers[address] = sock
+        return sock
+
+    def send(self, address: str, msg: dict[str, Any]) -> None:
+        zmq = self._zmq
+        sock = self.connect(address)
         try:
             sock.send_pyobj(msg, flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer is gone and its queue is full; its pings will tell

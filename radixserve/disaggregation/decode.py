@@ -63,7 +63,10 @@ class DecodePrealloc(DisaggSide):
 
     def peer_address(self, req: Req) -> str:
         port = req.bootstrap_port or self.default_port
-        return f"tcp://{req.bootstrap_host}:{port}"
+        host = req.bootstrap_host
+        if ":" in host and not host.startswith("["):  # a bare IPv6 address
+            host = f"[{host}]"
+        return f"tcp://{host}:{port}"
 
     def abort(self, hit: Any) -> None:
         for req in [r for r in self.prealloc if hit(r)]:
@@ -155,11 +158,16 @@ class DecodePrealloc(DisaggSide):
             ):
                 return
             self.prealloc.popleft()
+            address = self.peer_address(req)
+            try:
+                self.channel.connect(address)
+            except ValueError as e:  # an address ZMQ cannot even parse: this request's fault
+                s._finish_queued_abort(req, str(e), status_code=400)
+                continue
             req.req_pool_idx = s.req_to_token_pool.alloc(1)[0]
             req.kv_allocated_len = 0
             slots = batch._alloc_slots([req], [0], [n])
             req.last_node = s.tree_cache.root_node
-            address = self.peer_address(req)
             self.peers.setdefault(address, {"ping": 0.0, "pong": time.monotonic()})
             self.waiting_kv[req.bootstrap_room] = req
             self.channel.send(

@@ -6,6 +6,8 @@ Every refusal is a RequestError naming the field; the scheduler never sees a bad
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Any
 
 from radixserve.io_struct import GenerateReqInput
@@ -13,6 +15,7 @@ from radixserve.sampling_params import SamplingParams
 
 MAX_N = 128  # choices per prompt
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and SGLang's practical one
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 class RequestError(ValueError):
@@ -74,10 +77,23 @@ def verify_request_fields(obj: GenerateReqInput) -> None:
         _expect("lora_path", lora, lora is None or isinstance(lora, str), "an adapter name")
 
 
+def is_host(value: Any) -> bool:
+    """A host name (RFC 1123 labels), an IPv4 address, or an IPv6 one (bracketed or bare)."""
+    if not isinstance(value, str) or not value or len(value) > 253:
+        return False
+    try:
+        ipaddress.ip_address(
+            value[1:-1] if value.startswith("[") and value.endswith("]") else value
+        )
+        return True
+    except ValueError:
+        return all(_HOST_LABEL.fullmatch(label) for label in value.split("."))
+
+
 def _verify_bootstrap(obj: GenerateReqInput) -> None:
     """The P/D pairing fields: one value, or (in a batch) one per prompt."""
     checks = (
-        ("bootstrap_host", lambda v: isinstance(v, str) and bool(v), "a host name"),
+        ("bootstrap_host", is_host, "a host name or IP address"),
         ("bootstrap_port", lambda v: _is_int(v) and 0 < v < 65536, "a port"),
         ("bootstrap_room", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     )

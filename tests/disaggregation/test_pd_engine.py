@@ -202,6 +202,27 @@ def test_bad_pairing_fields_are_refused_before_anything_runs(engines, prompts, f
     assert e.value.status_code == 400
 
 
+def test_host_names_and_addresses():
+    from radixserve.managers.request_checks import is_host
+
+    for host in ("127.0.0.1", "localhost", "prefill-0.svc.cluster.local", "::1", "[fe80::1]"):
+        assert is_host(host), host
+    for host in ("", " ", "a b", "http://127.0.0.1", "host:8998", "-a.b", "a..b", 5, None):
+        assert not is_host(host), host
+
+
+def test_an_address_zmq_refuses_fails_one_request_not_the_scheduler():
+    from radixserve.disaggregation.channel import ControlChannel
+
+    channel = ControlChannel("127.0.0.1", 0, "127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match="cannot connect to tcp://http://x:1"):
+            channel.connect("tcp://http://x:1")
+        assert channel.peers == {}
+    finally:
+        channel.close()
+
+
 def test_more_requests_than_the_decode_pool_holds(model):
     """150 requests at once into a decode engine whose pool holds a fraction of them: they wait
     for slots (prealloc), decode with retraction when the pool runs out, and all finish with

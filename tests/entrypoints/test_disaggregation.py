@@ -218,6 +218,10 @@ def test_a_request_without_a_bootstrap_room_is_served_alone(pd, single):
         ({"bootstrap_room": -3, "bootstrap_host": "127.0.0.1"}, "bootstrap_room"),
         ({"bootstrap_room": 5}, "bootstrap_host"),
         ({"bootstrap_room": 5, "bootstrap_host": "127.0.0.1", "bootstrap_port": 70000}, "port"),
+        # Hosts ZMQ cannot parse once took the decode scheduler down (ZMQError on connect).
+        ({"bootstrap_room": 5, "bootstrap_host": "http://127.0.0.1"}, "a host name or IP"),
+        ({"bootstrap_room": 5, "bootstrap_host": "a b"}, "a host name or IP"),
+        ({"bootstrap_room": 5, "bootstrap_host": " "}, "a host name or IP"),
     ],
 )
 def test_bad_bootstrap_fields_are_a_400(pd, extra, match):
@@ -225,6 +229,7 @@ def test_bad_bootstrap_fields_are_a_400(pd, extra, match):
     body = {"text": "hi", "sampling_params": GREEDY, **extra}
     r = httpx.post(decode.url + "/generate", json=body, timeout=30)
     assert r.status_code == 400 and match in r.text, r.text
+    assert httpx.get(decode.url + "/health", timeout=30).status_code == 200
 
 
 def test_a_pairing_that_never_completes_fails_on_both_sides(pd):
