@@ -41,6 +41,10 @@ class GenerateReqInput:
     data_parallel_rank: int | None = None  # which --dp-size replica serves it (None: any)
     # The LoRA adapter (its --lora-paths name; SGLang's field name), or one per prompt.
     lora_path: str | list[str | None] | None = None
+    # Set by the native /generate endpoint, never by a client: there SGLang's router prepends
+    # the prefill server's prompt logprobs to the decode server's answer, so a decode server
+    # leaves its copy out (the OpenAI endpoints get no such merge: there it gives them).
+    router_merges_prompt_logprobs: bool = False
 
     @property
     def is_single(self) -> bool:
@@ -73,12 +77,36 @@ class GenerateReqInput:
             extra_key=self.extra_key,
             priority=self.priority,
             routing_key=self.routing_key,
-            bootstrap_host=_item(self.bootstrap_host, i),
-            bootstrap_port=_item(self.bootstrap_port, i),
-            bootstrap_room=_item(self.bootstrap_room, i),
+            **self.pairing(i),
             data_parallel_rank=self.data_parallel_rank,
             lora_path=_item(self.lora_path, i),
         )
+
+    def pairing(self, k: int) -> dict[str, Any]:
+        """The P/D fields of sub-request k, in SGLang's order: choice j = k // batch_size of
+        prompt i = k % batch_size. A list holds one value per prompt or one per sub-request.
+        Every sub-request pairs on a room of its own, one both servers (expanding the same
+        body) agree on: a room given once is room + k (SGLang's), a prompt's room with n > 1
+        is room + j (request_checks refuses a body where these collide)."""
+        batch = self.batch_size
+
+        def pick(value: Any) -> Any:
+            if not isinstance(value, list):
+                return value
+            return value[k] if len(value) > batch else value[k % batch]
+
+        room = self.bootstrap_room
+        if isinstance(room, int):
+            room += k
+        elif isinstance(room, list) and len(room) == batch:
+            room = room[k % batch] + k // batch
+        else:
+            room = pick(room)
+        return {
+            "bootstrap_host": pick(self.bootstrap_host),
+            "bootstrap_port": pick(self.bootstrap_port),
+            "bootstrap_room": room,
+        }
 
 
 def _item(value: Any, i: int) -> Any:

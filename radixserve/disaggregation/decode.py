@@ -55,8 +55,7 @@ class DecodePrealloc(DisaggSide):
             self.s._reject(req, f"bootstrap_room {room} is already in use on this server")
             return
         req.disagg_deadline = time.monotonic() + self.timeout
-        # The prompt's logprobs are the prefill server's to give (SGLang's router prepends
-        # them to this server's answer): none are computed or sent here.
+        # The prompt's logprobs are computed on the prefill server: its `done` brings them.
         req.input_token_logprobs, req.input_top_logprobs = [], []
         req.input_logprob_pos = len(req.origin_input_ids)
         self.prealloc.append(req)
@@ -216,6 +215,8 @@ class DecodePrealloc(DisaggSide):
         req.admitted = True
         req.cached_tokens = int(msg.get("cached_tokens") or 0)
         self.s.stats.on_first_admission(n, req.cached_tokens)
+        if req.return_logprob and msg.get("input_logprobs") is not None:
+            req.input_token_logprobs, req.input_top_logprobs = msg["input_logprobs"]
         logprob = None
         if req.return_logprob and msg.get("logprob") is not None:
             logprob = (msg["logprob"], msg.get("top_logprobs"))

@@ -52,6 +52,9 @@ class PrefillBootstrap(DisaggSide):
         if room in self.waiting or any(r.bootstrap_room == room for r, _ in self.sending):
             self.s._reject(req, f"bootstrap_room {room} is already in use on this server")
             return
+        if self.cancelled.pop(room, None) is not None:  # given up before it came
+            self.s._finish_queued_abort(req, "the decode server aborted the request")
+            return
         req.sampling_params.max_new_tokens = 1  # the decode server generates the rest
         req.disagg_deadline = time.monotonic() + self.timeout
         arrived = self.reservations.pop(room, None)
@@ -209,6 +212,11 @@ class PrefillBootstrap(DisaggSide):
                         "token": req.output_ids[0],
                         "logprob": logprob,
                         "top_logprobs": top,
+                        "input_logprobs": (
+                            (req.input_token_logprobs, req.input_top_logprobs)
+                            if req.return_logprob
+                            else None
+                        ),
                         "cached_tokens": req.cached_tokens,
                         "payload": payload,
                     },

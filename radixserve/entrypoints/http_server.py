@@ -273,7 +273,7 @@ async def health_generate(request: Request) -> Response:
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateRequest)
-    obj = GenerateReqInput(**body.model_dump())
+    obj = GenerateReqInput(**body.model_dump(), router_merges_prompt_logprobs=True)
     gen = _tm(request).generate_request(obj, None)
     if not obj.stream:
         return json_response(await collect(gen, request))

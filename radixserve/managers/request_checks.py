@@ -91,7 +91,8 @@ def is_host(value: Any) -> bool:
 
 
 def _verify_bootstrap(obj: GenerateReqInput) -> None:
-    """The P/D pairing fields: one value, or (in a batch) one per prompt."""
+    """The P/D pairing fields: one value, or one per prompt, or one per choice (prompts × n,
+    SGLang's router sends these for n > 1); every sub-request needs a room of its own."""
     checks = (
         ("bootstrap_host", is_host, "a host name or IP address"),
         ("bootstrap_port", lambda v: _is_int(v) and 0 < v < 65536, "a port"),
@@ -99,15 +100,25 @@ def _verify_bootstrap(obj: GenerateReqInput) -> None:
     )
     rank = obj.data_parallel_rank
     _expect("data_parallel_rank", rank, rank is None or (_is_int(rank) and rank >= 0), "a rank")
+    batch = obj.batch_size
+    subs = batch * num_choices(obj)
     for name, valid, what in checks:
         value = getattr(obj, name)
         if value is None:
             continue
         if isinstance(value, list):
-            ok = not obj.is_single and len(value) == obj.batch_size and all(map(valid, value))
-            _expect(name, value, ok, f"{what}, or one per prompt of a batch")
+            ok = len(value) in (batch, subs) and all(map(valid, value))
+            _expect(name, value, ok, f"{what}, or one per prompt or per choice")
         else:
             _expect(name, value, valid(value), what)
+    if isinstance(obj.bootstrap_room, list):
+        rooms = {obj.pairing(k)["bootstrap_room"] for k in range(subs)}
+        if len(rooms) < subs:
+            raise RequestError(
+                f"bootstrap_room: the {subs} sub-requests (prompts × n) need different rooms "
+                "(a prompt's room with n > 1 gives its choices room + j); give one room, or "
+                "one per choice"
+            )
 
 
 def _verify_prompt_and_rid(obj: GenerateReqInput) -> None:

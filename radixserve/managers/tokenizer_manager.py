@@ -68,6 +68,7 @@ class ReqState:
     finished: bool = False
     lora_id: str | None = None
     parent_rid: str | None = None  # a choice of an n > 1 request: that request's rid
+    omit_input_logprobs: bool = False  # GenerateReqInput.router_merges_prompt_logprobs
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     last_time: float = 0.0
@@ -91,9 +92,10 @@ class ReqState:
         valid until the next await): copying them per token would cost O(output²)."""
         meta = dict(self.meta)
         if self.return_logprob:
-            meta["input_token_logprobs"] = self.input_token_logprobs
+            omit = self.omit_input_logprobs
+            meta["input_token_logprobs"] = [] if omit else self.input_token_logprobs
             meta["output_token_logprobs"] = self.output_token_logprobs
-            meta["input_top_logprobs"] = self.input_top_logprobs
+            meta["input_top_logprobs"] = [] if omit else self.input_top_logprobs
             meta["output_top_logprobs"] = self.output_top_logprobs
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
 
@@ -387,14 +389,23 @@ class TokenizerManager:
         n = num_choices(obj)
         singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
         tokenized_list, parents = [], []
-        for single in singles:
+        for i, single in enumerate(singles):
             base = await self.tokenize_and_check(single)
-            tokenized_list += [base] if n == 1 else _choices(base, n)
+            subs = [base] if n == 1 else _choices(base, n)
+            for j, sub in enumerate(subs):  # each sub-request's own P/D pairing
+                for name, value in obj.pairing(j * len(singles) + i).items():
+                    setattr(sub, name, value)
+            tokenized_list += subs
             parents += [None] if n == 1 else [base.rid] * n
         self._admit(tokenized_list)
         states = [self._register(t) for t in tokenized_list]
-        for state, parent in zip(states, parents, strict=True):
+        # (the prefill server's copy reaches the client through the router: see the field)
+        peer_logprobs = (
+            obj.router_merges_prompt_logprobs and self.server_args.disaggregation_mode == "decode"
+        )
+        for state, parent, sub in zip(states, parents, tokenized_list, strict=True):
             state.parent_rid = parent
+            state.omit_input_logprobs = peer_logprobs and sub.bootstrap_room is not None
         if len(tokenized_list) == 1:
             self.send_to_scheduler.send_pyobj(tokenized_list[0])
         else:

@@ -202,6 +202,32 @@ def test_bad_pairing_fields_are_refused_before_anything_runs(engines, prompts, f
     assert e.value.status_code == 400
 
 
+def test_each_sub_request_pairs_on_a_room_of_its_own():
+    from radixserve.io_struct import GenerateReqInput
+    from radixserve.managers.request_checks import RequestError, verify_request_fields
+
+    def rooms(room, prompts=2, n=3):
+        obj = GenerateReqInput(
+            input_ids=[[1, 2]] * prompts, sampling_params={"n": n}, bootstrap_room=room
+        )
+        verify_request_fields(obj)
+        return [obj.pairing(k)["bootstrap_room"] for k in range(prompts * n)]
+
+    # SGLang's order: sub-request k is choice k // prompts of prompt k % prompts
+    assert rooms(100) == [100, 101, 102, 103, 104, 105]
+    assert rooms([100, 200]) == [100, 200, 101, 201, 102, 202]  # a room per prompt: + choice
+    assert rooms(list(range(6))) == list(range(6))  # one per sub-request
+    assert rooms([100, 200], n=1) == [100, 200]
+    for bad, match in (([5, 6], "need different rooms"), ([7, 7, 8, 9, 10, 11], "different")):
+        with pytest.raises(RequestError, match=match):
+            rooms(bad)
+    with pytest.raises(RequestError, match="one per prompt or per choice"):
+        rooms([1, 2, 3])
+    one = GenerateReqInput(input_ids=[1, 2], bootstrap_room=[9], bootstrap_host=["h"])
+    verify_request_fields(one)
+    assert one.pairing(0) == {"bootstrap_host": "h", "bootstrap_port": None, "bootstrap_room": 9}
+
+
 def test_host_names_and_addresses():
     from radixserve.managers.request_checks import is_host
 

@@ -204,6 +204,58 @@ def test_pd_logprobs_come_from_both_servers(pd, single):
             assert (a[0] is None) == (b[0] is None) and abs((a[0] or 0) - (b[0] or 0)) < 1e-4
 
 
+def _choices(data: dict[str, Any]) -> list[Any]:
+    if "choices" not in data:  # /generate: a list for n > 1 or a batch
+        return [d["text"] for d in (data if isinstance(data, list) else [data])]
+    return [(c.get("message") or {}).get("content") or c.get("text") for c in data["choices"]]
+
+
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        ("/generate", {"text": "hello world", "sampling_params": {**GREEDY, "n": 2}}),
+        # (the router refuses a list of texts: a batch comes as token ids)
+        (
+            "/generate",
+            {"input_ids": [[104, 105], [97, 98, 99]], "sampling_params": {**GREEDY, "n": 3}},
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+        ("/v1/completions", {"prompt": ["hello", "abc", "xyz"]}),
+        ("/v1/completions", {"prompt": ["hello", "abc"], "n": 2}),
+    ],
+)
+def test_every_choice_and_prompt_pairs_on_its_own_room(pd, single, path, extra):
+    """The router sends one room for n > 1 on /generate and one per choice on the OpenAI
+    endpoints; each sub-request once shared a room and all but one were refused (400)."""
+    router, prefill, _, decode, _ = pd
+    body = dict(extra)
+    if path != "/generate":
+        body.update(model=router.model, max_tokens=NEW_TOKENS, temperature=0)
+    got = httpx.post(router.url + path, json=body, timeout=120)
+    assert got.status_code == 200, got.text
+    want = httpx.post(single.url + path, json=body, timeout=120).json()
+    assert _choices(got.json()) == _choices(want) and len(_choices(want)) > 1
+    for server in (prefill, decode):
+        _pool_free(server)
+
+
+def test_echoed_prompt_logprobs_come_through_the_pair(pd, single):
+    """/v1/completions with echo: the router merges nothing there, so the decode server gives
+    the prompt's logprobs the prefill server sent with the KV (they were once dropped)."""
+    router = pd[0]
+    body = {"prompt": "abcdefgh", "max_tokens": 3, "temperature": 0, "echo": True}
+    body["logprobs"] = 2
+    body["model"] = router.model
+    got = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+    want = httpx.post(single.url + "/v1/completions", json=body, timeout=60)
+    assert got.status_code == want.status_code == 200, got.text
+    a, b = got.json()["choices"][0], want.json()["choices"][0]
+    assert a["text"] == b["text"]
+    assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"] and len(b["logprobs"]["tokens"]) == 11
+    for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"], strict=True):
+        assert (x is None) == (y is None) and abs((x or 0) - (y or 0)) < 1e-4
+
+
 def test_a_request_without_a_bootstrap_room_is_served_alone(pd, single):
     _, prefill, _, decode, _ = pd
     body = {"text": "hello there", "sampling_params": GREEDY}
@@ -325,3 +377,30 @@ def test_a_client_abort_while_waiting_for_kv_frees_the_reservation(pd):
     # while to notice the disconnect, so this checks why, not how fast).
     assert info["disaggregation"]["failed"] == failed
     _pool_free(prefill)  # its reservation for room 77 expires there on its own
+
+
+def test_a_prefill_request_for_a_room_the_decode_side_gave_up_ends_at_once(pd):
+    """The decode side aborted room 78 before its prefill request arrived; that request once
+    waited out --disaggregation-timeout for a reservation that could never come."""
+    _, prefill, port, decode, _ = pd
+    pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 78}
+    body = {"text": "y" * 300, "sampling_params": GREEDY, "rid": "gave-up", **pairing}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, decode.url + "/generate", json=body, timeout=60)
+        deadline = time.monotonic() + 30
+        while decode.server_info()["disaggregation"]["waiting_for_kv"] == 0:
+            assert time.monotonic() < deadline and not waiting.done()
+            time.sleep(0.05)
+        r = httpx.post(decode.url + "/abort_request", json={"rid": "gave-up"}, timeout=30)
+        assert r.status_code == 200
+        assert waiting.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    # (whether the decode side's abort reaches the prefill side before this request or after,
+    # it ends with that message)
+    start = time.monotonic()
+    r = httpx.post(prefill.url + "/generate", json={**body, "rid": None}, timeout=60)
+    assert time.monotonic() - start < TIMEOUT_S, "waited for the timeout"
+    assert r.json()["meta_info"]["finish_reason"]["message"] == (
+        "the decode server aborted the request"
+    )
+    _pool_free(prefill)
+    _pool_free(decode)
