@@ -221,7 +221,7 @@ class Sampler:
                 choice[idx] = inverse_cdf_draw(probs[idx])
         for i, seed in enumerate(info.seeds):
             if seed is not None:
-                choice[i] = _seeded_draw(probs[i], seed, info.steps[i])
+                choice[i] = seeded_draw(probs[i], seed, info.steps[i])
         if not info.any_greedy:
             return choice
         return torch.where(info.greedy, argmax_rows(logits, self.cpu_kernels), choice)
@@ -279,7 +279,7 @@ def inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u).view(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _seeded_draw(probs: torch.Tensor, seed: int, step: int) -> torch.Tensor:
+def seeded_draw(probs: torch.Tensor, seed: int, step: int) -> torch.Tensor:
     """Exponential-race draw (argmax p / E, E ~ Exp(1)) from a generator fixed by (seed, step)."""
     gen = seeded_generator(seed, step, probs.device)
     noise = torch.empty_like(probs).exponential_(generator=gen)

@@ -24,7 +24,12 @@ from typing import Any
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.layers.sampler import SamplingBatchInfo, inverse_cdf_draw, sampling_probs
+from radixserve.layers.sampler import (
+    SamplingBatchInfo,
+    inverse_cdf_draw,
+    sampling_probs,
+    seeded_draw,
+)
 from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.speculative.spec_info import (
@@ -168,7 +173,7 @@ class SpecWorker:
         logits = logits[torch.tensor(active)]
         for j in range(1, steps + 1):
             info = SamplingBatchInfo.from_reqs([reqs[b] for b in active], self.vocab_size, device)
-            tok, q = draft_sample(logits, info)
+            tok, q = draft_sample(logits, info, ahead=j - 1)
             for i, b in enumerate(active):
                 chains[b].append(int(tok[i]))
                 qs[b].append(q[i])
@@ -203,10 +208,12 @@ class SpecWorker:
 
 
 def draft_sample(
-    logits: torch.Tensor, info: SamplingBatchInfo
+    logits: torch.Tensor, info: SamplingBatchInfo, ahead: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw each row's draft from the draft model's distribution q (the request's temperature
-    and top-k/top-p/min-p; greedy rows take the argmax, q then a point mass)."""
+    and top-k/top-p/min-p; greedy rows take the argmax, q then a point mass). The draft is for
+    output position info.steps + `ahead`: a seeded row draws it with that position's noise, the
+    noise the target's draw there uses (verify.py: the draft is accepted where both agree)."""
     logits = logits.float()
     argmax = logits.argmax(dim=-1)
     onehot = torch.nn.functional.one_hot(argmax, logits.shape[-1]).float()
@@ -215,6 +222,9 @@ def draft_sample(
     q = sampling_probs(logits, info)
     q = q / q.sum(dim=-1, keepdim=True)
     drawn = inverse_cdf_draw(q)
+    for i, seed in enumerate(info.seeds):
+        if seed is not None:
+            drawn[i] = seeded_draw(q[i], seed, info.steps[i] + ahead)
     tok = torch.where(info.greedy, argmax, drawn)
     return tok, torch.where(info.greedy.view(-1, 1), onehot, q)
 

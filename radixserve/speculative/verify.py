@@ -6,16 +6,18 @@ apply exactly as they would token by token. Then, per request, from the root:
 
 * greedy rows: the target's argmax at the node; the child carrying that token is accepted and
   the walk goes on; otherwise the argmax is the bonus token and the walk stops;
-* sampled rows: rejection sampling against the target distribution p at the node (after
-  temperature, top-k/top-p/min-p). With deterministic drafts (NGRAM: q is a point mass) the
-  children are tried in turn, child c accepted with probability r(c) under the residual r
-  (p with the rejected children removed, renormalised); with a draft model's q (STANDALONE, one
-  child) the draft d is accepted with probability min(1, p(d) / q(d)), and on rejection the
-  bonus is drawn from the residual max(p − q, 0). Either way the committed token has exactly
-  the target's distribution. A walk that reaches a leaf draws the bonus from p there.
+* sampled rows: the token the plain sampler would draw from the target distribution p at
+  the node (after temperature, top-k/top-p/min-p) is drawn, and the child carrying it is
+  accepted; otherwise it is the bonus token and the walk stops. For deterministic drafts
+  (NGRAM: q is a point mass) this is rejection sampling itself. For a draft model's chain
+  (STANDALONE, one child) an unseeded row instead accepts the draft d with probability
+  min(1, p(d) / q(d)) and on rejection draws the bonus from the residual max(p − q, 0). Either
+  way the committed token has exactly the target's distribution.
 
-Seeded requests draw from generators fixed by (seed, output position), as the plain sampler
-does, so they reproduce whatever they are batched with.
+Seeded requests draw from generators fixed by (seed, output position), with the plain
+sampler's draw; a draft model drafts for them with the same position's noise (a coupling that
+accepts the draft wherever p and q pick the same token). So a seeded request's tokens are the
+ones it gets without speculation, whatever it is batched with and whether or not it drafts.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import torch
 from radixserve.layers.sampler import (
     SamplingBatchInfo,
     argmax_rows,
+    inverse_cdf_draw,
     sampling_probs,
-    seeded_generator,
+    seeded_draw,
 )
 from radixserve.speculative.spec_info import DraftTree, SpecVerifyOutput
 
@@ -121,49 +124,37 @@ def _accept_sampled(
     node, nodes = 0, []
     while True:
         pos = step + len(nodes)  # output position of the token decided here
-        gen = _generator(seed, pos, probs.device)
         p = probs[base + node]
         kids = tree.children[node]
-        if not kids:
-            return nodes, _draw(p, gen)
-        if tree.draft_probs is not None:  # a draft model's chain: one child drawn from q
+        if kids and tree.draft_probs is not None and seed is None:
+            # A draft model's chain: its one child drawn from q, accepted with min(1, p/q).
             (child,) = kids
             q = tree.draft_probs[child - 1].to(p.device)
             d = tree.tokens[child]
             ratio = float(p[d]) / max(float(q[d]), 1e-30)
-            if _uniform(gen, p.device) < min(1.0, ratio):
+            if float(torch.rand(())) < min(1.0, ratio):
                 nodes.append(child)
                 node = child
                 continue
             residual = (p - q).clamp_min(0.0)
-            return nodes, _draw(residual if float(residual.sum()) > 0 else p, gen)
-        residual = p.clone()
-        accepted = None
-        for child in kids:  # deterministic drafts, distinct tokens
-            d = tree.tokens[child]
-            total = float(residual.sum())
-            if total <= 0:
-                break
-            if _uniform(gen, p.device) < float(residual[d]) / total:
-                accepted = child
-                break
-            residual[d] = 0.0
-        if accepted is None:
-            return nodes, _draw(residual if float(residual.sum()) > 0 else p, gen)
-        nodes.append(accepted)
-        node = accepted
+            return nodes, _draw(residual if float(residual.sum()) > 0 else p, None, pos)
+        # The token the plain sampler would draw here; the child carrying it, if any, is
+        # accepted (deterministic drafts, and a seeded request's drafts, drawn with this same
+        # position's noise: spec_worker.draft_sample).
+        token = _draw(p, seed, pos)
+        child = next((c for c in kids if tree.tokens[c] == token), None)
+        if child is None:
+            return nodes, token
+        nodes.append(child)
+        node = child
 
 
-def _generator(seed: int | None, pos: int, device: torch.device) -> torch.Generator | None:
-    return None if seed is None else seeded_generator(seed, pos, device)
-
-
-def _uniform(gen: torch.Generator | None, device: torch.device) -> float:
-    return float(torch.rand((), generator=gen, device=device))
-
-
-def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(torch.multinomial(p / p.sum(), 1, generator=gen))
+def _draw(p: torch.Tensor, seed: int | None, pos: int) -> int:
+    """One token from p as the plain sampler draws it: from the generator of (seed, output
+    position) for a seeded request, else from torch's global one."""
+    if seed is not None:
+        return int(seeded_draw(p, seed, pos))
+    return int(inverse_cdf_draw(p.view(1, -1))[0])
 
 
 def _add_logprobs(

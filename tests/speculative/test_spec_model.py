@@ -170,6 +170,37 @@ def _logprob_req(rid, ids, params, top):
     return TokenizedGenerateReqInput(rid, None, list(ids), sp, False, True, top)
 
 
+def test_seeded_sampling_gives_the_tokens_of_plain_decoding(tiny_llama_dir, other_draft_dir):
+    """A seeded request reproduces whatever it is batched with, so also whether or not it
+    drafts: NGRAM's verify draws the plain sampler's token at each position (its residual walk
+    once drew others), and a draft model drafts with that position's noise (it once drew from
+    torch's global generator: STANDALONE's seeded tokens changed from call to call)."""
+    prompts = _prompts()
+    params = {**GREEDY, "temperature": 0.5, "top_p": 0.95, "top_k": 3}
+    hs = []
+
+    def run(**spec):
+        h = _harness(tiny_llama_dir, **spec)
+        rids = [h.submit(x, **params, seed=100 + i) for i, x in enumerate(prompts)]
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+        hs.append(h)
+        return [h.results()[r] for r in rids]
+
+    want = run()
+    for spec in (
+        _spec("NGRAM", tiny_llama_dir),
+        _spec("STANDALONE", tiny_llama_dir),
+        _spec("STANDALONE", "", other_draft_dir),
+    ):
+        assert run(**spec) == want, spec
+        assert run(**spec) == want, spec  # and again, in a fresh scheduler
+    st = [h.scheduler.stats for h in hs]
+    assert st[1].spec_accepted_tokens > 0  # NGRAM's drafts were verified, some accepted
+    # The draft that is the target shares the target's noise: every draft is accepted.
+    assert st[3].spec_accepted_tokens == st[3].spec_draft_tokens > 0
+
+
 def test_sampling_runs_and_drains(tiny_llama_dir):
     for algo in ("NGRAM", "STANDALONE"):
         got, _ = _run(
