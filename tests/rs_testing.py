@@ -312,6 +312,22 @@ CHAT_TEMPLATE = (
 )
 
 
+def _byte_alphabet() -> list[str]:
+    """The byte-level BPE stand-ins of the 256 bytes in byte order (GPT-2's bytes_to_unicode:
+    printable bytes stand for themselves, the others for 256 + their rank), so that every
+    process gives byte b the same id (ByteLevel.alphabet() comes in a per-process set order:
+    two tokenizers saved by two processes once differed)."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    out, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + shifted))
+            shifted += 1
+    return out
+
+
 def save_byte_tokenizer(path: str, vocab_size: int) -> None:
     """A byte-level tokenizer with exactly `vocab_size` ids: the specials (ids 0-2 match the
     tiny model's bos/eos), the 256 bytes, then fillers that decode to plain text."""
@@ -319,7 +335,7 @@ def save_byte_tokenizer(path: str, vocab_size: int) -> None:
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
-    tokens = SPECIALS + pre_tokenizers.ByteLevel.alphabet()
+    tokens = SPECIALS + _byte_alphabet()
     tokens += [f"<x{i}>" for i in range(vocab_size - len(tokens))]
     tok = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, [], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -239,6 +239,13 @@ class DecodePrealloc(DisaggSide):
                             f"the prefill server at {address} stopped answering while its "
                             "KV was on the way",
                         )
+                # Those still queued for slots would each reserve and wait out the pings again.
+                for req in [r for r in self.prealloc if self.peer_address(r) == address]:
+                    self.prealloc.remove(req)
+                    self.num_failed += 1
+                    self.s._finish_queued_abort(
+                        req, f"the prefill server at {address} stopped answering", 503
+                    )
                 for room in [r for r, q in self.quarantine.items() if q[1] == address]:
                     self._release_quarantine(room)  # it writes no more
                 del self.peers[address]

@@ -105,8 +105,11 @@ def validation_message(errors: list[Any]) -> str:
             msgs = reasons.setdefault(_loc(err), [])
             if err.get("msg") not in msgs:
                 msgs.append(str(err.get("msg")))
-    # A union member that failed higher up (a dict is not a list) hides the deeper reason.
-    deepest = [loc for loc in reasons if not any(o.startswith(loc + ".") for o in reasons)]
+    # A union member that failed higher up (a dict is not a list) would hide the deeper reason
+    # (a bad or unknown field inside the dict): only the deepest are named.
+    deepest = [
+        loc for loc in reasons if not any(o.startswith(loc + ".") for o in (*reasons, *unknown))
+    ]
     parts = [f"unsupported field(s): {', '.join(unknown)}"] if unknown else []
     for loc in deepest[:5]:
         why = " or ".join(reasons[loc])

@@ -7,9 +7,11 @@ request, and both engines' pools drained afterwards. Plus the transfer backends'
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -297,3 +299,48 @@ def test_more_requests_than_the_decode_pool_holds(model):
         if decode is not None:
             decode.shutdown()
         prefill.shutdown()
+
+
+def test_requests_queued_for_a_dead_prefill_server_fail_together(model):
+    """No prefill server answers at the bootstrap address: the requests holding reservations
+    fail once its pings go unanswered (PEER_SILENT_S), and so, at that moment, do the ones
+    still queued for slots behind them (each once reserved in turn and waited out the pings
+    again: 20 requests in a pool that holds 4 took five rounds)."""
+    from radixserve import Engine
+    from radixserve.disaggregation.decode import PEER_SILENT_S
+
+    decode = Engine(
+        model_path=model,
+        dtype="float32",
+        max_total_tokens=512,
+        enable_integrity_checks=True,
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="fake",
+        disaggregation_timeout=120.0,
+    )
+    try:
+        from radixserve.managers.request_checks import RequestError
+
+        pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": free_port()}
+
+        def one(i: int) -> str:
+            try:
+                decode.generate(
+                    input_ids=[5 + i] * 100,
+                    sampling_params={"max_new_tokens": 4},
+                    bootstrap_room=i,
+                    **pd,
+                )
+            except RequestError as e:
+                return f"{e.status_code} {e}"
+            return "finished"
+
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(20) as pool:
+            errors = list(pool.map(one, range(20)))
+        took = time.monotonic() - start
+        assert all(e.startswith("503 ") and "stopped answering" in e for e in errors), errors
+        assert took < 3 * PEER_SILENT_S, took
+        _assert_drained(decode)
+    finally:
+        decode.shutdown()
