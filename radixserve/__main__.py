@@ -50,11 +50,21 @@ def _serve(argv: list[str]) -> int:
 def _server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
     """The flags as ServerArgs; a bad value (or a model path that holds no model) ends the
     command as argparse does, with its usage, one line and exit status 2."""
-    from radixserve.model_loader.loader import check_model_path
+    from radixserve.model_loader.loader import (
+        check_context_length,
+        check_model_path,
+        detect_load_format,
+        load_model_config,
+    )
 
     try:
         server_args = ServerArgs.from_cli_args(ns)
-        check_model_path(server_args.model_path)
+        path = server_args.model_path
+        check_model_path(path)
+        if path is not None and server_args.context_length is not None:
+            fmt = detect_load_format(path, server_args.load_format)
+            cfg = load_model_config(path, fmt)
+            check_context_length(cfg, server_args.context_length, warn=False)
         check_model_path(server_args.tokenizer_path, "--tokenizer-path")
         check_model_path(server_args.speculative_draft_model_path, "--speculative-draft-model-path")
     except (ValueError, FileNotFoundError) as e:

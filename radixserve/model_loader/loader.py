@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from radixserve.distributed.parallel_state import TpGroup
 
 logger = logging.getLogger(__name__)
+ALLOW_LONGER_CONTEXT_ENV = "RADIXSERVE_ALLOW_LONGER_CONTEXT"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -133,8 +134,8 @@ def load_model(
     from radixserve.models.registry import get_model_class
 
     cfg = load_model_config(model_path, load_format)
-    if context_length and context_length > cfg.max_position_embeddings:
-        cfg = _with_max_positions(cfg, context_length)
+    if check_context_length(cfg, context_length):
+        cfg = _with_max_positions(cfg, context_length)  # type: ignore[arg-type]
     model = get_model_class(cfg)(cfg) if tp is None else get_model_class(cfg)(cfg, tp)
     q4_blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = (
         {} if quantization == "int4" else None
@@ -185,6 +186,29 @@ def _block_params_by_weight(model: nn.Module, q4_blocks: dict) -> dict[str, list
         target, offset = model.weight_location(hf_name)
         out.setdefault(target, []).append(BlockParams(offset or 0, scale, minimum))
     return out
+
+
+def check_context_length(cfg: ModelConfig, context_length: int | None, warn: bool = True) -> bool:
+    """Whether --context-length extends the model's positions. Past what it was trained for
+    its output degrades (and its rotary table grows with the length: 10**8 positions took
+    tens of GB), so that is refused unless RADIXSERVE_ALLOW_LONGER_CONTEXT=1 says it is meant
+    (SGLang's SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN)."""
+    trained = cfg.max_position_embeddings
+    if not context_length or context_length <= trained:
+        return False
+    if os.environ.get(ALLOW_LONGER_CONTEXT_ENV) != "1":
+        raise ValueError(
+            f"--context-length {context_length} is longer than the model's "
+            f"{trained} positions; set {ALLOW_LONGER_CONTEXT_ENV}=1 to serve it anyway"
+        )
+    if warn:
+        logger.warning(
+            "--context-length %d extends the model's %d positions: quality past them is not "
+            "what it was trained for",
+            context_length,
+            trained,
+        )
+    return True
 
 
 def _with_max_positions(cfg: ModelConfig, n: int) -> ModelConfig:

@@ -77,3 +77,26 @@ def test_a_model_path_without_a_model_is_refused_before_anything_starts(tmp_path
             main(["serve", "--model-path", str(path)])
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_context_longer_than_the_models_positions_needs_saying_so(tmp_path, capsys, monkeypatch):
+    # --context-length 10**8 once hung the start-up building a rotary table of 10**8 rows.
+    from rs_testing import make_tiny_model_dir
+
+    from radixserve.model_loader.loader import (
+        ALLOW_LONGER_CONTEXT_ENV,
+        check_context_length,
+        load_model_config,
+    )
+
+    path = make_tiny_model_dir(str(tmp_path / "m"))
+    cfg = load_model_config(path, "safetensors")
+    trained = cfg.max_position_embeddings
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model-path", path, "--context-length", str(10**8)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"longer than the model's {trained} positions; set {ALLOW_LONGER_CONTEXT_ENV}=1" in err
+    assert not check_context_length(cfg, trained) and not check_context_length(cfg, None)
+    monkeypatch.setenv(ALLOW_LONGER_CONTEXT_ENV, "1")
+    assert check_context_length(cfg, 2 * trained)
