@@ -62,7 +62,11 @@ class ServerArgs:
         KV_CACHE_DTYPES,
     )
     device: str = _f("auto", "Device; auto = cuda when available, else cpu.", DEVICES)
-    context_length: int | None = _f(None, "Maximum context length (default: from the model).")
+    context_length: int | None = _f(
+        None,
+        "Maximum context length (default: from the model); past the model's own positions "
+        "only with RADIXSERVE_ALLOW_LONGER_CONTEXT=1.",
+    )
     served_model_name: str | None = _f(None, "Model name reported by the API.")
     trust_remote_code: bool = _f(False, "Allow custom code in tokenizer/config.")
     # Memory and scheduling
