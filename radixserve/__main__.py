@@ -106,7 +106,16 @@ def _bench(argv: list[str]) -> int:
         from radixserve.bench.multiturn import main
     else:
         from radixserve.bench.hf_baseline import main
-    main(rest)
+    import httpx
+
+    try:
+        main(rest)
+    except (ValueError, FileNotFoundError) as e:  # a bad value, a path that holds no model
+        print(f"radixserve bench {kind}: error: {e}", file=sys.stderr)
+        return 2
+    except (httpx.HTTPError, ConnectionError) as e:  # a server that is not there
+        print(f"radixserve bench {kind}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

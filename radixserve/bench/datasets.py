@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from radixserve.bench import FRACTION, POSITIVE
+
 # Separator between a group's shared system prompt and each question (as SGLang's generator
 # does); a blank line keeps the tokenizer from merging tokens across the boundary.
 GSP_SEPARATOR = "\n\n"
@@ -301,20 +303,20 @@ def add_dataset_args(parser: Any) -> None:
     )
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file.")
     # Defaults are the ANCHORS.md workloads (32 x 200 in / 128 out; 8 x 8 x (1024 + 32) / 64).
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--random-input-len", type=int, default=200)
-    parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=1.0)
-    parser.add_argument("--gsp-num-groups", type=int, default=8)
-    parser.add_argument("--gsp-prompts-per-group", type=int, default=8)
-    parser.add_argument("--gsp-system-prompt-len", type=int, default=1024)
-    parser.add_argument("--gsp-question-len", type=int, default=32)
-    parser.add_argument("--gsp-output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=POSITIVE, default=32)
+    parser.add_argument("--random-input-len", type=POSITIVE, default=200)
+    parser.add_argument("--random-output-len", type=POSITIVE, default=128)
+    parser.add_argument("--random-range-ratio", type=FRACTION, default=1.0)
+    parser.add_argument("--gsp-num-groups", type=POSITIVE, default=8)
+    parser.add_argument("--gsp-prompts-per-group", type=POSITIVE, default=8)
+    parser.add_argument("--gsp-system-prompt-len", type=POSITIVE, default=1024)
+    parser.add_argument("--gsp-question-len", type=POSITIVE, default=32)
+    parser.add_argument("--gsp-output-len", type=POSITIVE, default=64)
     parser.add_argument("--gsp-no-shuffle", action="store_true")
-    parser.add_argument("--sharegpt-output-len", type=int, default=None)
-    parser.add_argument("--sharegpt-context-len", type=int, default=None)
+    parser.add_argument("--sharegpt-output-len", type=POSITIVE, default=None)
+    parser.add_argument("--sharegpt-context-len", type=POSITIVE, default=None)
     parser.add_argument(
-        "--rewrite-passage-len", type=int, default=200, help="rewrite: tokens to repeat."
+        "--rewrite-passage-len", type=POSITIVE, default=200, help="rewrite: tokens to repeat."
     )
     parser.add_argument("--tokenize-prompt", action="store_true", help="Send token ids, not text.")
 

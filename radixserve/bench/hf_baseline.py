@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.bench import datasets
+from radixserve.bench import FRACTION, NON_NEGATIVE, POSITIVE, datasets
 from radixserve.bench.datasets import BenchRequest
 from radixserve.bench.metrics import append_jsonl, print_metrics
 
@@ -153,17 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model-path", default=None, help="HF dir or .gguf; default: default model.")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--random-input-len", type=int, default=200)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=8, help="Prompts per static batch.")
+    p.add_argument("--num-prompts", type=POSITIVE, default=32)
+    p.add_argument("--random-input-len", type=POSITIVE, default=200)
+    p.add_argument("--random-output-len", type=POSITIVE, default=128)
+    p.add_argument("--random-range-ratio", type=FRACTION, default=1.0)
+    p.add_argument("--batch-size", type=POSITIVE, default=8, help="Prompts per static batch.")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--threads", type=int, default=None, help="Default: physical cores.")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=POSITIVE, default=None, help="Default: physical cores.")
+    p.add_argument("--seed", type=NON_NEGATIVE, default=1)
     p.add_argument("--tokenize-prompt", action="store_true", help="Use token ids, not text.")
-    p.add_argument("--warmup", type=int, default=1, help="Untimed warmup batches.")
+    p.add_argument("--warmup", type=NON_NEGATIVE, default=1, help="Untimed warmup batches.")
     p.add_argument("--output-file", default=None, help="Append the result as a JSON line.")
     return p
 

@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.bench import NON_NEGATIVE, POSITIVE
+
 
 @dataclass
 class RunResult:
@@ -113,16 +115,16 @@ def run_config(name: str, engine_kwargs: dict[str, Any], args: argparse.Namespac
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m radixserve bench multiturn", description=__doc__)
     p.add_argument("--model-path", default=None, help="Default: SmolLM2-135M-Instruct.")
-    p.add_argument("--max-total-tokens", type=int, default=2048, help="The device KV pool.")
-    p.add_argument("--num-clients", type=int, default=8)
-    p.add_argument("--num-rounds", type=int, default=5)
-    p.add_argument("--request-length", type=int, default=200, help="Tokens per user turn.")
-    p.add_argument("--output-length", type=int, default=16, help="Tokens per answer.")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-total-tokens", type=POSITIVE, default=2048, help="The device KV pool.")
+    p.add_argument("--num-clients", type=POSITIVE, default=8)
+    p.add_argument("--num-rounds", type=POSITIVE, default=5)
+    p.add_argument("--request-length", type=POSITIVE, default=200, help="Tokens per user turn.")
+    p.add_argument("--output-length", type=POSITIVE, default=16, help="Tokens per answer.")
+    p.add_argument("--seed", type=NON_NEGATIVE, default=1)
     p.add_argument(
         "--max-parallel", type=int, default=None, help="Requests in flight (default: clients)."
     )
-    p.add_argument("--repeats", type=int, default=1, help="Runs of each config, alternating.")
+    p.add_argument("--repeats", type=POSITIVE, default=1, help="Runs of each config, alternating.")
     p.add_argument("--dtype", default="auto")
     p.add_argument(
         "--hicache-args",

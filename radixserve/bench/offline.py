@@ -12,14 +12,14 @@ import time
 from typing import Any
 
 from radixserve.args import ServerArgs
-from radixserve.bench import datasets
+from radixserve.bench import NON_NEGATIVE, datasets
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve bench offline", description=__doc__)
     datasets.add_dataset_args(p)
     p.set_defaults(num_prompts=64, random_input_len=256, random_output_len=128)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=1)
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--extra-sampling-params", default=None, help="JSON merged into each request.")
     p.add_argument("--output-file", default=None, help="Append one JSON line with the result.")

@@ -16,14 +16,15 @@ from typing import Any
 import torch
 
 from radixserve.args import ServerArgs
+from radixserve.bench import NON_NEGATIVE, POSITIVE
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve bench one-batch", description=__doc__)
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--input-len", type=int, nargs="+", default=[256])
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=1, help="Warm-up runs of the first case.")
+    p.add_argument("--batch-size", type=POSITIVE, nargs="+", default=[1, 8, 32])
+    p.add_argument("--input-len", type=POSITIVE, nargs="+", default=[256])
+    p.add_argument("--output-len", type=POSITIVE, default=32)
+    p.add_argument("--warmup", type=NON_NEGATIVE, default=1, help="Warm-up runs of the first case.")
     p.add_argument("--output-file", default=None, help="Append one JSON line per case.")
     ServerArgs.add_cli_args(p)
     return p

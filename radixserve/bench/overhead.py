@@ -28,6 +28,7 @@ import httpx
 import torch
 
 from radixserve.args import ServerArgs
+from radixserve.bench import POSITIVE, SECONDS
 from radixserve.utils import free_port
 
 HZ = os.sysconf("SC_CLK_TCK")
@@ -40,10 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Every other option is a server option (`serve --help`), used for both parts.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--input-len", type=int, default=200)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=2, help="Requests per loop and round.")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--input-len", type=POSITIVE, default=200)
+    p.add_argument("--output-len", type=POSITIVE, default=128)
+    p.add_argument("--num-prompts", type=POSITIVE, default=2, help="Requests per loop and round.")
+    p.add_argument("--rounds", type=POSITIVE, default=3)
     p.add_argument(
         "--backend",
         choices=["openai", "radixserve"],
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--loops", nargs="+", default=["overlap", "normal"], choices=["overlap", "normal"]
     )
     p.add_argument("--output-file", default=None, help="Append the result as a JSON line.")
-    p.add_argument("--server-timeout", type=float, default=600.0, help="Seconds to start.")
+    p.add_argument("--server-timeout", type=SECONDS, default=600.0, help="Seconds to start.")
     return p
 
 

@@ -21,13 +21,18 @@ import time
 import torch
 
 from radixserve.args import ServerArgs
+from radixserve.bench import int_at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve bench perplexity", description=__doc__)
     p.add_argument("--text-file", default=None, help="Score this UTF-8 file instead.")
-    p.add_argument("--window", type=int, default=512, help="Tokens per prefilled window.")
-    p.add_argument("--max-tokens", type=int, default=4096, help="Tokens of the text to score.")
+    p.add_argument(
+        "--window", type=int_at_least(2), default=512, help="Tokens per prefilled window."
+    )
+    p.add_argument(
+        "--max-tokens", type=int_at_least(2), default=4096, help="Tokens of the text to score."
+    )
     p.add_argument("--output-file", default=None, help="Append the result as one JSON line.")
     ServerArgs.add_cli_args(p)
     return p

@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from radixserve.bench import datasets
+from radixserve.bench import NON_NEGATIVE, PORT, POSITIVE, SECONDS, datasets, float_in
 from radixserve.bench.client import (
     BACKEND_PATHS,
     ClientConfig,
@@ -142,21 +142,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=sorted(BACKEND_PATHS), default="radixserve")
     p.add_argument("--base-url", default=None, help="Overrides --host/--port.")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=PORT, default=30000)
     p.add_argument("--model", default=None, help="Model name (openai); default: /v1/models.")
     p.add_argument("--tokenizer", default=None, help="HF dir or .gguf; default: default model.")
     datasets.add_dataset_args(p)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = burst.")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--request-rate",
+        type=float_in(0.0, low_open=True),
+        default=math.inf,
+        help="req/s; inf = burst.",
+    )
+    p.add_argument("--max-concurrency", type=POSITIVE, default=None)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=1)
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--disable-stream", action="store_true")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--output-file", default=None, help="Append the result as a JSON line.")
-    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--warmup-requests", type=NON_NEGATIVE, default=1)
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after warmup.")
     p.add_argument("--extra-request-body", default=None, help="JSON merged into each request.")
-    p.add_argument("--request-timeout", type=float, default=3600.0, help="Seconds per request.")
+    p.add_argument("--request-timeout", type=SECONDS, default=3600.0, help="Seconds per request.")
     p.add_argument("--tag", default=None, help="Free-form label stored in the output file.")
     return p
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from radixserve.bench import NON_NEGATIVE, PORT, POSITIVE, SECONDS, float_in
 from radixserve.bench.client import ClientConfig, discover_model, make_client
 from radixserve.bench.soak_actions import (
     ACTIONS,
@@ -321,23 +322,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--base-url", default=None, help="Overrides --host/--port.")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=PORT, default=30000)
     p.add_argument("--model", default=None, help="Model name; default: /v1/models.")
-    p.add_argument("--duration", type=float, default=600.0, help="Seconds of soak.")
-    p.add_argument("--warmup", type=float, default=15.0, help="Seconds before the RSS baseline.")
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=64, help="Cap of ordinary requests.")
-    p.add_argument("--abort-new-tokens", type=int, default=256, help="Requests to abort.")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="Longest prompts.")
-    p.add_argument("--abort-delay-max", type=float, default=2.0, help="Seconds before abort.")
-    p.add_argument("--abort-grace", type=float, default=5.0, help="See soak_actions.")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="A hang.")
-    p.add_argument("--drain-timeout", type=float, default=60.0)
-    p.add_argument("--max-rss-growth", type=float, default=0.05, help="Fraction, 0.05 = 5%%.")
+    p.add_argument("--duration", type=SECONDS, default=600.0, help="Seconds of soak.")
+    p.add_argument(
+        "--warmup", type=float_in(0.0), default=15.0, help="Seconds before the RSS baseline."
+    )
+    p.add_argument("--concurrency", type=POSITIVE, default=32)
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0)
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=64, help="Cap of ordinary requests.")
+    p.add_argument("--abort-new-tokens", type=POSITIVE, default=256, help="Requests to abort.")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=1024, help="Longest prompts.")
+    p.add_argument(
+        "--abort-delay-max", type=float_in(0.0), default=2.0, help="Seconds before abort."
+    )
+    p.add_argument("--abort-grace", type=float_in(0.0), default=5.0, help="See soak_actions.")
+    p.add_argument("--request-timeout", type=SECONDS, default=600.0, help="A hang.")
+    p.add_argument("--drain-timeout", type=SECONDS, default=60.0)
+    p.add_argument(
+        "--max-rss-growth", type=float_in(0.0), default=0.05, help="Fraction, 0.05 = 5%%."
+    )
     p.add_argument("--mix", default=None, help="kind=weight,... over " + ",".join(ACTIONS))
-    p.add_argument("--pids", type=int, nargs="*", default=[], help="More pids to sample RSS.")
-    p.add_argument("--progress-interval", type=float, default=30.0, help="0 = quiet.")
+    p.add_argument("--pids", type=POSITIVE, nargs="*", default=[], help="More pids to sample RSS.")
+    p.add_argument("--progress-interval", type=float_in(0.0), default=30.0, help="0 = quiet.")
     p.add_argument("--output", default=None, help="Write the report as JSON.")
     return p
 

@@ -100,3 +100,40 @@ def test_a_context_longer_than_the_models_positions_needs_saying_so(tmp_path, ca
     assert not check_context_length(cfg, trained) and not check_context_length(cfg, None)
     monkeypatch.setenv(ALLOW_LONGER_CONTEXT_ENV, "1")
     assert check_context_length(cfg, 2 * trained)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serving", "--num-prompts", "-5"], "--num-prompts: must be >= 1, got -5"),
+        (["serving", "--request-rate", "nan"], "--request-rate: must be > 0.0, got nan"),
+        (["serving", "--random-range-ratio", "2"], "must be >= 0.0 and <= 1.0, got 2"),
+        (["one-batch", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+        (["offline", "--num-prompts", "0"], "--num-prompts: must be >= 1, got 0"),
+        (["hf-baseline", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+        (["soak", "--duration", "-1"], "--duration: must be > 0.0, got -1"),
+        (["multiturn", "--num-clients", "0"], "--num-clients: must be >= 1, got 0"),
+        (["perplexity", "--window", "1"], "--window: must be >= 2, got 1"),
+        (["one-batch", "--model-path", "/nonexistent/m"], "'/nonexistent/m' does not exist"),
+    ],
+    ids=lambda v: " ".join(v)[:40] if isinstance(v, list) else "",
+)
+def test_a_bad_bench_value_is_one_line_and_exit_2(argv, message, capsys):
+    # Each once ended in a traceback (numpy's negative dimensions, max() of an empty batch,
+    # ServerArgs' max_total_tokens 0, a missing model) or ran with nonsense.
+    try:
+        code = main(["bench", *argv])
+    except SystemExit as e:  # argparse's own error
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_bench_against_a_server_that_is_not_there_is_one_line(capsys):
+    from radixserve.utils import free_port
+
+    argv = ["bench", "soak", "--duration", "5", "--port", str(free_port())]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "radixserve bench soak: error: ConnectError" in err and "Traceback" not in err
