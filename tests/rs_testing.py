@@ -266,8 +266,9 @@ def greedy_step_logits(
     return out
 
 
-def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0) -> str:
-    """Save a small random transformers model of `arch` (llama | qwen2 | qwen3) to `path`."""
+def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0, **overrides: Any) -> str:
+    """Save a small random transformers model of `arch` (llama | qwen2 | qwen3) to `path`;
+    `overrides` are config fields (a variant: biases, RoPE parameters, ...)."""
     import transformers
 
     common = dict(
@@ -284,13 +285,15 @@ def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0) -> str:
         eos_token_id=2,
     )
     if arch == "llama":
-        cfg = transformers.LlamaConfig(**common, rope_theta=10000.0)
+        cfg = transformers.LlamaConfig(**{**common, "rope_theta": 10000.0, **overrides})
         cls = transformers.LlamaForCausalLM
     elif arch == "qwen2":
-        cfg = transformers.Qwen2Config(**common, rope_theta=1000000.0)
+        cfg = transformers.Qwen2Config(**{**common, "rope_theta": 1000000.0, **overrides})
         cls = transformers.Qwen2ForCausalLM
     elif arch == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+        cfg = transformers.Qwen3Config(
+            **{**common, "head_dim": 32, "rope_theta": 1000000.0, **overrides}
+        )
         cls = transformers.Qwen3ForCausalLM
     else:
         raise ValueError(arch)

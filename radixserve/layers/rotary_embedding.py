@@ -35,17 +35,26 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 def _yarn_inv_freq(
     head_dim: int, base: float, s: dict[str, Any], max_pos: int
 ) -> tuple[torch.Tensor, float]:
+    """YaRN as transformers computes it (ModelConfig pins original_max_position_embeddings and
+    the factor): the attention factor from factor, or from mscale / mscale_all_dim where both
+    are given; the correction range truncated to whole dims unless truncate is false."""
     factor = s["factor"]
     orig = s.get("original_max_position_embeddings") or max_pos
     beta_fast = s.get("beta_fast") or 32
     beta_slow = s.get("beta_slow") or 1
-    mscale = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    mscale = s.get("attention_factor")
+    if mscale is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        mscale = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else None
+        mscale = _yarn_mscale(factor) if mscale is None else mscale
 
     def correction_dim(num_rot: float) -> float:
         return (head_dim * math.log(orig / (num_rot * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
     pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
@@ -55,7 +64,11 @@ def _yarn_inv_freq(
         (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
     )
     extra_factor = 1 - ramp
-    return inv_inter * (1 - extra_factor) + inv_extra * extra_factor, mscale
+    return inv_inter * (1 - extra_factor) + inv_extra * extra_factor, float(mscale)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def compute_inv_freq(

@@ -26,7 +26,8 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_proj_bias: bool = False  # Llama's and Qwen3's attention_bias biases o_proj too (Qwen2's not)
     qk_norm: bool = False
     mlp_bias: bool = False
     rope_scaling: dict[str, Any] | None = None
@@ -48,6 +49,10 @@ class ModelConfig:
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)
+        max_positions = cfg.get("max_position_embeddings", 4096)
+        rope_scaling = _pin_original_positions(rope_scaling, max_positions)
+        _refuse_what_the_model_does_not_compute(cfg, arch, rope_scaling, max_positions)
+        attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -61,9 +66,10 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and arch != "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rope_scaling=rope_scaling,
@@ -75,3 +81,45 @@ class ModelConfig:
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+
+def _pin_original_positions(
+    scaling: dict[str, Any] | None, max_positions: int
+) -> dict[str, Any] | None:
+    """YaRN reads the context it was trained for from original_max_position_embeddings, else
+    (as transformers does) from max_position_embeddings: pin that now, so that a longer
+    --context-length (which raises max_position_embeddings) leaves the frequencies alone; a
+    missing factor is transformers' max / original."""
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if kind != "yarn":
+        return scaling
+    scaling = dict(scaling)  # type: ignore[arg-type]
+    scaling.setdefault("original_max_position_embeddings", max_positions)
+    if scaling.get("factor") is None:
+        scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
+    return scaling
+
+
+def _refuse_what_the_model_does_not_compute(
+    cfg: dict[str, Any], arch: str, scaling: dict[str, Any] | None, max_positions: int
+) -> None:
+    """Config fields of these architectures that change the model's output and that the model
+    here does not implement: refused at load rather than served with other tokens."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported: the MLP here is SiLU-gated")
+    rope_params = cfg.get("rope_parameters") or {}
+    partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
+    if float((scaling or {}).get("partial_rotary_factor", partial)) != 1.0:
+        raise ValueError("partial_rotary_factor < 1 is not supported: RoPE rotates every dim")
+    # Sliding-window attention (Qwen2/Qwen3's use_sliding_window, or explicit layer_types);
+    # a window as long as the context is full attention.
+    window = cfg.get("sliding_window")
+    sliding_layers = "sliding_attention" in (cfg.get("layer_types") or []) or (
+        cfg.get("use_sliding_window") and cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]
+    )
+    if sliding_layers and (window is None or window < max_positions):
+        raise ValueError(
+            f"sliding-window attention ({arch}, sliding_window {window}) is not supported: "
+            "every layer here attends to the whole context"
+        )

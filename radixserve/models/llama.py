@@ -68,7 +68,7 @@ class LlamaAttention(FusedOp, nn.Module):
         self.qkv_proj = _column(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, tp
         )
-        self.o_proj = _row(self.q_size, cfg.hidden_size, False, tp)
+        self.o_proj = _row(self.q_size, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = AttentionLayer(

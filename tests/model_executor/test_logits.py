@@ -78,6 +78,87 @@ def test_tiny_models_match_transformers(tmp_path, arch):
     _check_model(path, vocab=320)
 
 
+def _rope(kind: str, **fields) -> dict:
+    return {"rope_parameters": {"rope_type": kind, "rope_theta": 10000.0, **fields}}
+
+
+YARN = {"factor": 4.0, "original_max_position_embeddings": 256}
+# Config fields real checkpoints set, each once served with other tokens than transformers'
+# (or refused with a KeyError): o_proj's bias under attention_bias, YaRN's mscale /
+# mscale_all_dim and truncate.
+VARIANTS = {
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
+    "llama-mlp-bias": ("llama", {"mlp_bias": True}),
+    "llama-tied-mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "llama-gqa-4-head-dim-32": ("llama", {"num_key_value_heads": 1, "head_dim": 32}),
+    "llama-rope-llama3": (
+        "llama",
+        _rope(
+            "llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "llama-rope-linear": ("llama", _rope("linear", factor=4.0)),
+    "llama-yarn": ("llama", _rope("yarn", **YARN)),
+    "llama-yarn-no-original": ("llama", _rope("yarn", factor=4.0)),
+    "llama-yarn-mscale": ("llama", _rope("yarn", **YARN, mscale=1.0, mscale_all_dim=0.5)),
+    "llama-yarn-no-truncate": ("llama", _rope("yarn", **YARN, truncate=False)),
+    "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
+    "qwen2-window-off": ("qwen2", {"use_sliding_window": False, "sliding_window": 32}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_config_variants_match_transformers(tmp_path, variant):
+    arch, fields = VARIANTS[variant]
+    _check_model(make_tiny_model_dir(str(tmp_path / variant), arch, **fields), vocab=320)
+
+
+@pytest.mark.parametrize(
+    "arch, fields, message",
+    [
+        ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0},
+            "sliding-window attention",
+        ),
+        (
+            "qwen3",
+            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+            "sliding-window attention",
+        ),
+        ("llama", _rope("default", partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ],
+)
+def test_configs_the_model_cannot_compute_are_refused(tmp_path, arch, fields, message):
+    # Each was served with full attention / SiLU / full rotation: other tokens than its own.
+    from radixserve.model_loader.loader import load_model_config
+
+    path = make_tiny_model_dir(str(tmp_path / "m"), arch, **fields)
+    with pytest.raises(ValueError, match=message):
+        load_model_config(path, "safetensors")
+
+
+def test_a_longer_context_leaves_yarns_frequencies_alone(tmp_path, monkeypatch):
+    """--context-length raises max_position_embeddings; YaRN without an explicit original
+    length once took the raised one as the original and changed every frequency."""
+    from radixserve.model_loader.loader import ALLOW_LONGER_CONTEXT_ENV
+
+    monkeypatch.setenv(ALLOW_LONGER_CONTEXT_ENV, "1")
+    path = make_tiny_model_dir(str(tmp_path / "m"), "llama", **_rope("yarn", factor=4.0))
+    want = _runner(path).model
+    args = ServerArgs(
+        model_path=path, dtype="float32", device="cpu", max_total_tokens=2048, context_length=4096
+    )
+    got = ModelRunner(args.resolve()).model
+    a, b = (m.model.rotary for m in (want, got))
+    assert torch.equal(a.cos_cached, b.cos_cached[: a.cos_cached.shape[0]])
+
+
 @pytest.mark.real_model
 def test_default_model_matches_transformers(default_model_path):
     _check_model(default_model_path, vocab=49152)
