@@ -38,7 +38,7 @@ LOAD, BACKUP, STORAGE_READ, STORAGE_WRITE = "load", "backup", "storage_read", "s
 class CacheOperation:
     """One copy between tiers. `node` is the tree node whose state the operation changes (its
     lock is held until HiRadixCache finishes the operation); `blocks` is what a storage
-    read found (a prefix of `keys`)."""
+    read found (a prefix of `keys`) or how many blocks a storage write stored."""
 
     kind: str
     device_indices: torch.Tensor
@@ -161,6 +161,10 @@ class HiCacheController:
             self.stream.synchronize()
 
     def _store(self, op: CacheOperation) -> None:
+        """A read stops at the first block that is missing or fails its checks (deleted: a
+        miss, so it is recomputed and written again); `blocks` = the blocks read. A write
+        skips the blocks already stored; `blocks` = the blocks it stored (a full disk stores
+        none)."""
         assert self.storage is not None
         b = op.block_size
         with torch.inference_mode():
@@ -169,11 +173,21 @@ class HiCacheController:
                     data = self.storage.get(key)
                     rows = op.host_indices[i * b : (i + 1) * b]
                     if data is None or not self.host_pool.write_host_bytes(rows, data):
+                        if data is not None:
+                            self.storage.delete(key)  # checksummed but the wrong size: foreign
+                        self._purge(op.keys[i + 1 :])
                         break
                     op.blocks = i + 1
                 return
             for i, key in enumerate(op.keys):
                 if not self.storage.exists(key):
                     data = self.host_pool.read_device_bytes(op.device_indices[i * b : (i + 1) * b])
-                    self.storage.set(key, data)
-            op.blocks = len(op.keys)
+                    op.blocks += self.storage.set(key, data)
+
+    def _purge(self, keys: list[str]) -> None:
+        """After a failed read: check the blocks the read will not use, so that damaged ones
+        (a damaged directory rarely has only one) are deleted now and all rewritten by the
+        write that follows the request's recomputation, not one per later read."""
+        assert self.storage is not None
+        for key in keys:
+            self.storage.get(key)

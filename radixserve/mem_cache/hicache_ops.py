@@ -42,7 +42,7 @@ class HiCacheStats:
     storage_hit_tokens: int = 0  # read storage → host for a waiting request
     device_to_host_tokens: int = 0  # demoted by device eviction
     backup_tokens: int = 0  # copied device → host (write-through or on eviction)
-    storage_write_tokens: int = 0  # blocks written device → storage
+    storage_write_tokens: int = 0  # blocks written device → storage (failed writes not counted)
     load_ops: int = 0
 
 
@@ -257,6 +257,6 @@ class HiCacheRequestOps:
             self.host_pool.free(op.host_indices[got:])
             self.stats.storage_hit_tokens += added
         else:
-            self.stats.storage_write_tokens += n
+            self.stats.storage_write_tokens += op.blocks * op.block_size
         if op.node is not self.root_node:
             self.dec_lock_ref(op.node)

@@ -3,9 +3,15 @@
 A prefix is cut into blocks of `block_size` tokens; block i's key is
 sha256(key of block i-1, extra_key, the block's token ids), so a key names the whole prefix up
 to the end of its block, and the same prefix maps to the same key in every process and after a
-restart. HiCacheFile keeps one file per block in a directory namespaced by the model and KV
-layout (a different model or dtype never reads another's blocks). Files are written to a
-temporary name and renamed, so a reader never sees half a block.
+restart. HiCacheFile keeps one file per block in a directory namespaced by what the KV values
+depend on besides the tokens: the model (its absolute path and the name, size and mtime of its
+weight files), how it runs (dtype, quantization, dummy weights' seed, context length) and the KV
+layout, so a server never reads KV another model, or the same path's older weights, computed.
+
+A block file is a 16-byte header (magic, payload length, crc32 of the payload) and the
+payload; it is written to a temporary name and renamed, so a reader never sees half a block,
+and a block that fails its checks on read (truncated, corrupted, foreign) is a miss: its key
+leaves the index and its file is deleted, so the prefix is recomputed and written again.
 
 The cache controller's storage thread calls get/set; the scheduler thread only asks `exists`,
 which is answered from an in-memory index (the directory listing at start-up plus what this
@@ -15,14 +21,27 @@ process wrote), so a lookup never touches the disk on the scheduling path.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import struct
 import tempfile
 import threading
+import zlib
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 STORAGE_BACKENDS = ("file",)
+# A block file's header: magic, payload bytes, crc32 of the payload. Part of the namespace, so
+# a change of format starts a new directory instead of reading old blocks as corrupt.
+BLOCK_HEADER = struct.Struct("<4sQI")
+BLOCK_MAGIC = b"RSKV"
+FILE_FORMAT = 1
+# The files of a model directory whose contents decide the KV (the weights and the config).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
 
 def block_hashes(
@@ -46,26 +65,33 @@ class HiCacheStorage(ABC):
 
     @abstractmethod
     def get(self, key: str) -> bytes | None:
-        """The block's bytes, or None when it is missing or unreadable."""
+        """The block's bytes, or None when it is missing, unreadable, or fails its checks
+        (then it is deleted: a miss, recomputed and written again)."""
 
     @abstractmethod
     def set(self, key: str, data: bytes) -> bool:
-        """Store a block; True when it is stored."""
+        """Store a block; True when it is stored. False when the write failed (a full disk):
+        nothing of it is left behind and exists(key) stays False (a later write retries)."""
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Forget a block (it failed a check on read): exists(key) is False afterwards."""
 
     def num_blocks(self) -> int:
         return 0
 
 
 class HiCacheFile(HiCacheStorage):
-    """One file per block under `<root>/<namespace>/`."""
+    """One file per block under `<root>/<namespace>/`: BLOCK_HEADER, then the payload."""
 
     def __init__(self, root: str, namespace: str) -> None:
         self.dir = os.path.join(os.path.expanduser(root), namespace)
         os.makedirs(self.dir, exist_ok=True)
         self._lock = threading.Lock()
+        self._write_failed = False
         self._index = {name[: -len(".kv")] for name in os.listdir(self.dir) if name.endswith(".kv")}
 
     def _path(self, key: str) -> str:
@@ -74,23 +100,47 @@ class HiCacheFile(HiCacheStorage):
     def get(self, key: str) -> bytes | None:
         try:
             with open(self._path(key), "rb") as f:
-                return f.read()
+                header = f.read(BLOCK_HEADER.size)
+                data = f.read()
         except OSError:
             with self._lock:
                 self._index.discard(key)
             return None
+        if len(header) == BLOCK_HEADER.size:
+            magic, length, crc = BLOCK_HEADER.unpack(header)
+            if magic == BLOCK_MAGIC and length == len(data) and crc == zlib.crc32(data):
+                return data
+        logger.warning("hierarchical cache: storage block %s is damaged; deleted", key)
+        self.delete(key)
+        return None
 
     def set(self, key: str, data: bytes) -> bool:
+        tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
+                f.write(BLOCK_HEADER.pack(BLOCK_MAGIC, len(data), zlib.crc32(data)))
                 f.write(data)
             os.replace(tmp, self._path(key))
-        except OSError:
+        except OSError as e:
+            if tmp is not None:
+                _unlink(tmp)
+            self._warn_write_failed(e)
             return False
         with self._lock:
             self._index.add(key)
         return True
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._index.discard(key)
+        _unlink(self._path(key))
+
+    def _warn_write_failed(self, error: OSError) -> None:
+        """Once per instance: a full disk fails every later write the same way."""
+        if not self._write_failed:
+            self._write_failed = True
+            logger.warning("hierarchical cache: storage write to %s failed: %s", self.dir, error)
 
     def exists(self, key: str) -> bool:
         with self._lock:
@@ -101,18 +151,71 @@ class HiCacheFile(HiCacheStorage):
             return len(self._index)
 
 
-def storage_namespace(model_id: str, device_buffers: list[torch.Tensor], block_size: int) -> str:
-    """A directory name that changes with the model and the KV layout (shapes, dtypes, block)."""
+def _unlink(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def weight_files(path: str) -> list[tuple[str, int, int]]:
+    """(name, size, mtime_ns) of the files a model's weights come from: the file itself (a
+    .gguf), or a directory's weights and config.json. Cheap (no content hash of gigabytes);
+    replacing the weights changes their mtime."""
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return [(os.path.basename(path), st.st_size, st.st_mtime_ns)]
+    if not os.path.isdir(path):
+        return []
+    out = []
+    for name in sorted(os.listdir(path)):
+        if name == "config.json" or name.endswith(WEIGHT_SUFFIXES):
+            st = os.stat(os.path.join(path, name))
+            out.append((name, st.st_size, st.st_mtime_ns))
+    return out
+
+
+def model_identity(server_args: Any) -> dict[str, Any]:
+    """What the KV of a token sequence depends on besides the KV layout: the weights (absolute
+    path and their files' identity) and how they are run. LoRA adapters need nothing here:
+    a request's adapter is in its extra_key, hence in its blocks' keys."""
+    sa = server_args
+    path = sa.model_path
+    if path is None:  # the default model, which the model runner has fetched by now
+        from radixserve.model_loader.default_model import DEFAULT_MODEL_FILE, default_cache_dir
+
+        path = os.path.join(default_cache_dir(), DEFAULT_MODEL_FILE)
+    path = os.path.realpath(os.path.expanduser(str(path)))
+    return {
+        "path": path,
+        "files": weight_files(path),
+        "dtype": sa.dtype,
+        "quantization": sa.quantization,
+        "dummy_seed": sa.random_seed if sa.load_format == "dummy" else None,
+        "context_length": sa.context_length,  # may stretch the rotary table (YaRN)
+    }
+
+
+def storage_namespace(
+    identity: dict[str, Any], device_buffers: list[torch.Tensor], block_size: int
+) -> str:
+    """A directory name that changes with the model's identity (model_identity), the KV layout
+    (shapes, dtypes, block size) and the block file format."""
     layout = [(tuple(b.shape[1:]), str(b.dtype)) for b in device_buffers]
-    digest = hashlib.sha256(repr((model_id, layout, block_size)).encode()).hexdigest()[:16]
-    base = os.path.basename(model_id.rstrip("/")) or "model"
+    items = sorted(identity.items())
+    digest = hashlib.sha256(repr((FILE_FORMAT, items, layout, block_size)).encode()).hexdigest()
+    base = os.path.basename(identity["path"].rstrip("/")) or "model"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in base)[:48]
-    return f"{safe}-{digest}"
+    return f"{safe}-{digest[:16]}"
 
 
 def create_storage(
-    backend: str, root: str, model_id: str, device_buffers: list[torch.Tensor], block_size: int
+    backend: str,
+    root: str,
+    identity: dict[str, Any],
+    device_buffers: list[torch.Tensor],
+    block_size: int,
 ) -> HiCacheStorage:
     if backend == "file":
-        return HiCacheFile(root, storage_namespace(model_id, device_buffers, block_size))
+        return HiCacheFile(root, storage_namespace(identity, device_buffers, block_size))
     raise ValueError(f"unknown hierarchical cache storage backend {backend!r}")

@@ -345,7 +345,7 @@ def create_hiradix_cache(
     clock: Callable[[], float] | None = None,
 ) -> HiRadixCache:
     """The Scheduler's tree cache with --enable-hierarchical-cache."""
-    from radixserve.mem_cache.hicache_storage import create_storage
+    from radixserve.mem_cache.hicache_storage import create_storage, model_identity
 
     sa = server_args
     buffers = device_kv_buffers(kv_pool)
@@ -362,7 +362,7 @@ def create_hiradix_cache(
         storage = create_storage(
             sa.hicache_storage_backend,
             sa.hicache_storage_dir,
-            str(sa.model_path),
+            model_identity(sa),
             buffers,
             sa.hicache_storage_block_size,
         )

@@ -77,8 +77,9 @@ class HostKVPool:
         return torch.cat(parts).numpy().tobytes()
 
     def write_host_bytes(self, host_indices: torch.Tensor, data: bytes) -> bool:
-        """Fill host slots from bytes made by read_device_bytes; False if the size is wrong
-        (a truncated or foreign file), leaving the slots untouched."""
+        """Fill host slots from bytes made by read_device_bytes; False if the size is wrong,
+        leaving the slots untouched. The storage backend has verified the bytes (length and
+        checksum: HiCacheFile.get), so a wrong size means another layout's block."""
         n = len(host_indices)
         if len(data) != n * sum(self.row_bytes):
             return False

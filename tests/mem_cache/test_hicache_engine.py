@@ -1,7 +1,9 @@
 """The hierarchical cache through the real multi-process Engine on a tiny fp32 Llama:
 greedy tokens are transformers' and identical with and without the cache while multi-turn
 prefixes several times the device pool are demoted to the host and loaded back; the file
-storage tier serves a prefix to a restarted engine; integrity checks run every step."""
+storage tier serves a prefix to a restarted engine, never serves it to another model (or the
+same path's replaced weights, or a quantized run), and recomputes and rewrites blocks damaged on
+disk; integrity checks run every step."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import random
 import time
 
 import pytest
-from rs_testing import make_tiny_served_model, reference_greedy
+from rs_testing import make_tiny_model_dir, make_tiny_served_model, reference_greedy
+
+from radixserve.mem_cache.hicache_storage import BLOCK_HEADER, HiCacheFile
 
 NEW_TOKENS = 8
 DEVICE_TOKENS = 384
@@ -124,8 +128,87 @@ def test_file_storage_serves_a_restarted_engine(tiny_model, tmp_path, kv):
     assert info["hicache_storage_hit_tokens"] == 128
     (namespace,) = os.listdir(tmp_path)
     blocks = [f for f in os.listdir(tmp_path / namespace) if f.endswith(".kv")]
-    # a block: 32 tokens x 2 layers x K and V x the tiny model's 2 KV heads x 16 dims
+    # a block: its header, then 32 tokens x 2 layers x K and V x 2 KV heads x 16 dims
     element = 1 if kv == "fp8_e4m3" else 4
     assert {(tmp_path / namespace / f).stat().st_size for f in blocks} == {
-        32 * 2 * 2 * 32 * element
+        BLOCK_HEADER.size + 32 * 2 * 2 * 32 * element
     }
+
+
+def _storage_flags(root) -> dict:
+    return dict(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(root),
+        hicache_storage_block_size=32,
+    )
+
+
+def _write_blocks(model: str, root, prompt: list[int], **kwargs) -> None:
+    """A first engine serves the prompt and writes its four whole blocks to storage."""
+    with _engine(model, **_storage_flags(root), **kwargs) as first:
+        first.generate(input_ids=prompt, sampling_params=_params())
+        _wait_for_storage_writes(first, 128)
+
+
+@pytest.mark.parametrize("change", ["weights_replaced", "int4"])
+def test_storage_never_serves_kv_of_other_weights(tmp_path, change):
+    """The same --model-path after its weights were replaced in place, or served with
+    --quantization int4 after an fp32 run, computes different KV: it must not read the
+    blocks of the first run (same tokens, same KV layout) but compute its own."""
+    model = make_tiny_served_model(str(tmp_path / "model"))
+    prompt = [random.Random(11).randrange(3, 320) for _ in range(150)]
+    _write_blocks(model, tmp_path / "storage", prompt)
+    kwargs = {}
+    if change == "weights_replaced":
+        make_tiny_model_dir(model, "llama", seed=1)  # same path, files and shapes
+    else:
+        kwargs["quantization"] = "int4"
+    with _engine(model, **kwargs) as plain:
+        want = plain.generate(input_ids=prompt, sampling_params=_params())["output_ids"]
+    with _engine(model, **_storage_flags(tmp_path / "storage"), **kwargs) as second:
+        got = second.generate(input_ids=prompt, sampling_params=_params())
+        info = second.get_server_info()
+        _assert_drained(second)
+    assert got["output_ids"] == want
+    assert info["hicache_storage_hit_tokens"] == 0
+    assert len(os.listdir(tmp_path / "storage")) == 2  # a namespace each
+
+
+@pytest.fixture(scope="module")
+def damage_prompt_and_plain(tiny_model) -> tuple[list[int], list[int]]:
+    prompt = [random.Random(12).randrange(3, 320) for _ in range(150)]
+    with _engine(tiny_model) as plain:
+        return prompt, plain.generate(input_ids=prompt, sampling_params=_params())["output_ids"]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_damaged_blocks_are_recomputed_and_rewritten(
+    tiny_model, tmp_path, damage, damage_prompt_and_plain
+):
+    """Block files damaged between runs (random bytes of the right size; cut in half): the
+    restarted engine reads none of them, computes the prompt (outputs equal a plain
+    engine's) and writes its blocks again, whole and readable."""
+    prompt, want = damage_prompt_and_plain
+    _write_blocks(tiny_model, tmp_path, prompt)
+    (namespace,) = os.listdir(tmp_path)
+    files = [tmp_path / namespace / f for f in os.listdir(tmp_path / namespace)]
+    assert len(files) == 4
+    rng = random.Random(0)
+    for f in files:
+        size = f.stat().st_size
+        if damage == "corrupt":
+            f.write_bytes(bytes(rng.randrange(256) for _ in range(size)))
+        else:
+            f.write_bytes(f.read_bytes()[: size // 2])
+    with _engine(tiny_model, **_storage_flags(tmp_path)) as second:
+        got = second.generate(input_ids=prompt, sampling_params=_params())
+        _wait_for_storage_writes(second, 128)  # the recomputed blocks, written again
+        info = second.get_server_info()
+        _assert_drained(second)
+    assert got["output_ids"] == want
+    assert got["meta_info"]["cached_tokens"] == 0
+    assert info["hicache_storage_hit_tokens"] == 0
+    store = HiCacheFile(str(tmp_path), namespace)
+    assert store.num_blocks() == 4
+    assert all(store.get(f.name[: -len(".kv")]) is not None for f in files)

@@ -5,7 +5,10 @@ host and loaded back, outputs stay exact, nothing leaks in any tier (integrity c
 
 from __future__ import annotations
 
+import errno
+import os
 import random
+import types
 
 import pytest
 from rs_fake_worker import FakeRun, expected_output
@@ -200,6 +203,56 @@ def test_storage_survives_a_restart(tmp_path):
     cached = {r: n for m in second.outs for r, n in zip(m.rids, m.cached_tokens, strict=True)}
     assert cached["b"] == 192  # six whole 32-token blocks (the last token is always computed)
     assert second.s.get_server_info()["hicache_storage_hit_tokens"] == 192
+
+
+class _FullDiskFile:
+    """A file on a full disk: opening works, every write fails with ENOSPC."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __enter__(self) -> _FullDiskFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+    def write(self, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_full_disk_stores_nothing_and_leaves_no_files(tmp_path, monkeypatch):
+    """While the storage directory's disk is full the writes fail: no temporary file is left
+    behind, nothing is counted as written, outputs stay exact; once there is room again the
+    same blocks are written."""
+    from radixserve.mem_cache import hicache_storage
+
+    full_os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if k[0] != "_"})
+    full_os.fdopen = lambda fd, mode: _FullDiskFile(fd)
+    monkeypatch.setattr(hicache_storage, "os", full_os)
+    flags = dict(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path),
+        hicache_storage_block_size=32,
+    )
+    prompt = [random.Random(6).randrange(3, 97) for _ in range(200)]
+    run = FakeRun(total_tokens=DEVICE_TOKENS, max_running=4, overlap=True, **flags)
+    run.submit("a", prompt, max_new=8)
+    run.drain()
+    info = run.s.get_server_info()
+    assert info["hicache_storage_write_tokens"] == 0
+    assert info["hicache_storage_blocks"] == 0
+    (namespace,) = os.listdir(tmp_path)
+    assert os.listdir(tmp_path / namespace) == []
+    monkeypatch.undo()  # room again
+    run.submit("b", prompt + [5], max_new=8)
+    run.drain()
+    assert run.tokens()["a"] == expected_output(prompt, 8)
+    assert run.tokens()["b"] == expected_output(prompt + [5], 8)
+    assert run.s.get_server_info()["hicache_storage_write_tokens"] == 192
+    assert len(os.listdir(tmp_path / namespace)) == 6
+    run.s.close()
 
 
 def test_tier_hits_reach_the_metrics():

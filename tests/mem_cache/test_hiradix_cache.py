@@ -4,6 +4,7 @@ scheduler's integrity checks after every step and exact outputs at the end."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from rs_fake_worker import FakeRun, expected_output
 
 from radixserve.args import ServerArgs
-from radixserve.mem_cache.hicache_storage import block_hashes
+from radixserve.mem_cache.hicache_storage import HiCacheFile, block_hashes
 from radixserve.mem_cache.memory_pool_host import HostKVPool, host_pool_tokens
 
 
@@ -69,6 +70,59 @@ def test_host_pool_copies_and_bytes_round_trip():
     assert pool.write_host_bytes(other, data)
     assert torch.equal(pool.buffers[0][other], dev[0][src])
     assert not pool.write_host_bytes(other, data[:-1])  # a truncated block is refused
+
+
+_DAMAGES = {
+    "flipped_bits": lambda b: bytes(x ^ 0xFF for x in b[:20]) + b[20:],
+    "truncated": lambda b: b[: len(b) // 2],
+    "header_only": lambda b: b[:16],
+    "empty": lambda b: b"",
+    "no_header": lambda b: b[16:],  # a block file of the format before the header
+}
+
+
+@pytest.mark.parametrize("damage", list(_DAMAGES))
+def test_a_damaged_block_file_is_a_miss_and_is_deleted(tmp_path, damage):
+    store = HiCacheFile(str(tmp_path), "ns")
+    data = os.urandom(4096)
+    assert store.set("k", data) and store.get("k") == data
+    path = tmp_path / "ns" / "k.kv"
+    path.write_bytes(_DAMAGES[damage](path.read_bytes()))
+    assert HiCacheFile(str(tmp_path), "ns").exists("k")  # listed at start-up: read to know
+    assert store.get("k") is None
+    assert not store.exists("k") and not path.exists()  # so it is computed and written again
+    assert store.set("k", data) and store.get("k") == data
+
+
+def _namespace(**flags) -> str:
+    from radixserve.mem_cache.hicache_storage import model_identity, storage_namespace
+
+    kv = [torch.zeros(8, 2, 16)] * 4
+    return storage_namespace(model_identity(ServerArgs(**flags)), kv, 32)
+
+
+def test_storage_namespace_covers_what_changes_the_kv(tmp_path, monkeypatch):
+    """Same KV layout, different KV values: each run gets a namespace of its own."""
+    from rs_testing import make_tiny_model_dir
+
+    for name, seed in (("a", 0), ("b", 1)):
+        make_tiny_model_dir(str(tmp_path / name / "model"), "llama", seed=seed)
+    monkeypatch.chdir(tmp_path / "a")
+    base = _namespace(model_path="model")
+    assert _namespace(model_path=str(tmp_path / "a" / "model")) == base  # the path made absolute
+    assert _namespace(model_path="model", dtype="bfloat16") != base
+    assert _namespace(model_path="model", quantization="int4") != base
+    assert _namespace(model_path="model", context_length=4096) != base
+    dummy = _namespace(model_path="model", load_format="dummy")
+    assert dummy != base
+    assert _namespace(model_path="model", load_format="dummy", random_seed=1) != dummy
+    monkeypatch.chdir(tmp_path / "b")
+    assert _namespace(model_path="model") != base  # another model, the same relative path
+    monkeypatch.chdir(tmp_path / "a")
+    weights = tmp_path / "a" / "model" / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # replaced in place
+    assert _namespace(model_path="model") != base
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
