@@ -26,6 +26,13 @@ from radixserve.disaggregation.side import DisaggSide
 from radixserve.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
+# After a transfer to a decode server failed, how long the next one waits for that server's
+# ping (it pings every second while it waits for KV from here) before taking it for dead.
+PING_WAIT_S = 1.5
+
+
+class SilentPeer(RuntimeError):
+    """A transfer not tried: its decode server has not pinged since a transfer to it failed."""
 
 
 class PrefillBootstrap(DisaggSide):
@@ -35,6 +42,11 @@ class PrefillBootstrap(DisaggSide):
         self.reservations: dict[int, tuple[float, dict[str, Any]]] = {}  # arrived first
         self.sending: list[tuple[Req, concurrent.futures.Future]] = []
         self.cancelled: dict[int, float] = {}  # rooms the decode side gave up, since when
+        # Decode servers (their channel addresses) a transfer failed to, since when; and when
+        # each last pinged. One that has not pinged since gets no more tries (_send), so a dead
+        # decode server does not hold the transfer thread a failed write (~1 s) per request.
+        self.failed_peers: dict[str, float] = {}
+        self.pinged: dict[str, float] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
@@ -90,12 +102,22 @@ class PrefillBootstrap(DisaggSide):
             return False
         slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, : len(target["slots"])]
         src = slots.tolist()
-        fut = self.pool.submit(self._send, target["desc"], src, target["slots"])
+        fut = self.pool.submit(self._send, target["desc"], src, target["slots"], target["reply_to"])
         self.sending.append((req, fut))
         return True
 
-    def _send(self, desc: dict[str, Any], src: list[int], dst: list[int]) -> Any:
-        """On the transfer thread: move the KV, count its bytes and time."""
+    def _send(self, desc: dict[str, Any], src: list[int], dst: list[int], peer: str) -> Any:
+        """On the transfer thread: move the KV, count its bytes and time. Not tried (SilentPeer)
+        where a transfer to this decode server failed and it has not pinged since."""
+        failed = self.failed_peers.get(peer)
+        if failed is not None:
+            while self.pinged.get(peer, 0.0) < failed:
+                if time.monotonic() > failed + PING_WAIT_S:
+                    raise SilentPeer(
+                        f"the decode server at {peer} has not answered since a transfer to it "
+                        "failed"
+                    )
+                time.sleep(0.02)
         start = time.perf_counter()
         payload = self.transfer.send(desc, src, dst)
         self.transfer_seconds += time.perf_counter() - start
@@ -148,6 +170,7 @@ class PrefillBootstrap(DisaggSide):
             elif kind == "abort":
                 self._on_decode_abort(msg)
             elif kind == "ping":
+                self.pinged[msg["reply_to"]] = time.monotonic()
                 self.channel.send(msg["reply_to"], {"type": "pong", "from": msg.get("to")})
         self._finish_transfers()
         self._expire()
@@ -198,9 +221,12 @@ class PrefillBootstrap(DisaggSide):
                 payload = fut.result()
             except Exception as e:
                 logger.warning("KV transfer of room %s failed: %s", req.bootstrap_room, e)
+                if not isinstance(e, SilentPeer):  # a write tried and failed
+                    self.failed_peers[target["reply_to"]] = time.monotonic()
                 self.num_failed += 1
                 self._fail_reservation(target, f"the KV transfer failed: {e}")
             else:
+                self.failed_peers.pop(target["reply_to"], None)
                 self.num_transferred += 1
                 logprob = req.output_token_logprobs[0][0] if req.output_token_logprobs else None
                 top = req.output_top_logprobs[0] if req.output_top_logprobs else None
@@ -239,6 +265,10 @@ class PrefillBootstrap(DisaggSide):
         for room, t in list(self.cancelled.items()):
             if now > t + 2 * self.timeout:
                 del self.cancelled[room]
+        for peers in (self.failed_peers, self.pinged):  # decode servers long gone
+            for peer, t in list(peers.items()):
+                if now > t + 2 * self.timeout:
+                    del peers[peer]
         for room, (t, msg) in list(self.reservations.items()):
             if now > t + self.timeout:
                 del self.reservations[room]

@@ -344,3 +344,36 @@ def test_requests_queued_for_a_dead_prefill_server_fail_together(model):
         _assert_drained(decode)
     finally:
         decode.shutdown()
+
+
+def test_no_more_tries_to_a_decode_server_that_went_silent_after_a_failed_transfer():
+    """A dead decode server's queued transfers each once tried a write (about 1 s with Mooncake)
+    on the one transfer thread, holding every other decode server's KV behind them; after a
+    failed one, a transfer waits at most PING_WAIT_S for the server's ping, and without it
+    fails at once."""
+    from radixserve.disaggregation.prefill import PING_WAIT_S, PrefillBootstrap, SilentPeer
+
+    sent = []
+
+    class Transfer:
+        def send(self, desc, src, dst):
+            sent.append(desc)
+
+    side = object.__new__(PrefillBootstrap)  # only what _send reads
+    side.transfer, side.failed_peers, side.pinged = Transfer(), {}, {}
+    side.transfer_seconds, side.transfer_bytes, side.token_bytes = 0.0, 0, 1
+    side._send("a", [1], [2], "tcp://dead:1")
+    assert sent == ["a"]
+    side.failed_peers["tcp://dead:1"] = time.monotonic()  # a write to it failed just now
+    start = time.monotonic()
+    with pytest.raises(SilentPeer, match="has not answered"):
+        side._send("b", [1], [2], "tcp://dead:1")
+    assert PING_WAIT_S <= time.monotonic() - start < PING_WAIT_S + 5
+    start = time.monotonic()
+    with pytest.raises(SilentPeer):  # the next ones at once
+        side._send("c", [1], [2], "tcp://dead:1")
+    assert time.monotonic() - start < 0.5
+    side._send("d", [1], [2], "tcp://other:1")  # other decode servers are tried as ever
+    side.pinged["tcp://dead:1"] = time.monotonic()  # it was alive after all
+    side._send("e", [1], [2], "tcp://dead:1")
+    assert sent == ["a", "d", "e"]
