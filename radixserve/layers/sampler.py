@@ -210,21 +210,28 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        probs = sampling_probs(logits, info)
-        unseeded = [i for i, s in enumerate(info.seeds) if s is None]
-        if len(unseeded) == probs.shape[0]:
-            choice = inverse_cdf_draw(probs)
-        else:
-            choice = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
-            if unseeded:
-                idx = torch.tensor(unseeded, device=probs.device)
-                choice[idx] = inverse_cdf_draw(probs[idx])
-        for i, seed in enumerate(info.seeds):
-            if seed is not None:
-                choice[i] = seeded_draw(probs[i], seed, info.steps[i])
+        choice = draw_rows(sampling_probs(logits, info), info.seeds, info.steps)
         if not info.any_greedy:
             return choice
         return torch.where(info.greedy, argmax_rows(logits, self.cpu_kernels), choice)
+
+
+def draw_rows(
+    probs: torch.Tensor, seeds: Sequence[int | None], steps: Sequence[int]
+) -> torch.Tensor:
+    """One token per row of probs: a seeded row from the generator of (its seed, its output
+    position in `steps`), the others from torch's global generator in one draw."""
+    unseeded = [i for i, s in enumerate(seeds) if s is None]
+    if len(unseeded) == probs.shape[0]:
+        return inverse_cdf_draw(probs)
+    choice = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    if unseeded:
+        idx = torch.tensor(unseeded, device=probs.device)
+        choice[idx] = inverse_cdf_draw(probs[idx])
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            choice[i] = seeded_draw(probs[i], seed, steps[i])
+    return choice
 
 
 def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

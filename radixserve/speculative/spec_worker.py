@@ -24,12 +24,7 @@ from typing import Any
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.layers.sampler import (
-    SamplingBatchInfo,
-    inverse_cdf_draw,
-    sampling_probs,
-    seeded_draw,
-)
+from radixserve.layers.sampler import SamplingBatchInfo, draw_rows, sampling_probs
 from radixserve.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from radixserve.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from radixserve.speculative.spec_info import (
@@ -221,10 +216,7 @@ def draft_sample(
         return argmax, onehot
     q = sampling_probs(logits, info)
     q = q / q.sum(dim=-1, keepdim=True)
-    drawn = inverse_cdf_draw(q)
-    for i, seed in enumerate(info.seeds):
-        if seed is not None:
-            drawn[i] = seeded_draw(q[i], seed, info.steps[i] + ahead)
+    drawn = draw_rows(q, info.seeds, [step + ahead for step in info.steps])
     tok = torch.where(info.greedy, argmax, drawn)
     return tok, torch.where(info.greedy.view(-1, 1), onehot, q)
 
