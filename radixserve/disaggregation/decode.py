@@ -240,12 +240,10 @@ class DecodePrealloc(DisaggSide):
                             "KV was on the way",
                         )
                 # Those still queued for slots would each reserve and wait out the pings again.
-                for req in [r for r in self.prealloc if self.peer_address(r) == address]:
-                    self.prealloc.remove(req)
-                    self.num_failed += 1
-                    self.s._finish_queued_abort(
-                        req, f"the prefill server at {address} stopped answering", 503
-                    )
+                self._fail_queued(
+                    lambda r, a=address: self.peer_address(r) == a,
+                    f"the prefill server at {address} stopped answering",
+                )
                 for room in [r for r, q in self.quarantine.items() if q[1] == address]:
                     self._release_quarantine(room)  # it writes no more
                 del self.peers[address]
@@ -266,14 +264,17 @@ class DecodePrealloc(DisaggSide):
             if now - since > 2 * self.timeout:  # it answers pings but not for this room
                 logger.warning("releasing the slots of room %d: %s never answered", room, address)
                 self._release_quarantine(room)
-        for req in [r for r in self.prealloc if now > r.disagg_deadline]:
+        self._fail_queued(
+            lambda r: now > r.disagg_deadline,
+            f"no room in the KV cache for the prompt within {self.timeout:g} s",
+        )
+
+    def _fail_queued(self, hit: Any, message: str) -> None:
+        """Fail (503) the requests still queued for slots that `hit` picks."""
+        for req in [r for r in self.prealloc if hit(r)]:
             self.prealloc.remove(req)
             self.num_failed += 1
-            self.s._finish_queued_abort(
-                req,
-                f"no room in the KV cache for the prompt within {self.timeout:g} s",
-                status_code=503,
-            )
+            self.s._finish_queued_abort(req, message, status_code=503)
 
     def _drop(
         self, room: int, message: str, status_code: int | None = 503, tell_peer: bool = False

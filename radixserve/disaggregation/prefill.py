@@ -262,13 +262,11 @@ class PrefillBootstrap(DisaggSide):
                     f"no decode server reserved bootstrap_room {room} within {self.timeout:g} s",
                     status_code=503,
                 )
-        for room, t in list(self.cancelled.items()):
-            if now > t + 2 * self.timeout:
-                del self.cancelled[room]
-        for peers in (self.failed_peers, self.pinged):  # decode servers long gone
-            for peer, t in list(peers.items()):
+        # Rooms given up, and decode servers that failed or pinged, long ago: forgotten.
+        for since in (self.cancelled, self.failed_peers, self.pinged):
+            for key, t in list(since.items()):
                 if now > t + 2 * self.timeout:
-                    del peers[peer]
+                    del since[key]
         for room, (t, msg) in list(self.reservations.items()):
             if now > t + self.timeout:
                 del self.reservations[room]
