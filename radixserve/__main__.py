@@ -59,14 +59,14 @@ def _server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Ser
 
     try:
         server_args = ServerArgs.from_cli_args(ns)
-        path = server_args.model_path
-        check_model_path(path)
+        path, load_format = server_args.model_path, server_args.load_format
+        check_model_path(path, load_format=load_format)
         if path is not None and server_args.context_length is not None:
-            fmt = detect_load_format(path, server_args.load_format)
-            cfg = load_model_config(path, fmt)
+            cfg = load_model_config(path, detect_load_format(path, load_format))
             check_context_length(cfg, server_args.context_length, warn=False)
         check_model_path(server_args.tokenizer_path, "--tokenizer-path")
-        check_model_path(server_args.speculative_draft_model_path, "--speculative-draft-model-path")
+        draft = server_args.speculative_draft_model_path
+        check_model_path(draft, "--speculative-draft-model-path", load_format)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     return server_args

@@ -97,8 +97,11 @@ class ModelRunner:
         # scheduler runs its own work on one thread.
         self.num_threads = torch.get_num_threads()
         torch.manual_seed(server_args.random_seed)
-        path = server_args.speculative_draft_model_path if draft_of else server_args.model_path
-        self.model_path = resolve_model_path(path)
+        if draft_of is None:
+            self.model_path = resolve_model_path(server_args.model_path)
+        else:
+            draft = server_args.speculative_draft_model_path
+            self.model_path = resolve_model_path(draft, "--speculative-draft-model-path")
         self.load_format = detect_load_format(self.model_path, server_args.load_format)
         self.dtype = to_torch_dtype(server_args.dtype)
         self.model, self.model_config = load_model(

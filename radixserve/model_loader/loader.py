@@ -36,37 +36,41 @@ def to_torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def resolve_model_path(model_path: str | None) -> str:
+def resolve_model_path(model_path: str | None, flag: str = "--model-path") -> str:
+    """The model's path: the given one, which must exist, or the default model's (fetched on
+    first use)."""
     if model_path is None:
         from radixserve.model_loader.default_model import ensure_default_model
 
         return ensure_default_model()
-    if not os.path.exists(model_path):
-        raise FileNotFoundError(
-            f"model path {model_path!r} does not exist (give a Hugging Face directory or a .gguf "
-            "file; weights are never downloaded from a hub)"
-        )
+    _require_exists(model_path, flag)
     return model_path
 
 
-def check_model_path(path: str | None, flag: str = "--model-path") -> None:
+def check_model_path(
+    path: str | None, flag: str = "--model-path", load_format: str = "auto"
+) -> None:
     """Refuse, before any process starts, a path that holds no model (or, for
-    --tokenizer-path, no tokenizer): missing, a file that is not a .gguf, or a model directory
-    without config.json. None is the default model."""
+    --tokenizer-path, no tokenizer): missing, a file that is not a .gguf (unless --load-format
+    names its format), or a model directory without config.json. None is the default model."""
     if path is None:
         return
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"{flag} {path!r} does not exist (give a Hugging Face directory or a .gguf file; "
-            "weights are never downloaded from a hub)"
-        )
+    _require_exists(path, flag)
     if os.path.isdir(path):
         if flag != "--tokenizer-path" and not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(
                 f"{flag} {path!r} is a directory without config.json: not a Hugging Face model"
             )
-    elif not path.endswith(".gguf"):
+    elif load_format == "auto" and not path.endswith(".gguf"):
         raise FileNotFoundError(f"{flag} {path!r} is neither a .gguf file nor a directory")
+
+
+def _require_exists(path: str, flag: str) -> None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{flag} {path!r} does not exist (give a Hugging Face directory or a .gguf file; "
+            "weights are never downloaded from a hub)"
+        )
 
 
 def detect_load_format(model_path: str, load_format: str) -> str:

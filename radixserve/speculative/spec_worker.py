@@ -228,7 +228,9 @@ def check_same_tokenizer(server_args: ServerArgs, tokenizer: Any) -> None:
 
     if tokenizer is None:
         return  # tests that drive the scheduler with token ids only
-    path = resolve_model_path(server_args.speculative_draft_model_path)
+    path = resolve_model_path(
+        server_args.speculative_draft_model_path, "--speculative-draft-model-path"
+    )
     try:
         draft_tok = load_tokenizer(path)
     except Exception as exc:

@@ -77,6 +77,10 @@ def test_a_model_path_without_a_model_is_refused_before_anything_starts(tmp_path
             main(["serve", "--model-path", str(path)])
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+    # A file whose format --load-format names need not be called .gguf.
+    from radixserve.model_loader.loader import check_model_path
+
+    check_model_path(str(tmp_path / "notes.txt"), load_format="gguf")
 
 
 def test_a_context_longer_than_the_models_positions_needs_saying_so(tmp_path, capsys, monkeypatch):
