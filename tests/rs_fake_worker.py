@@ -49,6 +49,7 @@ class FakeModelRunner:
         self, total_tokens: int, max_running: int, context_len: int, page_size: int
     ) -> None:
         self.device = "cpu"
+        self.model_path = "fake-model"  # no files: the storage tier's namespace names it only
         self.model_config = FakeConfig()
         self.max_total_num_tokens = total_tokens
         self.max_running_requests = max_running

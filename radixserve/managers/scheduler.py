@@ -118,7 +118,11 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             )
         elif server_args.enable_hierarchical_cache:  # HiCache (no TP: no logical clock needed)
             self.tree_cache = create_hiradix_cache(
-                server_args, self.req_to_token_pool, self.allocator, runner.token_to_kv_pool
+                server_args,
+                self.req_to_token_pool,
+                self.allocator,
+                runner.token_to_kv_pool,
+                runner.model_path,
             )
         else:
             self.tree_cache = RadixCache(

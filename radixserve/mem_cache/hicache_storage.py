@@ -175,17 +175,13 @@ def weight_files(path: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def model_identity(server_args: Any) -> dict[str, Any]:
-    """What the KV of a token sequence depends on besides the KV layout: the weights (absolute
-    path and their files' identity) and how they are run. LoRA adapters need nothing here:
-    a request's adapter is in its extra_key, hence in its blocks' keys."""
+def model_identity(server_args: Any, model_path: str) -> dict[str, Any]:
+    """What the KV of a token sequence depends on besides the KV layout: the weights (the
+    absolute path the model runner loaded, and its files' identity) and how they are run.
+    LoRA adapters need nothing here: a request's adapter is in its extra_key, hence in its
+    blocks' keys."""
     sa = server_args
-    path = sa.model_path
-    if path is None:  # the default model, which the model runner has fetched by now
-        from radixserve.model_loader.default_model import DEFAULT_MODEL_FILE, default_cache_dir
-
-        path = os.path.join(default_cache_dir(), DEFAULT_MODEL_FILE)
-    path = os.path.realpath(os.path.expanduser(str(path)))
+    path = os.path.realpath(os.path.expanduser(model_path))
     return {
         "path": path,
         "files": weight_files(path),

@@ -342,9 +342,11 @@ def create_hiradix_cache(
     req_to_token_pool: ReqToTokenPool,
     allocator: TokenToKVPoolAllocator,
     kv_pool: Any,
+    model_path: str,
     clock: Callable[[], float] | None = None,
 ) -> HiRadixCache:
-    """The Scheduler's tree cache with --enable-hierarchical-cache."""
+    """The Scheduler's tree cache with --enable-hierarchical-cache (`model_path`: the model the
+    runner loaded, part of the storage tier's namespace)."""
     from radixserve.mem_cache.hicache_storage import create_storage, model_identity
 
     sa = server_args
@@ -362,7 +364,7 @@ def create_hiradix_cache(
         storage = create_storage(
             sa.hicache_storage_backend,
             sa.hicache_storage_dir,
-            model_identity(sa),
+            model_identity(sa, model_path),
             buffers,
             sa.hicache_storage_block_size,
         )

@@ -98,7 +98,7 @@ def _namespace(**flags) -> str:
     from radixserve.mem_cache.hicache_storage import model_identity, storage_namespace
 
     kv = [torch.zeros(8, 2, 16)] * 4
-    return storage_namespace(model_identity(ServerArgs(**flags)), kv, 32)
+    return storage_namespace(model_identity(ServerArgs(**flags), flags["model_path"]), kv, 32)
 
 
 def test_storage_namespace_covers_what_changes_the_kv(tmp_path, monkeypatch):
