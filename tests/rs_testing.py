@@ -350,6 +350,17 @@ def save_byte_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+def file_storage_flags(directory: Any) -> dict[str, Any]:
+    """The flags of a hierarchical cache with a file storage tier in `directory`, 32-token
+    blocks."""
+    return dict(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(directory),
+        hicache_storage_block_size=32,
+    )
+
+
 def make_tiny_served_model(path: str, context: int | None = None) -> str:
     """A tiny random Llama with a byte-level tokenizer and a chat template: a model directory
     that `python -m radixserve serve --model-path` and the Engine load in seconds. `context`

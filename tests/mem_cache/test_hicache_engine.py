@@ -12,7 +12,12 @@ import random
 import time
 
 import pytest
-from rs_testing import make_tiny_model_dir, make_tiny_served_model, reference_greedy
+from rs_testing import (
+    file_storage_flags,
+    make_tiny_model_dir,
+    make_tiny_served_model,
+    reference_greedy,
+)
 
 from radixserve.mem_cache.hicache_storage import BLOCK_HEADER, HiCacheFile
 
@@ -108,13 +113,7 @@ def test_greedy_identical_with_and_without_hierarchical_cache(tiny_model):
 def test_file_storage_serves_a_restarted_engine(tiny_model, tmp_path, kv):
     """Also with a one-byte KV cache (--kv-cache-dtype fp8_e4m3): its blocks are its bytes, in
     a directory of their own (the namespace names the dtype)."""
-    flags = dict(
-        enable_hierarchical_cache=True,
-        hicache_storage_backend="file",
-        hicache_storage_dir=str(tmp_path),
-        hicache_storage_block_size=32,
-        kv_cache_dtype=kv,
-    )
+    flags = {**file_storage_flags(tmp_path), "kv_cache_dtype": kv}
     prompt = [random.Random(9).randrange(3, 320) for _ in range(150)]
     with _engine(tiny_model, **flags) as first:
         a = first.generate(input_ids=prompt, sampling_params=_params())
@@ -135,18 +134,9 @@ def test_file_storage_serves_a_restarted_engine(tiny_model, tmp_path, kv):
     }
 
 
-def _storage_flags(root) -> dict:
-    return dict(
-        enable_hierarchical_cache=True,
-        hicache_storage_backend="file",
-        hicache_storage_dir=str(root),
-        hicache_storage_block_size=32,
-    )
-
-
 def _write_blocks(model: str, root, prompt: list[int], **kwargs) -> None:
     """A first engine serves the prompt and writes its four whole blocks to storage."""
-    with _engine(model, **_storage_flags(root), **kwargs) as first:
+    with _engine(model, **file_storage_flags(root), **kwargs) as first:
         first.generate(input_ids=prompt, sampling_params=_params())
         _wait_for_storage_writes(first, 128)
 
@@ -166,7 +156,7 @@ def test_storage_never_serves_kv_of_other_weights(tmp_path, change):
         kwargs["quantization"] = "int4"
     with _engine(model, **kwargs) as plain:
         want = plain.generate(input_ids=prompt, sampling_params=_params())["output_ids"]
-    with _engine(model, **_storage_flags(tmp_path / "storage"), **kwargs) as second:
+    with _engine(model, **file_storage_flags(tmp_path / "storage"), **kwargs) as second:
         got = second.generate(input_ids=prompt, sampling_params=_params())
         info = second.get_server_info()
         _assert_drained(second)
@@ -201,7 +191,7 @@ def test_damaged_blocks_are_recomputed_and_rewritten(
             f.write_bytes(bytes(rng.randrange(256) for _ in range(size)))
         else:
             f.write_bytes(f.read_bytes()[: size // 2])
-    with _engine(tiny_model, **_storage_flags(tmp_path)) as second:
+    with _engine(tiny_model, **file_storage_flags(tmp_path)) as second:
         got = second.generate(input_ids=prompt, sampling_params=_params())
         _wait_for_storage_writes(second, 128)  # the recomputed blocks, written again
         info = second.get_server_info()

@@ -12,6 +12,7 @@ import types
 
 import pytest
 from rs_fake_worker import FakeRun, expected_output
+from rs_testing import file_storage_flags
 
 DEVICE_TOKENS = 512
 
@@ -181,20 +182,10 @@ def test_page_size_4_and_lpm():
     assert run.s.get_server_info()["hicache_host_hit_tokens"] > 0
 
 
-def _file_storage(directory) -> dict:
-    """The flags of a file storage tier in `directory`, 32-token blocks."""
-    return dict(
-        enable_hierarchical_cache=True,
-        hicache_storage_backend="file",
-        hicache_storage_dir=str(directory),
-        hicache_storage_block_size=32,
-    )
-
-
 def test_storage_survives_a_restart(tmp_path):
     """Scheduler 1 serves prompts and closes; scheduler 2 over the same storage directory
     (fresh device and host tiers) reads the prefix back from disk."""
-    flags = _file_storage(tmp_path)
+    flags = file_storage_flags(tmp_path)
     prompt = [random.Random(5).randrange(3, 97) for _ in range(200)]
     first = FakeRun(total_tokens=DEVICE_TOKENS, max_running=4, overlap=True, **flags)
     first.submit("a", prompt, max_new=8)
@@ -235,7 +226,7 @@ def test_full_disk_stores_nothing_and_leaves_no_files(tmp_path, monkeypatch):
     full_os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if k[0] != "_"})
     full_os.fdopen = lambda fd, mode: _FullDiskFile(fd)
     monkeypatch.setattr(hicache_storage, "os", full_os)
-    flags = _file_storage(tmp_path)
+    flags = file_storage_flags(tmp_path)
     prompt = [random.Random(6).randrange(3, 97) for _ in range(200)]
     run = FakeRun(total_tokens=DEVICE_TOKENS, max_running=4, overlap=True, **flags)
     run.submit("a", prompt, max_new=8)
