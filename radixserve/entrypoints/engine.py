@@ -115,6 +115,7 @@ class Subprocesses:
             for rank, (pipe, proc) in enumerate(zip(pipes, self.schedulers, strict=True)):
                 if rank not in infos and (pipe.poll(0.1) or not proc.is_alive()):
                     infos[rank] = self._wait_ready(pipe, proc, proc.name)
+                    logger.info("%s ready (%d of %d)", proc.name, len(infos), len(pipes))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the schedulers did not start within {STARTUP_TIMEOUT_S} s")
         return infos[0]

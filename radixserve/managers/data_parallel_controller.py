@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -40,6 +41,8 @@ from radixserve.io_struct import (
     LoRAUpdateReqOutput,
     TokenizedGenerateReqInput,
 )
+
+logger = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 16  # granularity of the prefix index
 CACHE_THRESHOLD = 0.3  # share of the prompt a replica must hold to win on its cache (sgl-router)
@@ -298,6 +301,12 @@ def replica_cpus(dp_size: int) -> list[list[int] | None]:
         return [None] * dp_size
     share = len(cpus) // dp_size
     if share < 1:
+        logger.warning(
+            "--dp-size %d on %d CPUs: the replicas share the cores, so each starts and decodes "
+            "slower than one model with all of them would",
+            dp_size,
+            len(cpus),
+        )
         return [None] * dp_size
     return [cpus[r * share : (r + 1) * share] for r in range(dp_size)]
 

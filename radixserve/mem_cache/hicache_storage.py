@@ -11,7 +11,8 @@ layout, so a server never reads KV another model, or the same path's older weigh
 A block file is a 16-byte header (magic, payload length, crc32 of the payload) and the
 payload; it is written to a temporary name and renamed, so a reader never sees half a block,
 and a block that fails its checks on read (truncated, corrupted, foreign) is a miss: its key
-leaves the index and its file is deleted, so the prefix is recomputed and written again.
+leaves the index and its file is deleted, so the prefix is recomputed and written again. The
+temporary files of a server killed in the middle of a write are removed at the next start.
 
 The cache controller's storage thread calls get/set; the scheduler thread only asks `exists`,
 which is answered from an in-memory index (the directory listing at start-up plus what this
@@ -26,6 +27,7 @@ import os
 import struct
 import tempfile
 import threading
+import time
 import zlib
 from abc import ABC, abstractmethod
 from typing import Any
@@ -42,6 +44,9 @@ BLOCK_MAGIC = b"RSKV"
 FILE_FORMAT = 1
 # The files of a model directory whose contents decide the KV (the weights and the config).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+# A temporary block file this old was left by a process killed in the middle of a write (a
+# write takes milliseconds); younger ones may be another live server's, sharing the directory.
+STALE_TMP_S = 600.0
 
 
 def block_hashes(
@@ -92,7 +97,20 @@ class HiCacheFile(HiCacheStorage):
         os.makedirs(self.dir, exist_ok=True)
         self._lock = threading.Lock()
         self._write_failed = False
-        self._index = {name[: -len(".kv")] for name in os.listdir(self.dir) if name.endswith(".kv")}
+        names = os.listdir(self.dir)
+        self._index = {name[: -len(".kv")] for name in names if name.endswith(".kv")}
+        self._remove_stale_temporaries(name for name in names if name.endswith(".tmp"))
+
+    def _remove_stale_temporaries(self, names: Any) -> None:
+        """Temporary files of a server killed in the middle of a write (older than STALE_TMP_S)."""
+        now = time.time()
+        for name in names:
+            path = os.path.join(self.dir, name)
+            try:
+                if now - os.stat(path).st_mtime > STALE_TMP_S:
+                    os.remove(path)
+            except OSError:
+                pass  # another server removed or renamed it first
 
     def _path(self, key: str) -> str:
         return os.path.join(self.dir, key + ".kv")

@@ -264,3 +264,13 @@ def test_a_request_naming_its_replica_goes_there(method):
     assert [len(s.sent) for s in socks] == [1, 3]
     if method == "prefix_affinity":  # replica 1 holds the prefix now: an unnamed one follows
         assert dp.dispatch(_req("free", ids)) == 1
+
+
+def test_replicas_split_the_cpus_and_say_when_they_must_share_them(monkeypatch, caplog):
+    from radixserve.managers.data_parallel_controller import replica_cpus
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert replica_cpus(2) == [[0, 1], [2, 3]]
+    assert not caplog.records
+    assert replica_cpus(8) == [None] * 8
+    assert "--dp-size 8 on 4 CPUs" in caplog.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -92,6 +93,20 @@ def test_a_damaged_block_file_is_a_miss_and_is_deleted(tmp_path, damage):
     assert store.get("k") is None
     assert not store.exists("k") and not path.exists()  # so it is computed and written again
     assert store.set("k", data) and store.get("k") == data
+
+
+def test_temporary_files_of_a_killed_writer_are_removed_at_start(tmp_path):
+    from radixserve.mem_cache.hicache_storage import STALE_TMP_S
+
+    ns = tmp_path / "ns"
+    ns.mkdir()
+    stale, fresh = ns / "a1b2.tmp", ns / "c3d4.tmp"
+    stale.write_bytes(b"half a block")
+    fresh.write_bytes(b"another server's write in progress")
+    old = time.time() - STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    HiCacheFile(str(tmp_path), "ns")
+    assert not stale.exists() and fresh.exists()
 
 
 def _namespace(**flags) -> str:
