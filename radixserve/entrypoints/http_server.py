@@ -250,23 +250,29 @@ async def health(request: Request) -> Response:
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """200 once the server generates: a one-token request finishes, or, under load, any output
-    reaches us while it waits (SGLang's rule); 503 if neither happens in time."""
+    reaches us while it waits (SGLang's rule); 503 if neither happens in time. A probe refused
+    because the queue is full (--max-queued-requests) waits for the others' output instead: a
+    busy server is a healthy one."""
     tm = _tm(request)
     start = time.monotonic()
     obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-    task = asyncio.ensure_future(collect(tm.generate_request(obj, None), request))
+    probe = asyncio.ensure_future(collect(tm.generate_request(obj, None), request))
     try:
-        while not task.done():
-            if getattr(tm, "last_output_time", 0.0) > start:
-                return Response(status_code=200)
+        while getattr(tm, "last_output_time", 0.0) <= start:
+            if probe.done():
+                error = probe.exception()
+                if error is None:
+                    break
+                if getattr(error, "status_code", None) != 503:
+                    return error_response(f"generation failed: {error!r}", 503)
             if time.monotonic() - start > HEALTH_GENERATE_TIMEOUT_S:
                 return error_response("no output within the health check's time limit", 503)
-            await asyncio.wait({task}, timeout=HEALTH_GENERATE_POLL_S)
-        task.result()
-    except Exception as e:
-        return error_response(f"generation failed: {e!r}", 503)
+            if probe.done():
+                await asyncio.sleep(HEALTH_GENERATE_POLL_S)
+            else:
+                await asyncio.wait({probe}, timeout=HEALTH_GENERATE_POLL_S)
     finally:
-        task.cancel()  # aborts the probe if it is still queued (see TokenizerManager._wait_one)
+        probe.cancel()  # aborts the probe if it is still queued (see TokenizerManager._wait_one)
     return Response(status_code=200)
 
 

@@ -31,8 +31,9 @@ from radixserve.managers.tokenizer_manager import RequestError
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 1.0
-# Reachable without the API key (/dashboard is a page without data; its stream needs the key).
-OPEN_PATHS = ("/health", "/metrics", "/dashboard")
+# Reachable without the API key, as in SGLang (probes and scrapers; /dashboard is a page
+# without data, its stream needs the key).
+OPEN_PATHS = ("/health", "/health_generate", "/metrics", "/dashboard")
 BodyT = TypeVar("BodyT", bound=BaseModel)
 REF_TEMPLATE = "#/components/schemas/{model}"
 UNION_TAGS = frozenset(("str", "int", "float", "bool", "none", "list", "dict", "any"))

@@ -4,6 +4,7 @@ mapping, response and stream shapes, HTTP status codes and error bodies, the API
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -343,10 +344,45 @@ def test_api_key(fake_tm, make_client):
         assert client.get("/v1/models", headers=wrong).status_code == 401
         assert client.get("/server_info").status_code == 401
         assert client.get("/health").status_code == 200
+        assert client.get("/health_generate").status_code == 200  # open, as in SGLang
         assert client.get("/metrics").status_code == 200
         good = {"Authorization": "Bearer sekret"}
         assert client.post("/v1/completions", json={"prompt": "x"}, headers=good).status_code == 200
         assert client.get("/v1/models", headers=good).status_code == 200
+
+
+@pytest.mark.parametrize("outputs_meanwhile", [True, False])
+def test_health_generate_when_the_queue_is_full(
+    fake_tm, make_client, monkeypatch, outputs_meanwhile
+):
+    """The probe refused for load (--max-queued-requests) is no failure while the requests in
+    flight stream output; with none arriving it is 503 at the time limit."""
+    import radixserve.entrypoints.http_server as http_server
+
+    monkeypatch.setattr(http_server, "HEALTH_GENERATE_TIMEOUT_S", 0.5)
+
+    async def refused(obj, request=None):
+        fake_tm.last_output_time = time.monotonic() + (0.2 if outputs_meanwhile else -1)
+        raise RequestError("the server is overloaded", 503)
+        yield
+
+    monkeypatch.setattr(fake_tm, "generate_request", refused)
+    with make_client(fake_tm) as client:
+        r = client.get("/health_generate")
+    assert r.status_code == (200 if outputs_meanwhile else 503)
+    if not outputs_meanwhile:
+        assert "time limit" in r.json()["error"]["message"]
+
+
+def test_health_generate_fails_on_a_failed_generation(fake_tm, make_client, monkeypatch):
+    async def broken(obj, request=None):
+        raise RequestError("the scheduler is gone", 500)
+        yield
+
+    monkeypatch.setattr(fake_tm, "generate_request", broken)
+    with make_client(fake_tm) as client:
+        r = client.get("/health_generate")
+    assert r.status_code == 503 and "the scheduler is gone" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
