@@ -134,7 +134,9 @@ class TokenizerManager:
         self.lora_keys = {name: adapter_key(name, path) for name, path in self.lora_paths.items()}
         self._lora_lock: asyncio.Lock | None = None  # one load or unload at a time
         self.rid_to_state: dict[str, ReqState] = {}
-        self._draining: set[str] = set()  # aborted here, not yet finished in the scheduler
+        # Aborted here, not yet finished in the scheduler: the state of a waiter that went away
+        # (its late outputs still count in the metrics), None for one already finished here.
+        self._draining: dict[str, ReqState | None] = {}
         self.dead: str | None = None  # why no request can be served any more (fail_all)
         queued = getattr(server_args, "max_queued_requests", None)
         self.max_in_flight = (
@@ -244,9 +246,12 @@ class TokenizerManager:
         for i, rid in enumerate(out.rids):
             finished = out.finished_reasons[i]
             state = self.rid_to_state.get(rid)
-            if state is None:  # aborted by us: late output
+            if state is None:  # aborted by us: late output, for the metrics only
+                gone = self._draining.get(rid)
+                if gone is not None:
+                    self._observe(gone, len(out.output_ids[i]), now, finished)
                 if finished is not None:
-                    self._draining.discard(rid)
+                    self._draining.pop(rid, None)
                 continue
             state.text += out.output_strs[i]
             state.output_ids.extend(out.output_ids[i])
@@ -270,10 +275,7 @@ class TokenizerManager:
                 state.meta["spec_verify_ct"] = out.spec_verify_ct[i]
                 state.meta["spec_accept_length"] = out.spec_accept_length[i]
                 state.meta["spec_accept_rate"] = out.spec_accept_rate[i]
-            if self.metrics is not None:
-                self.metrics.on_output(state, len(out.output_ids[i]), now, finished)
-            self.latency_window.on_output(state, len(out.output_ids[i]), now, finished)
-            state.last_time = now
+            self._observe(state, len(out.output_ids[i]), now, finished)
             if finished is not None:
                 if finished.get("status_code"):
                     state.error = {
@@ -283,6 +285,14 @@ class TokenizerManager:
                 state.finished = True
                 self.rid_to_state.pop(rid, None)
             state.event.set()
+
+    def _observe(
+        self, state: ReqState, new_tokens: int, now: float, finished: dict[str, Any] | None
+    ) -> None:
+        if self.metrics is not None:
+            self.metrics.on_output(state, new_tokens, now, finished)
+        self.latency_window.on_output(state, new_tokens, now, finished)
+        state.last_time = now
 
     def fail_all(self, message: str, status_code: int = 503) -> None:
         """The scheduler or detokenizer is gone: every waiter gets an error now, not never."""
@@ -535,13 +545,14 @@ class TokenizerManager:
 
     def abort_request(self, rid: str) -> None:
         """The waiter is gone: drop its state and stop the request in the scheduler."""
-        if self.rid_to_state.pop(rid, None) is not None:
-            self._abort_in_scheduler(rid)
+        state = self.rid_to_state.pop(rid, None)
+        if state is not None:
+            self._abort_in_scheduler(rid, state)
 
-    def _abort_in_scheduler(self, rid: str) -> None:
+    def _abort_in_scheduler(self, rid: str, state: ReqState | None = None) -> None:
         # The rid stays taken until the scheduler's final output for it passes (so a new
         # request reusing it never receives the old one's output).
-        self._draining.add(rid)
+        self._draining[rid] = state
         self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
     # -- control --------------------------------------------------------------------------------

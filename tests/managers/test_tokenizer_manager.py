@@ -148,6 +148,36 @@ def test_a_rid_stays_taken_until_the_scheduler_finishes_its_aborted_request():
     run(body())
 
 
+def test_a_request_whose_client_went_away_still_counts_in_the_metrics():
+    """Its late outputs are not delivered, but /metrics counts its tokens and its finish (the
+    requests minus the finished ones grew by one per disconnect)."""
+    from radixserve.managers.metrics import ServerMetrics
+
+    def value(metrics: ServerMetrics, name: str) -> float:
+        return metrics.registry.get_sample_value("sglang:" + name, {"model_name": "m"}) or 0.0
+
+    async def body():
+        tm, sockets = _make_tm()
+        tm.metrics = metrics = ServerMetrics("m")
+        task = asyncio.create_task(_collect(tm, _req("r")))
+        await _settle()
+        await sockets.inbox.put(_output("r", "a", [1], None))
+        await _settle()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert sockets.aborts() == ["r"] and "r" not in tm.rid_to_state
+        await sockets.inbox.put(_output("r", "bc", [2, 3], None))
+        await sockets.inbox.put(_output("r", "", [], {"type": "abort", "message": "gone"}))
+        await _settle()
+        assert value(metrics, "num_requests_total") == 1
+        assert value(metrics, "num_finished_reqs_total") == 1
+        assert value(metrics, "generation_tokens_total") == 3
+        assert value(metrics, "e2e_request_latency_seconds_count") == 1
+        assert "r" not in tm._draining  # the rid is free again
+
+    run(body())
+
+
 def test_duplicate_rids_inside_a_batch_send_nothing():
     async def body():
         tm, sockets = _make_tm()
