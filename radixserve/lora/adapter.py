@@ -121,6 +121,8 @@ class LoRAConfig:
             raise LoRAError(
                 f"LoRA adapter {path!r}: r must be a positive integer, lora_alpha a number"
             )
+        if not math.isfinite(alpha):
+            raise LoRAError(f"LoRA adapter {path!r}: lora_alpha must be finite, got {alpha}")
         return cls(r=r, alpha=float(alpha), use_rslora=bool(cfg.get("use_rslora", False)))
 
 
@@ -205,6 +207,8 @@ class LoRAAdapter:
                 )
             if not (a.is_floating_point() and b.is_floating_point()):
                 raise LoRAError(f"{where}: weights must be floating point")
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise LoRAError(f"{where}: weights hold NaN or infinite values")
             weights[(layer, proj)] = (a, b)
         if not weights:
             raise LoRAError(f"LoRA adapter {name!r} holds no LoRA weights")

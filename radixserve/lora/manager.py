@@ -342,6 +342,12 @@ class LoRAManager:
                 )
                 if self.dtype != torch.float32:
                     w.a_t_model, w.b_model = w.a_t.to(self.dtype), w.b.to(self.dtype)
+                for t in (w.b, w.b_model):
+                    if t is not None and not torch.isfinite(t).all():
+                        raise LoRAError(
+                            f"LoRA adapter {adapter.name!r}, layer {layer} {fused}: lora_B "
+                            f"times the scaling ({adapter.config.scaling:g}) overflows {t.dtype}"
+                        )
                 if getattr(getattr(block, sub), fused).tiled:
                     w.shrink_tiles, w.expand_tiles = tiled_weights(
                         w.a_t.t().to(torch.bfloat16), w.b.to(torch.bfloat16)

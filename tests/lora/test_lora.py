@@ -363,6 +363,8 @@ def _shape(tiny) -> ModelShape:
         ({"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
         ({"bias": "all"}, None, "biases"),
         ({"r": 0}, None, "positive integer"),
+        ({"lora_alpha": float("inf")}, None, "lora_alpha must be finite"),
+        ({"lora_alpha": float("nan")}, None, "lora_alpha must be finite"),
         (None, {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, "lm_head"),
         (
             None,
@@ -393,6 +395,12 @@ def test_adapter_shapes_and_halves_are_checked(tiny, tmp_path):
         LoRAAdapter.load("x", path, _shape(tiny))
     with pytest.raises(LoRAError, match="above --max-lora-rank 2"):
         LoRAAdapter.load("x", tiny["adapters"]["a"], _shape(tiny), max_rank=2)
+    for bad in (float("nan"), float("inf")):
+        tensors[key] = torch.full((64, 4), 0.1)
+        tensors[key][3, 1] = bad
+        save_file(tensors, file)
+        with pytest.raises(LoRAError, match="layer 0 q_proj: weights hold NaN or infinite"):
+            LoRAAdapter.load("x", path, _shape(tiny))
 
 
 def test_the_flags(tiny, tmp_path):
@@ -671,6 +679,13 @@ def test_adapters_load_and_unload_while_serving(tiny):
         assert not e.load_lora_adapter("a", ads["b"])["success"]
         bad = e.load_lora_adapter("x", "/nonexistent")
         assert not bad["success"] and "not a directory" in bad["message"]
+        huge = write_adapter(os.path.join(os.path.dirname(ads["a"]), "huge"), tiny["model"], 4)
+        with open(os.path.join(huge, "adapter_config.json")) as f:
+            conf = json.load(f)
+        with open(os.path.join(huge, "adapter_config.json"), "w") as f:
+            json.dump({**conf, "lora_alpha": 1e300}, f)  # finite, but B times it is not
+        bad = e.load_lora_adapter("x", huge)
+        assert not bad["success"] and "overflows torch.float32" in bad["message"]
         stream = e.generate(
             input_ids=prompts[1],
             sampling_params={**params, "max_new_tokens": 200, "min_new_tokens": 200},
