@@ -41,7 +41,12 @@ from radixserve.entrypoints.http_utils import (
     parse_body,
     sse_event,
 )
-from radixserve.entrypoints.openai_api import model_aliases, resolved_model_path, served_model_name
+from radixserve.entrypoints.openai_api import (
+    adapter_name_shadows_the_model,
+    model_aliases,
+    resolved_model_path,
+    served_model_name,
+)
 from radixserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -465,9 +470,11 @@ async def load_lora_adapter(request: Request) -> Response:
     --lora-paths); 400 with the reason when it cannot."""
     body = await parse_body(request, LoadLoRABody)
     tm = _tm(request)
-    if body.lora_name in _state(request).openai.model_names:
+    if adapter_name_shadows_the_model(body.lora_name, _state(request).openai.model_names):
         return error_response(
-            f"{body.lora_name!r} names the served model: an adapter needs a name of its own", 400
+            f"{body.lora_name!r} names the served model (or `<model>:<adapter>`, its name for "
+            "an adapter): an adapter needs a name of its own",
+            400,
         )
     out = await tm.load_lora_adapter(body.lora_name, body.lora_path)
     if not out.success:
@@ -596,11 +603,11 @@ class _Signals:
 
 def _adapters_named_like_the_model(server_args: ServerArgs) -> str:
     """The --lora-paths names a request's `model` could not reach (they name the model)."""
-    from radixserve.entrypoints.openai_api import model_aliases
     from radixserve.lora.adapter import parse_lora_paths
 
     names = set(parse_lora_paths(server_args.lora_paths)) if server_args.lora_paths else set()
-    return ", ".join(sorted(names & model_aliases(server_args)))
+    aliases = model_aliases(server_args)
+    return ", ".join(sorted(n for n in names if adapter_name_shadows_the_model(n, aliases)))
 
 
 def launch_server(server_args: ServerArgs) -> int:

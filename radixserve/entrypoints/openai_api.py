@@ -78,6 +78,12 @@ def model_aliases(args: ServerArgs) -> set[str]:
     return names
 
 
+def adapter_name_shadows_the_model(name: str, aliases: set[str]) -> bool:
+    """Whether a LoRA adapter named `name` would take over a name requests use for the model
+    (an alias itself) or for another adapter (`<alias>:<adapter>`, see check_model)."""
+    return name in aliases or any(name[:i] in aliases for i, c in enumerate(name) if c == ":")
+
+
 # -- request → GenerateReqInput ------------------------------------------------------------------
 def sampling_params(req: SamplingFields, max_new_tokens: int | None) -> dict[str, Any]:
     """OpenAI field names → SGLang sampling params; unset optional fields keep SGLang defaults."""

@@ -744,8 +744,13 @@ def test_the_served_endpoints(tiny, tmp_path):
         ids = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
         assert ids[1:] == ["b"]
         assert post("/load_lora_adapter", {"lora_name": "b"}).status_code == 400
-        r = post("/load_lora_adapter", {"lora_name": ids[0], "lora_path": tiny["adapters"]["a"]})
-        assert r.status_code == 400 and "names the served model" in r.json()["error"]["message"]
+        for shadow in (ids[0], f"{ids[0]}:b", f"{ids[0]}:x"):  # `<model>:b` names adapter b
+            r = post(
+                "/load_lora_adapter", {"lora_name": shadow, "lora_path": tiny["adapters"]["a"]}
+            )
+            assert r.status_code == 400 and "names the served model" in r.json()["error"]["message"]
+        r = post("/v1/completions", {**body, "model": f"{ids[0]}:b"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == got["text"]
         r = post("/load_lora_adapter", {"lora_name": "c", "lora_path": "/nope"})
         assert r.status_code == 400 and "not a directory" in r.json()["error"]["message"]
         assert post("/unload_lora_adapter", {"lora_name": "b"}).json()["loaded_adapters"] == {}
@@ -763,15 +768,16 @@ def test_an_adapter_named_like_the_served_model_is_refused_at_start(tiny):
     import subprocess
 
     name = os.path.basename(tiny["model"])
-    out = subprocess.run(
-        [sys.executable, "-m", "radixserve", "serve", "--model-path", tiny["model"]]
-        + ["--lora-paths", f"{name}={tiny['adapters']['a']}", "--port", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2, out.stderr
-    assert f"--lora-paths: {name} names the served model" in out.stderr
+    for shadow in (name, f"{name}:a"):
+        out = subprocess.run(
+            [sys.executable, "-m", "radixserve", "serve", "--model-path", tiny["model"]]
+            + ["--lora-paths", f"{shadow}={tiny['adapters']['a']}", "--port", "1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, out.stderr
+        assert f"--lora-paths: {shadow} names the served model" in out.stderr
 
 
 def test_data_parallel_replicas_load_and_serve_alike(tiny):
