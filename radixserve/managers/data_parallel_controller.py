@@ -41,6 +41,8 @@ from radixserve.io_struct import (
     LoRAUpdateReqOutput,
     TokenizedGenerateReqInput,
 )
+from radixserve.managers.live_stats import merge_snapshots
+from radixserve.mem_cache.radix_stats import merge_tree_stats
 
 logger = logging.getLogger(__name__)
 
@@ -260,9 +262,9 @@ def merge_replies(replies: list[Any]) -> Any:
 
 def merge_server_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
     """The server's figures from its replicas' (each carries its dp_rank): numbers are summed
-    (counters, gauges, capacities), ratios recomputed from the sums or averaged, anything else
-    (nested views such as the dashboard's charts) is replica 0's; `replicas` lists each one's
-    own dict in rank order."""
+    (counters, gauges, capacities), ratios recomputed from the sums or averaged, the dashboard's
+    views (steps, tokens per second, the tree) merged, anything else is replica 0's; `replicas`
+    lists each one's own dict in rank order."""
     infos = sorted(infos, key=lambda i: i.get("dp_rank", 0))
     out: dict[str, Any] = {}
     for key, value in infos[0].items():
@@ -282,6 +284,10 @@ def merge_server_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
         out["spec_accept_length"] = out["spec_committed_tokens"] / out["spec_verify_ct"]
     if out.get("spec_draft_tokens"):
         out["spec_accept_rate"] = out["spec_accepted_tokens"] / out["spec_draft_tokens"]
+    if all("steps" in i and "throughput" in i for i in infos):  # dashboard snapshots
+        out.update(merge_snapshots(infos))
+    if all("tree" in i for i in infos):
+        out["tree"] = merge_tree_stats([i["tree"] for i in infos])
     out["replicas"] = infos
     return out
 

@@ -119,6 +119,40 @@ class LiveStats:
         }
 
 
+def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """LiveStats.snapshot() of the whole server from its data-parallel replicas': their steps
+    in time order (each tagged with its replica, the last STEP_RING of them), their tokens per
+    second summed second by second."""
+    keys = list(snapshots[0]["steps"])  # "t", "mode", ... as in snapshot()
+    rows = []
+    for rank, snap in enumerate(snapshots):
+        columns = [snap["steps"][key] for key in keys]
+        rows += [(row, rank) for row in zip(*columns, strict=True)]
+    rows = sorted(rows, key=lambda r: r[0][0])[-STEP_RING:]
+    merged_steps = {key: [row[i] for row, _ in rows] for i, key in enumerate(keys)}
+    merged_steps["replica"] = [rank for _, rank in rows]
+    seconds: dict[int, dict[str, float]] = {}
+    for snap in snapshots:
+        series = snap["throughput"]["series"]
+        for i, t in enumerate(series["t"]):
+            bucket = seconds.setdefault(t, {})
+            for name, column in series.items():
+                if name != "t":
+                    bucket[name] = bucket.get(name, 0.0) + column[i]
+    names = [n for n in snapshots[0]["throughput"]["series"] if n != "t"]
+    merged_series: dict[str, list[float]] = {"t": sorted(seconds)}
+    for name in names:
+        merged_series[name] = [seconds[t].get(name, 0.0) for t in merged_series["t"]]
+    throughput = dict(snapshots[0]["throughput"])
+    for key in ("prompt_tps", "generation_tps"):
+        throughput[key] = sum(snap["throughput"][key] for snap in snapshots)
+    throughput["window_hit_rate"] = _ratio(
+        sum(merged_series.get("cached", [])), sum(merged_series.get("prompt", []))
+    )
+    throughput["series"] = merged_series
+    return {"steps": merged_steps, "throughput": throughput}
+
+
 class LatencyWindow:
     """The TokenizerManager's side, per second: end-to-end latency of every finished request;
     TTFT (arrival to first output) and time per output token after the first (the gap between

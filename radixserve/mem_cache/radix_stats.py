@@ -67,6 +67,22 @@ def tree_stats(
     }
 
 
+def merge_tree_stats(trees: list[dict[str, Any]], top_k: int = TOP_K) -> dict[str, Any]:
+    """tree_stats of the data-parallel replicas' trees as one: counts summed, depths the
+    deepest, and the `top_k` prefixes of them all (each row names its replica)."""
+    rows = [
+        {**row, "replica": rank} for rank, tree in enumerate(trees) for row in tree["top_prefixes"]
+    ]
+    return {
+        "nodes": sum(t["nodes"] for t in trees),
+        "depth": max(t["depth"] for t in trees),
+        "depth_tokens": max(t["depth_tokens"] for t in trees),
+        "leaves": sum(t["leaves"] for t in trees),
+        "truncated": any(t["truncated"] for t in trees),
+        "top_prefixes": heapq.nlargest(top_k, rows, key=lambda r: (r["leaves"], r["tokens"])),
+    }
+
+
 def _prefix_row(node: TreeNode, tokens: int, leaves: int, preview_tokens: int) -> dict[str, Any]:
     head, tail = prefix_ends(node, preview_tokens)
     return {

@@ -274,3 +274,52 @@ def test_replicas_split_the_cpus_and_say_when_they_must_share_them(monkeypatch, 
     assert not caplog.records
     assert replica_cpus(8) == [None] * 8
     assert "--dp-size 8 on 4 CPUs" in caplog.text
+
+
+def _replica_snapshot(rank: int, clock: list[float]) -> dict[str, Any]:
+    """A dashboard snapshot as a replica's scheduler makes it (real LiveStats, fake steps)."""
+    from types import SimpleNamespace
+
+    from radixserve.managers.live_stats import LiveStats
+
+    live = LiveStats(clock=lambda: clock[0])
+    decode = SimpleNamespace(is_decode=lambda: True)
+    for step in range(3):
+        clock[0] = 1000.0 + step + rank / 10
+        batch = SimpleNamespace(input_ids=[0] * 4, decoding_reqs=[], forward_mode=decode, reqs=[1])
+        stats = SimpleNamespace(
+            prompt_tokens=100 * (rank + 1), cached_tokens=50, generation_tokens=4 * (step + 1)
+        )
+        live.on_step(batch, stats)
+    row = {"tokens": 40 + rank, "leaves": 3 - rank, "hits": 1, "locks": 0, "extra_key": None}
+    tree = {
+        "nodes": 5,
+        "depth": 2 + rank,
+        "depth_tokens": 90,
+        "leaves": 3,
+        "truncated": rank == 1,
+        "top_prefixes": [{**row, "head_ids": [rank], "tail_ids": []}],
+    }
+    return {**_info(rank), **live.snapshot(), "tree": tree}
+
+
+def test_the_dashboard_views_of_the_replicas_are_merged():
+    """The steps, tokens per second and tree of every replica, not replica 0's alone (its
+    throughput read half the server's with two replicas)."""
+    clock = [0.0]
+    infos = [_replica_snapshot(r, clock) for r in (0, 1)]
+    merged = merge_server_infos(infos)
+    throughput = merged["throughput"]
+    assert throughput["generation_tps"] == pytest.approx(
+        2 * infos[0]["throughput"]["generation_tps"]
+    )
+    assert throughput["prompt_tps"] == pytest.approx(300 / throughput["rate_window_s"])
+    assert throughput["series"]["t"] == [1000, 1001, 1002]
+    assert throughput["series"]["generation"] == [8, 8, 8]
+    assert throughput["window_hit_rate"] == pytest.approx(100 / 300)
+    steps = merged["steps"]
+    assert steps["t"] == sorted(steps["t"]) and len(steps["t"]) == 6
+    assert steps["replica"] == [0, 1, 0, 1, 0, 1] and steps["mode"] == ["decode"] * 6
+    tree = merged["tree"]
+    assert (tree["nodes"], tree["leaves"], tree["depth"], tree["truncated"]) == (10, 6, 3, True)
+    assert [(p["replica"], p["head_ids"]) for p in tree["top_prefixes"]] == [(0, [0]), (1, [1])]
