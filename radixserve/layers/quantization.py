@@ -66,6 +66,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixserve.args import cpu_has_bf16
@@ -79,6 +80,7 @@ DENSE_ROWS = 64  # from here on dequantize + fp32 GEMM beats the q4 / q8 kernels
 DENSE_ROWS_BF16 = 12  # the same where that GEMM runs in bf16 (a bf16 model, native bf16)
 INT4_GROUP_SIZE = 32  # GGUF's Q4 block size; the ATen kernel takes 32, 64, 128 or 256
 KERNEL_DTYPE = torch.bfloat16
+ATEN_INT8_K_STEP = 16  # torch._weight_int8pack_mm's K must be a multiple of this
 _INT4_INNER_K_TILES = 2
 
 
@@ -202,7 +204,10 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("qs", codes)
                 self.register_buffer("d", scale.contiguous())
         elif method == "int8":
-            codes, scale = quantize_int8(weight)
+            # ATen's kernel reads K in steps of 16 (other widths gave garbage or a SIGSEGV in
+            # torch 2.13): zero columns pad the weight, forward pads the activations alike.
+            self.k_pad = -self.in_features % ATEN_INT8_K_STEP
+            codes, scale = quantize_int8(F.pad(weight, (0, self.k_pad)))
             self.register_buffer("packed", codes)
             self.register_buffer("scales", scale.to(KERNEL_DTYPE))
         else:
@@ -250,9 +255,8 @@ class QuantizedLinear(nn.Module):
             else:
                 y = torch.ops.radixserve.q8_dense(x2, self.qs, self.d, bf16)
         elif self.method == "int8":
-            y = torch._weight_int8pack_mm(
-                x2.to(KERNEL_DTYPE).contiguous(), self.packed, self.scales
-            )
+            x2 = F.pad(x2.to(KERNEL_DTYPE), (0, self.k_pad)).contiguous()
+            y = torch._weight_int8pack_mm(x2, self.packed, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(KERNEL_DTYPE).contiguous(), self.packed, INT4_GROUP_SIZE, self.scales

@@ -87,6 +87,22 @@ def test_int8_linear_matches_its_dequantized_weight(shape, rows, dtype, int8_ker
         torch.testing.assert_close(out, quantize_activations(x) @ deq.t() + bias, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("k", [8, 100, 120, 576])
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_int8_layers_of_any_width_on_atens_kernel(k, rows) -> None:
+    """Widths that are not a multiple of 32 take ATen's int8 kernel (as every layer does where
+    the C++ kernels cannot build); it read K in steps of 16, so K = 100 or 120 gave garbage or a
+    SIGSEGV until the layer padded K."""
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(64, k, generator=gen) * 0.05
+    layer = QuantizedLinear("int8", w)
+    if k % INT4_GROUP_SIZE:
+        assert layer.kernel == "aten"
+    codes, scale = quantize_int8(w)
+    x = torch.randn(rows, k, generator=gen)
+    _bf16_close(layer(x), x @ (codes.float() * scale[:, None]).t())
+
+
 @pytest.fixture(params=["q4_tiled", "q4", "aten"])
 def int4_kernel(request, monkeypatch):
     """Every int4 path: the tiled kernel (AVX-512 VNNI), radixserve's q4 kernels elsewhere, and
