@@ -34,6 +34,15 @@ from radixserve.utils import PortArgs, zmq_socket
 
 _DONE = object()  # the end of a stream's queue (Engine._start_stream)
 
+
+def _detached(out: Any) -> Any:
+    """A stream item the caller may keep: the TokenizerManager's items share the request
+    state's lists (output_ids, logprobs), which later outputs extend from the engine's thread."""
+    if isinstance(out, list):
+        return [_detached(o) for o in out]
+    meta = {k: list(v) if isinstance(v, list) else v for k, v in out["meta_info"].items()}
+    return {**out, "output_ids": list(out["output_ids"]), "meta_info": meta}
+
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600
@@ -252,13 +261,13 @@ class Engine:
                 "--node-rank > 0 runs only scheduler ranks and serves no requests; start it "
                 "with `python -m radixserve serve ... --node-rank N` and use the Engine on node 0"
             )
+        self._closed = threading.Event()
         self.procs = Subprocesses(self.server_args)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.tokenizer_manager: TokenizerManager = self._run(self._init_tm())
         self.tokenizer = self.tokenizer_manager.tokenizer
-        self._closed = threading.Event()
         self._monitor = threading.Thread(target=self._watch_children, daemon=True)
         self._monitor.start()
 
@@ -278,8 +287,23 @@ class Engine:
         tm.start()
         return tm
 
+    def _submit(self, coro: Any) -> Future:
+        """Run `coro` on the engine's loop; RuntimeError once the engine is shut down (its loop
+        has stopped: the future would never finish)."""
+        if self._closed.is_set():
+            coro.close()
+            raise RuntimeError("the engine is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        """Wait for `coro` on the engine's loop; interrupted (Ctrl-C), it is cancelled, which
+        aborts its requests."""
+        fut = self._submit(coro)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
 
     # -- generation -----------------------------------------------------------------------------
     @staticmethod
@@ -327,12 +351,12 @@ class Engine:
         async def pump() -> None:
             try:
                 async for out in self.tokenizer_manager.generate_request(obj):
-                    q.put(out)
+                    q.put(_detached(out))
             except Exception as e:
                 q.put(e)
             q.put(_DONE)
 
-        return q, asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        return q, self._submit(pump())
 
     def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
         q, pump = self._start_stream(obj)
@@ -356,8 +380,7 @@ class Engine:
         obj = self._make_obj(prompt, sampling_params, input_ids, stream, **extra)
         if stream:
             return self._stream_async(obj)
-        fut = asyncio.run_coroutine_threadsafe(self._collect(obj), self.loop)
-        return await asyncio.wrap_future(fut)
+        return await asyncio.wrap_future(self._submit(self._collect(obj)))
 
     async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         q, pump = self._start_stream(obj)

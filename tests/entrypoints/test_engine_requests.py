@@ -1,7 +1,8 @@
 """The offline Engine over a tiny model: a stream its consumer stops reading (closed, or an
-async iterator's aclose) aborts its request at once rather than generating to the end; the
-default max_new_tokens never refuses a prompt that fits the context (the scheduler caps it to
-the room left, as SGLang's); an explicit one that overflows it is a clear error."""
+async iterator's aclose) aborts its request at once rather than generating to the end, and so
+does Ctrl-C in a blocking generate; stream items are snapshots; a shut-down engine refuses at
+once; the default max_new_tokens never refuses a prompt that fits the context (the scheduler
+caps it to the room left, as SGLang's); an explicit one that overflows it is a clear error."""
 
 from __future__ import annotations
 
@@ -66,3 +67,62 @@ def test_the_default_max_new_tokens_never_refuses_a_prompt_that_fits(engine):
     assert 0 < out["meta_info"]["completion_tokens"] <= 40
     with pytest.raises(RequestError, match="exceeds the model's context length"):
         engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 128})
+
+
+def test_ctrl_c_in_a_blocking_generate_aborts_its_request(engine):
+    """KeyboardInterrupt while generate() waits cancels the request (it ran to its end)."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = engine.get_server_info()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate("hello", LONG)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    _drained(engine, before)
+
+
+def test_stream_items_are_snapshots_the_caller_may_keep(engine):
+    """Each item holds the tokens (and logprobs) as of its own output, not a list the engine's
+    thread goes on extending."""
+    params = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}
+
+    def check(items: list) -> None:
+        assert len(items) > 1
+        for item in items:
+            n = item["meta_info"]["completion_tokens"]
+            assert len(item["output_ids"]) == n
+            assert len(item["meta_info"]["output_token_logprobs"]) == n
+        assert items[-1]["output_ids"][: len(items[0]["output_ids"])] == items[0]["output_ids"]
+
+    check(list(engine.generate("hello", params, stream=True, return_logprob=True)))
+
+    async def collect() -> list:
+        it = await engine.async_generate("hello", params, stream=True, return_logprob=True)
+        return [item async for item in it]
+
+    check(asyncio.run(collect()))
+
+
+def test_an_engine_shut_down_refuses_at_once(tmp_path):
+    from radixserve import Engine
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    e = Engine(model_path=model, dtype="float32", max_total_tokens=1024)
+    assert e.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    e.shutdown()
+    for call in (
+        lambda: e.generate("hi"),
+        lambda: next(iter(e.generate("hi", stream=True))),
+        e.get_server_info,
+        e.flush_cache,
+        lambda: asyncio.run(e.async_generate("hi")),
+    ):
+        with pytest.raises(RuntimeError, match="the engine is shut down"):
+            call()
