@@ -44,13 +44,15 @@ class SamplingParams:
     stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        # verify() refuses a stop or stop_token_ids that is not a list (kept as given here).
         if self.stop is None:
             self.stop_strs = []
         elif isinstance(self.stop, str):
             self.stop_strs = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop_strs = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -128,10 +130,15 @@ class SamplingParams:
             )
         if self.n < 1:
             raise SamplingParamsError(f"n must be >= 1, got {self.n}")
-        for tid in self.stop_token_ids or []:
+        if not isinstance(self.stop_token_ids, list):
+            raise SamplingParamsError(
+                f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}"
+            )
+        for tid in self.stop_token_ids:
             if not _is_int(tid) or tid < 0 or (vocab_size and tid >= vocab_size):
                 raise SamplingParamsError(f"stop_token_ids has an invalid token id {tid!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop_strs):
+        stop_ok = self.stop is None or isinstance(self.stop, (str, list, tuple))
+        if not stop_ok or any(not isinstance(s, str) or not s for s in self.stop_strs):
             raise SamplingParamsError("stop must be a non-empty string or a list of them")
         grammars = [x for x in (self.json_schema, self.regex, self.ebnf) if x is not None]
         if len(grammars) > 1:
