@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from radixserve.args import ServerArgs
@@ -20,20 +21,36 @@ def _generate(argv: list[str]) -> int:
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(argv)
     from radixserve.entrypoints.engine import Engine
+    from radixserve.managers.request_checks import RequestError
     from radixserve.utils import configure_logging
 
+    if ns.max_new_tokens < 0:
+        parser.error(f"--max-new-tokens must be >= 0, got {ns.max_new_tokens}")
+    if not (math.isfinite(ns.temperature) and ns.temperature >= 0):
+        parser.error(f"--temperature must be a finite number >= 0, got {ns.temperature}")
+    if ns.raw and ns.system is not None:
+        parser.error("--system needs the chat template; drop --raw")
     server_args = _server_args(parser, ns)
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
+    template = None
+    if server_args.chat_template is not None:
+        with open(server_args.chat_template, encoding="utf-8") as f:
+            template = f.read()
     configure_logging(server_args.log_level)
     with Engine(server_args) as engine:
-        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
-        if ns.raw:
-            out = engine.generate(ns.prompt, params)
-        else:
-            messages = [{"role": "user", "content": ns.prompt}]
-            if ns.system:
-                messages.insert(0, {"role": "system", "content": ns.system})
-            ids = engine.tokenizer_manager.apply_chat_template(messages)
-            out = engine.generate(input_ids=ids, sampling_params=params)
+        try:
+            if ns.raw:
+                out = engine.generate(ns.prompt, params)
+            else:
+                messages = [{"role": "user", "content": ns.prompt}]
+                if ns.system:
+                    messages.insert(0, {"role": "system", "content": ns.system})
+                kwargs = {} if template is None else {"chat_template": template}
+                ids = engine.tokenizer_manager.apply_chat_template(messages, **kwargs)
+                out = engine.generate(input_ids=ids, sampling_params=params)
+        except RequestError as e:  # a prompt past the context, a model without a template
+            print(f"radixserve generate: error: {e}", file=sys.stderr)
+            return 2
         print(out["text"].strip())
     return 0
 
@@ -125,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in commands:
         print("usage: python -m radixserve {serve,generate,bench} [options]", file=sys.stderr)
         return 2
-    return commands[argv[0]](argv[1:]) or 0
+    try:
+        return commands[argv[0]](argv[1:]) or 0
+    except KeyboardInterrupt:  # Ctrl-C: the children are already stopped (Engine, launch_server)
+        return 130
 
 
 if __name__ == "__main__":

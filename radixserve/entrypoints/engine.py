@@ -43,6 +43,7 @@ def _detached(out: Any) -> Any:
     meta = {k: list(v) if isinstance(v, list) else v for k, v in out["meta_info"].items()}
     return {**out, "output_ids": list(out["output_ids"]), "meta_info": meta}
 
+
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600
@@ -261,6 +262,9 @@ class Engine:
                 "--node-rank > 0 runs only scheduler ranks and serves no requests; start it "
                 "with `python -m radixserve serve ... --node-rank N` and use the Engine on node 0"
             )
+        from radixserve.model_loader.loader import check_model_path
+
+        check_model_path(self.server_args.model_path, load_format=self.server_args.load_format)
         self._closed = threading.Event()
         self.procs = Subprocesses(self.server_args)
         self.loop = asyncio.new_event_loop()

@@ -52,15 +52,29 @@ def check_model_path(
 ) -> None:
     """Refuse, before any process starts, a path that holds no model (or, for
     --tokenizer-path, no tokenizer): missing, a file that is not a .gguf (unless --load-format
-    names its format), or a model directory without config.json. None is the default model."""
+    gguf says it is one), a model directory without config.json, or a path of the other kind
+    than --load-format names. None is the default model."""
     if path is None:
         return
     _require_exists(path, flag)
+    if flag == "--tokenizer-path":  # a tokenizer's directory, or the .gguf that holds one
+        if not os.path.isdir(path) and not path.endswith(".gguf"):
+            raise FileNotFoundError(f"{flag} {path!r} is neither a .gguf file nor a directory")
+        return
     if os.path.isdir(path):
-        if flag != "--tokenizer-path" and not os.path.isfile(os.path.join(path, "config.json")):
+        if load_format == "gguf":
+            raise ValueError(
+                f"--load-format gguf needs a .gguf file; {flag} {path!r} is a directory"
+            )
+        if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(
                 f"{flag} {path!r} is a directory without config.json: not a Hugging Face model"
             )
+    elif load_format in ("safetensors", "dummy"):
+        raise ValueError(
+            f"--load-format {load_format} needs a model directory (config.json); {flag} "
+            f"{path!r} is a file"
+        )
     elif load_format == "auto" and not path.endswith(".gguf"):
         raise FileNotFoundError(f"{flag} {path!r} is neither a .gguf file nor a directory")
 

@@ -1,5 +1,7 @@
 """The command line: every command's --help prints its usage (argparse formats each flag's
-help with %, so a flag whose text holds a literal % once made `serve --help` raise)."""
+help with %, so a flag whose text holds a literal % once made `serve --help` raise); bad
+values, paths and formats end a command with one line and exit 2, before any process starts
+where they can be known then; `generate` renders --chat-template."""
 
 from __future__ import annotations
 
@@ -65,6 +67,62 @@ def test_a_bad_flag_ends_the_command_with_usage_and_one_line(command, flags, mes
     err = capsys.readouterr().err
     assert err.startswith("usage:") and "Traceback" not in err
     assert re.search(f"error: {message}", err), err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["--raw", "--system", "be brief"], "--system needs the chat template; drop --raw"),
+    ],
+)
+def test_bad_generate_values_end_with_usage_and_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage:") and "Traceback" not in err and message in err
+
+
+def test_generate_uses_the_chat_template_flag_and_reports_request_errors(tmp_path, capsys):
+    """--chat-template is the template generate renders (it was ignored); a request the
+    engine refuses is one line and exit 2, not a traceback."""
+    from rs_testing import make_tiny_served_model
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ raise_exception('this template refuses') }}")
+    common = ["--model-path", model, "--dtype", "float32", "--max-total-tokens", "1024"]
+    assert main(["generate", "hi", *common, "--chat-template", str(template)]) == 2
+    err = capsys.readouterr().err
+    assert "radixserve generate: error: cannot apply the chat template" in err
+    assert "this template refuses" in err and "Traceback" not in err
+    assert main(["generate", "hi", *common, "--raw", "--max-new-tokens", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's context length" in err and "Traceback" not in err
+
+
+def test_a_load_format_that_contradicts_the_path_is_refused_at_start(tmp_path, capsys):
+    from rs_testing import make_tiny_model_dir
+
+    model = make_tiny_model_dir(str(tmp_path / "m"))
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"GGUF")
+    for path, fmt, message in (
+        (model, "gguf", "--load-format gguf needs a .gguf file"),
+        (str(gguf), "safetensors", "--load-format safetensors needs a model directory"),
+        (str(gguf), "dummy", "--load-format dummy needs a model directory"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--model-path", path, "--load-format", fmt])
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
+    from radixserve import Engine
+
+    with pytest.raises(ValueError, match="--load-format gguf needs a .gguf file"):
+        Engine(model_path=model, load_format="gguf")
 
 
 def test_a_model_path_without_a_model_is_refused_before_anything_starts(tmp_path, capsys):
