@@ -57,7 +57,10 @@ def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 
 
 def tool_call_schema(req: ChatCompletionRequest) -> str | None:
-    """The JSON schema that required / named tool_choice constrains the output to."""
+    """The JSON schema that required / named tool_choice constrains the output to. Each
+    function's parameters sit whole under `$defs/__tool_<i>` (its local `$ref`s rebased there),
+    so `#`, `#/$defs/...`, `#/definitions/...` and `#/properties/...` keep meaning that
+    function's schema, and two functions' `$defs` never clash."""
     if not is_forced(req):
         return None
     choice = tool_choice_of(req)
@@ -72,16 +75,15 @@ def tool_call_schema(req: ChatCompletionRequest) -> str | None:
         params.setdefault("type", "object")
         if params["type"] != "object":
             raise RequestError(f"tools: the parameters of {fn.name!r} must be an object schema")
-        local_defs = params.pop("$defs", {})
-        if not isinstance(local_defs, dict):
-            raise RequestError(f"tools: $defs of {fn.name!r} must be an object")
-        for key, sub in local_defs.items():
-            if defs.setdefault(key, sub) != sub:
-                raise RequestError(f"tools: two functions define $defs {key!r} differently")
+        key = f"__tool_{len(defs)}"
+        defs[key] = _rebase_refs(params, f"#/$defs/{key}")
         items.append(
             {
                 "type": "object",
-                "properties": {"name": {"type": "string", "enum": [fn.name]}, "parameters": params},
+                "properties": {
+                    "name": {"type": "string", "enum": [fn.name]},
+                    "parameters": {"$ref": f"#/$defs/{key}"},
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
@@ -90,12 +92,32 @@ def tool_call_schema(req: ChatCompletionRequest) -> str | None:
         "type": "array",
         "minItems": 1,
         "items": items[0] if len(items) == 1 else {"anyOf": items},
+        "$defs": defs,
     }
     if named is not None or req.parallel_tool_calls is False:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return json.dumps(schema)
+
+
+# Keywords whose values are JSON data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset(("enum", "const", "default", "examples"))
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """`node` with its document-local `$ref`s ("#", "#/...") made relative to `base`."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out
 
 
 def history_tool_calls(calls: list[Any], where: str) -> list[dict[str, Any]]:

@@ -157,6 +157,58 @@ def test_required_and_named_constrain_to_a_schema_of_calls(
     assert not validator.is_valid([])
 
 
+TREE = {  # refers to itself ("#"), to its $defs and to an older-style definitions entry
+    "type": "object",
+    "properties": {
+        "label": {"type": "string"},
+        "child": {"$ref": "#"},
+        "item": {"$ref": "#/$defs/Item"},
+        "flag": {"$ref": "#/definitions/Flag"},
+        "same": {"$ref": "#/properties/label"},
+        "tag": {"const": {"$ref": "#"}},  # data, not a reference
+    },
+    "required": ["label"],
+    "$defs": {"Item": {"type": "integer"}},
+    "definitions": {"Flag": {"type": "boolean"}},
+}
+LIST = {  # its own, different $defs/Item
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+    "required": ["items"],
+    "$defs": {"Item": {"type": "string"}},
+}
+
+
+def test_local_refs_of_each_function_keep_meaning_its_own_schema(tools_client):
+    """A `$ref` of a function's parameters resolves inside them, not in the schema of calls
+    around them: "#" made `child` a list of tool calls, "#/definitions/..." and two functions'
+    `$defs/Item` were refused."""
+    import xgrammar
+
+    client, tm = tools_client
+    tools = [
+        {"type": "function", "function": {"name": "tree", "parameters": TREE}},
+        {"type": "function", "function": {"name": "list", "parameters": LIST}},
+    ]
+    r = client.post(CHAT, json={"messages": [USER], "tools": tools, "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    text = tm.requests[-1].sampling_params["json_schema"]
+    validator = jsonschema.Draft202012Validator(json.loads(text))
+    tree = {"label": "a", "child": {"label": "b", "item": 3, "flag": True}, "same": "x"}
+    assert validator.is_valid([{"name": "tree", "parameters": tree}])
+    assert validator.is_valid([{"name": "list", "parameters": {"items": ["x", "y"]}}])
+    for bad_tree in (
+        {"label": "a", "child": [{"name": "tree", "parameters": {"label": "b"}}]},
+        {"label": "a", "item": "3"},
+        {"label": "a", "flag": 1},
+        {"label": "a", "same": 1},
+    ):
+        assert not validator.is_valid([{"name": "tree", "parameters": bad_tree}]), bad_tree
+    assert not validator.is_valid([{"name": "list", "parameters": {"items": [1]}}])
+    info = xgrammar.TokenizerInfo([f"t{i}" for i in range(64)])
+    xgrammar.GrammarCompiler(info).compile_json_schema(text)  # xgrammar resolves them too
+
+
 def test_history_with_calls_and_results_reaches_the_template(tools_client):
     client, tm = tools_client
     call = {
