@@ -17,11 +17,14 @@ ALLOWED. Rows are built on the CPU (the matchers live there) and moved to the lo
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +40,11 @@ GRAMMAR_KINDS = ("json", "regex", "ebnf")
 ANY_JSON = "$$ANY$$"  # json_schema value meaning "any JSON value" (response_format json_object)
 GrammarKey = tuple[str, str]  # (kind, text), kind in GRAMMAR_KINDS
 
+# How long a request waits for its grammar to compile (from its arrival; SGLang's
+# SGLANG_GRAMMAR_TIMEOUT): a schema that takes longer is refused. Compiles run on a few threads
+# (xgrammar releases the GIL), so one slow schema does not hold up every other new grammar.
+GRAMMAR_TIMEOUT_S = float(os.environ.get("RADIXSERVE_GRAMMAR_TIMEOUT", "60"))
+COMPILE_WORKERS = 4
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 
@@ -106,7 +114,7 @@ class XGrammarBackend:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         eos_token_ids: Sequence[int] | None = None,
-        num_workers: int = 1,
+        num_workers: int = COMPILE_WORKERS,
         any_whitespace: bool = True,
         max_cache_entries: int = 1024,
     ) -> None:
@@ -143,13 +151,43 @@ class XGrammarBackend:
                 self._cache.move_to_end(key)
             return future
 
-    def validate(self, kind: str, text: str) -> str | None:
-        """The compiler's error message for an invalid grammar, else None (blocks until
-        compiled; the result stays cached)."""
+    def validate(
+        self, kind: str, text: str, timeout: float | None = GRAMMAR_TIMEOUT_S
+    ) -> str | None:
+        """Why the grammar cannot be served (the compiler's error, keywords of a schema that
+        it would not enforce, a grammar that admits no output, a compile past `timeout`
+        seconds), else None. Blocks until compiled; the result stays cached."""
         if kind not in GRAMMAR_KINDS:
             return f"unknown grammar kind {kind!r}"
-        result = self.get_future((kind, text)).result()
-        return result.message if isinstance(result, InvalidGrammar) else None
+        if kind == "json" and text != ANY_JSON:
+            try:
+                unenforced = sorted(set(unenforced_keywords(json.loads(text))))
+            except (ValueError, RecursionError):
+                unenforced = []  # the compiler says what is wrong with it
+            if unenforced:
+                return (
+                    "invalid json grammar: the schema uses keywords that constrained decoding "
+                    f"cannot enforce: {', '.join(unenforced)}"
+                )
+        try:
+            result = self.get_future((kind, text)).result(timeout)
+        except FutureTimeout:
+            return timeout_message(kind, timeout or 0.0)
+        if isinstance(result, InvalidGrammar):
+            return result.message
+        return self._admits_no_output(kind, result)
+
+    def _admits_no_output(self, kind: str, compiled: xgr.CompiledGrammar) -> str | None:
+        """A message when the grammar allows no first token, or (a JSON schema) only the end
+        of the output: an empty text is no JSON value."""
+        mask = self.allocate_vocab_mask(1)
+        self.new_matcher(compiled).fill_vocab_mask(mask, 0)
+        allowed = (~self.unpack_vocab_mask(mask, self.vocab_size)[0]).nonzero().flatten()
+        if allowed.numel() == 0:
+            return f"invalid {kind} grammar: it admits no output"
+        if kind == "json" and set(allowed.tolist()) <= set(self.eos_token_ids):
+            return "invalid json grammar: the schema admits no value"
+        return None
 
     def _compile(self, key: GrammarKey) -> xgr.CompiledGrammar | InvalidGrammar:
         kind, text = key
@@ -221,6 +259,60 @@ def build_tokenizer_info(
         stop_token_ids=list(eos_token_ids),
         add_prefix_space=detected.add_prefix_space,
     )
+
+
+def timeout_message(kind: str, seconds: float = GRAMMAR_TIMEOUT_S) -> str:
+    return (
+        f"invalid {kind} grammar: it did not compile within {seconds:g} s "
+        "(RADIXSERVE_GRAMMAR_TIMEOUT); simplify it"
+    )
+
+
+# Schema keywords xgrammar accepts without enforcing them (checked against xgrammar 0.2.9: a
+# value they forbid is still generated), so a response could end with "stop" and not match.
+_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains")
+# Keywords whose value is a schema, a list of schemas, or a map of name → schema.
+_SUBSCHEMA = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "propertyNames",
+    "items",
+    "additionalItems",
+    "unevaluatedItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")
+
+
+def unenforced_keywords(schema: object, path: str = "#") -> Iterator[str]:
+    """`keyword at path` for every keyword of a JSON schema that xgrammar would not enforce
+    (a schema's data, as in enum or const, is not searched)."""
+    if not isinstance(schema, dict):
+        return
+    for key in _UNENFORCED:
+        if key in schema:
+            yield f"{key} at {path}"
+    if schema.get("uniqueItems") is True:
+        yield f"uniqueItems at {path}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        yield f"allOf of several schemas at {path}"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        yield f"multipleOf of a non-integer at {path}"
+    for key in _SUBSCHEMA:
+        yield from unenforced_keywords(schema.get(key), f"{path}/{key}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                yield from unenforced_keywords(sub, f"{path}/{key}/{i}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                yield from unenforced_keywords(sub, f"{path}/{key}/{name}")
 
 
 def _bit(j: int) -> int:

@@ -10,6 +10,7 @@ on the first constrained request, so unconstrained serving never pays for it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,19 +54,28 @@ class GrammarManager:
             return "constrained decoding is disabled (--grammar-backend none)"
         key = self.key_of(req)
         assert key is not None
+        from radixserve.constrained.xgrammar_backend import GRAMMAR_TIMEOUT_S
+
         req.grammar = self.backend.get_future(key)
+        req.grammar_deadline = time.monotonic() + GRAMMAR_TIMEOUT_S
         self.queue.append(req)
         return None
 
-    def pop_ready(self) -> tuple[list[Req], list[tuple[Req, str]]]:
-        """Requests whose grammar compiled (with a fresh matcher) and those it rejected."""
-        from radixserve.constrained.xgrammar_backend import InvalidGrammar
+    def pop_ready(self, deadlines: bool = True) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """Requests whose grammar compiled (with a fresh matcher) and those it rejected, or
+        whose compile ran past GRAMMAR_TIMEOUT_S (unless `deadlines` is False: tensor-parallel
+        ranks must agree, so they wait for every compile instead)."""
+        from radixserve.constrained.xgrammar_backend import InvalidGrammar, timeout_message
 
         ready, failed, still = [], [], []
+        now = time.monotonic()
         for req in self.queue:
             fut = req.grammar
             if req.to_abort is not None:
                 failed.append((req, req.to_abort))
+            elif not fut.done() and deadlines and now > req.grammar_deadline:
+                req.grammar = None
+                failed.append((req, timeout_message(self.key_of(req)[0])))
             elif not fut.done():
                 still.append(req)
             else:
@@ -103,7 +113,12 @@ class GrammarManager:
                 logger.exception("grammar mask of %s failed", reqs[i].rid)
                 packed[i] = -1
                 reqs[i].to_abort = f"the grammar failed: {e!r}"
-        return self.backend.unpack_vocab_mask(packed, self.vocab_size)
+        mask = self.backend.unpack_vocab_mask(packed, self.vocab_size)
+        for i in rows:
+            if bool(mask[i].all()):  # no token allowed: sampling would pick among -inf
+                mask[i] = False
+                reqs[i].to_abort = "the grammar admits no next token from the model's vocabulary"
+        return mask
 
     def accept(self, req: Req, token: int) -> None:
         """Advance the matcher; finish the request when the grammar completes or breaks."""

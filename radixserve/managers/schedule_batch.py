@@ -111,6 +111,7 @@ class Req:
         self.input_logprobs_sent = False
         self.arrival_time = time.monotonic()
         self.grammar: Any = None
+        self.grammar_deadline = 0.0  # GrammarManager: when its compile has taken too long
         # Speculative decoding: counters and acceptance history (RequestSpecState), the NGRAM
         # index of the request's text, and how many leading positions hold draft-model KV.
         self.spec: Any = None

@@ -261,7 +261,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
     def move_ready_grammar_requests(self) -> None:
         if self.tp_sync is not None:  # every rank must admit them in the same round
             concurrent.futures.wait([r.grammar for r in self.grammar_manager.queue])
-        ready, failed = self.grammar_manager.pop_ready()
+        ready, failed = self.grammar_manager.pop_ready(deadlines=self.tp_sync is None)
         for req in ready:
             self._enqueue(req)
         for req, message in failed:

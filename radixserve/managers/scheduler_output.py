@@ -95,6 +95,10 @@ class SchedulerOutputMixin:
             # token is not part of it.
             req.finished_reason = finish_length(0)
             return
+        if req.grammar is not None and req.to_abort is not None:
+            # Its mask row was left open (GrammarManager.vocab_mask): the token is no output.
+            req.finished_reason = finish_abort(req.to_abort)
+            return
         req.output_ids.append(token)
         self.stats.generation_tokens += 1
         if logprob is not None:

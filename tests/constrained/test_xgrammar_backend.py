@@ -329,6 +329,68 @@ def test_validate_accepts_valid_grammars(backend):
         backend.get_future(("xml", "<a/>"))
 
 
+ARRAY = {"type": "array", "items": {"type": "integer"}}
+OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+UNENFORCED = [  # keywords xgrammar accepts and ignores: a "stop" would not mean "matches"
+    ({**ARRAY, "uniqueItems": True}, "uniqueItems at #"),
+    ({"type": "integer", "not": {"enum": [1]}}, "not at #"),
+    ({**OBJECT, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if at #, then at #"),
+    ({**OBJECT, "dependentRequired": {"a": ["b"]}}, "dependentRequired at #"),
+    ({**ARRAY, "contains": {"const": 5}}, "contains at #"),
+    ({"allOf": [OBJECT, {"required": ["b"]}]}, "allOf of several schemas at #"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf of a non-integer at #"),
+    ({**OBJECT, "properties": {"x": {**ARRAY, "uniqueItems": True}}}, "at #/properties/x"),
+    ({"$defs": {"D": {"not": {}}}, "$ref": "#/$defs/D"}, "not at #/$defs/D"),
+]
+
+
+@pytest.mark.parametrize("schema,needle", UNENFORCED)
+def test_schemas_with_keywords_that_would_not_be_enforced_are_refused(backend, schema, needle):
+    message = backend.validate("json", json.dumps(schema))
+    assert message is not None and "cannot enforce" in message and needle in message
+
+
+def test_keywords_that_are_enforced_or_only_name_things_are_accepted(backend):
+    for schema in (
+        {"type": "integer", "multipleOf": 3},
+        {"allOf": [OBJECT]},
+        {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+        {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"const": 1}}},
+        {"enum": [{"not": 1}, {"uniqueItems": True}]},  # data, not keywords
+        {"type": "string", "format": "date"},
+    ):
+        assert backend.validate("json", json.dumps(schema)) is None, schema
+
+
+@pytest.mark.parametrize(
+    "kind,text,needle",
+    [
+        ("json", '{"anyOf": []}', "the schema admits no value"),
+        ("json", '{"oneOf": []}', "the schema admits no value"),
+        ("regex", r"[^\s\S]", "it admits no output"),
+        ("ebnf", "root ::= root", "it admits no output"),
+    ],
+)
+def test_grammars_that_admit_no_output_are_refused(backend, kind, text, needle):
+    message = backend.validate(kind, text)
+    assert message is not None and needle in message
+
+
+def test_a_slow_compile_is_refused_after_the_timeout_and_does_not_hold_up_others(tokenizer):
+    """One schema that takes long to compile neither blocks new grammars (compiles run on
+    several threads) nor its request forever (validate's timeout)."""
+    b = XGrammarBackend(tokenizer, vocab_size=len(tokenizer))
+    try:
+        slow = {"type": "integer"}
+        for _ in range(300):
+            slow = {"type": "array", "items": slow}
+        message = b.validate("json", json.dumps(slow), timeout=0.01)
+        assert message is not None and "did not compile within" in message
+        assert b.validate("regex", "[0-9]{3}x", timeout=30) is None  # while the slow one runs
+    finally:
+        b.close()
+
+
 def test_cache_returns_same_compiled_object(backend):
     key = ("regex", r"[a-c]{2}")
     f1, f2 = backend.get_future(key), backend.get_future(key)

@@ -1,6 +1,6 @@
 """A per-request failure fails that request, never the scheduler (issue 9, item 4): a grammar
-compile that raises, a mask that cannot be filled, a matcher that raises on a token, a stop
-string match whose decoding raises."""
+compile that raises or runs past its time, a mask that cannot be filled or allows no token, a
+matcher that raises on a token, a stop string match whose decoding raises."""
 
 from __future__ import annotations
 
@@ -16,14 +16,21 @@ from radixserve.sampling_params import SamplingParams
 VOCAB = 64
 
 
+ALLOWED = 7  # the one token a working BrokenGrammar allows
+
+
 class BrokenGrammar:
-    def __init__(self, fail_fill: bool = False, fail_accept: bool = False) -> None:
-        self.fail_fill, self.fail_accept = fail_fill, fail_accept
+    def __init__(
+        self, fail_fill: bool = False, fail_accept: bool = False, dead_end: bool = False
+    ) -> None:
+        self.fail_fill, self.fail_accept, self.dead_end = fail_fill, fail_accept, dead_end
 
     def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
         if self.fail_fill:
             raise RuntimeError("matcher state corrupted")
-        mask[row] = 0  # forbid everything: visible if the row were used
+        mask[row] = 0  # forbid everything (visible if the row were used)...
+        if not self.dead_end:
+            mask[row, 0] = 1 << ALLOWED  # ...but one token
 
     def accept_token(self, token: int) -> bool:
         if self.fail_accept:
@@ -68,9 +75,39 @@ def test_a_mask_that_cannot_be_filled_aborts_that_request_at_its_result():
     broken.grammar, fine.grammar = BrokenGrammar(fail_fill=True), BrokenGrammar()
     mask = gm.vocab_mask([broken, fine])
     assert not mask[0].any(), "the failed row must be left unconstrained"
-    assert mask[1].all()
+    assert mask[1].sum() == VOCAB - 1 and not mask[1, ALLOWED]
     assert broken.to_abort is not None and "corrupted" in broken.to_abort
     assert fine.to_abort is None
+
+
+def test_a_mask_that_allows_no_token_aborts_that_request_without_a_token():
+    """Sampling among all -inf logits drew token 0 and the request ended "violating" its own
+    grammar, with that token in its output."""
+    from radixserve.managers.scheduler_output import SchedulerOutputMixin
+
+    gm = _manager()
+    dead, fine = _req("dead"), _req("fine")
+    dead.grammar, fine.grammar = BrokenGrammar(dead_end=True), BrokenGrammar()
+    mask = gm.vocab_mask([dead, fine])
+    assert not mask[0].any() and mask[1].sum() == VOCAB - 1
+    assert "admits no next token" in dead.to_abort and fine.to_abort is None
+    host = SchedulerOutputMixin.__new__(SchedulerOutputMixin)
+    host.grammar_manager = gm
+    SchedulerOutputMixin._append_token(host, dead, 0, None)
+    assert dead.output_ids == [] and dead.finished_reason["type"] == "abort"
+    assert "admits no next token" in dead.finished_reason["message"]
+
+
+def test_a_compile_past_its_deadline_fails_its_request_unless_ranks_must_agree():
+    gm = _manager()
+    slow, late = _req("slow"), _req("late")
+    slow.grammar, late.grammar = Future(), Future()
+    slow.grammar_deadline, late.grammar_deadline = 0.0, float("inf")
+    gm.queue = [slow, late]
+    assert gm.pop_ready(deadlines=False) == ([], []) and gm.queue == [slow, late]
+    ready, failed = gm.pop_ready()
+    assert ready == [] and gm.queue == [late]
+    assert [(r.rid, "did not compile within" in m) for r, m in failed] == [("slow", True)]
 
 
 def test_a_matcher_that_raises_finishes_its_request_with_an_abort():
