@@ -22,6 +22,7 @@ class PortArgs:
     tokenizer_ipc: str  # detokenizer → tokenizer manager
     scheduler_input_ipc: str  # tokenizer manager → scheduler
     detokenizer_ipc: str  # scheduler → detokenizer
+    ipc_dir: str = ""  # the directory of their socket files (removed at shutdown)
 
     @classmethod
     def new(cls) -> PortArgs:
@@ -30,6 +31,7 @@ class PortArgs:
             tokenizer_ipc=f"ipc://{base}/tokenizer",
             scheduler_input_ipc=f"ipc://{base}/scheduler",
             detokenizer_ipc=f"ipc://{base}/detokenizer",
+            ipc_dir=base,
         )
 
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import queue
+import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -173,6 +174,8 @@ class Subprocesses:
             if p.is_alive():
                 p.kill()
                 p.join(1)
+        if self.port_args.ipc_dir:  # the socket files (the bound ones still work unlinked)
+            shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
 
 
 def run_worker_node(server_args: ServerArgs) -> int:

@@ -7,6 +7,7 @@ caps it to the room left, as SGLang's); an explicit one that overflows it is a c
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -110,13 +111,16 @@ def test_stream_items_are_snapshots_the_caller_may_keep(engine):
     check(asyncio.run(collect()))
 
 
-def test_an_engine_shut_down_refuses_at_once(tmp_path):
+def test_an_engine_shut_down_refuses_at_once_and_leaves_no_files(tmp_path):
     from radixserve import Engine
 
     model = make_tiny_served_model(str(tmp_path / "m"))
     e = Engine(model_path=model, dtype="float32", max_total_tokens=1024)
     assert e.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    ipc_dir = e.procs.port_args.ipc_dir
+    assert os.path.isdir(ipc_dir)
     e.shutdown()
+    assert not os.path.exists(ipc_dir)  # its socket files went with it (one dir per start)
     for call in (
         lambda: e.generate("hi"),
         lambda: next(iter(e.generate("hi", stream=True))),
