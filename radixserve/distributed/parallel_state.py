@@ -80,6 +80,12 @@ class TpGroup:
         torch.distributed.all_gather(parts, x, group=self.cpu_group)
         return [p.tolist() for p in parts]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (pickled), in rank order."""
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def min_int(self, value: int) -> int:
         """The smallest `value` over the ranks (e.g. the KV pool size every rank can hold)."""
         x = torch.tensor([value], dtype=torch.int64)

@@ -34,6 +34,13 @@ class TpSync:
         """Rank 0's messages of this iteration on every rank (others pass None)."""
         return self.group.broadcast_object(msgs)
 
+    def agree(self, error: str | None) -> str | None:
+        """The ranks' verdict on something each did alone (e.g. loading an adapter): None when
+        every rank succeeded, else every failed rank's message, the same on all ranks."""
+        errors = self.group.all_gather_object(error)
+        failed = [f"TP rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
+        return "; ".join(failed) or None
+
     def check_schedule(self, batch: Any, allocator: Any, tree_cache: Any) -> None:
         self.step_no += 1
         mine = schedule_digest(batch, allocator.available_size(), tree_cache.evictable_size())

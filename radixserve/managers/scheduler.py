@@ -690,10 +690,18 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 False,
                 "this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)",
             )
+        error = None
         try:
             manager.load(req.lora_name, req.lora_path)
         except LoRAError as e:
-            return LoRAUpdateReqOutput(False, str(e))
+            error = str(e)
+        if self.tp_sync is not None:  # every rank serves the adapter, or none does
+            agreed = self.tp_sync.agree(error)
+            if agreed is not None and error is None:
+                manager.unload(req.lora_name)
+            error = agreed
+        if error is not None:
+            return LoRAUpdateReqOutput(False, error)
         self.lora_names.add(req.lora_name)
         return LoRAUpdateReqOutput(True)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -570,7 +571,9 @@ class TokenizerManager:
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateReqOutput:
         """Load an adapter into every scheduler (each TP rank its shard, each DP replica);
-        requests may name it once this returns success."""
+        requests may name it once this returns success. A relative path is this process's
+        (made absolute: a TP rank on another machine runs elsewhere)."""
+        path = os.path.abspath(os.path.expanduser(path))
         async with self._lora_guard():
             if name in self.lora_keys:
                 return LoRAUpdateReqOutput(False, f"a LoRA adapter named {name!r} is loaded")

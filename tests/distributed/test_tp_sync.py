@@ -1,5 +1,6 @@
-"""TpSync's schedule digest: equal schedules pass; any difference in what a step runs (rids,
-lengths, slots, free or evictable counts) fails loudly with every rank's view."""
+"""TpSync: the schedule digest (equal schedules pass; any difference in what a step runs (rids,
+lengths, slots, free or evictable counts) fails loudly with every rank's view), and the ranks'
+agreement on what each did alone (an adapter is served only where every rank loaded it)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,54 @@ def test_different_free_slot_counts_fail():
     theirs = schedule_digest(_batch(), 99, 5)
     with pytest.raises(ScheduleDivergedError, match="99 free"):
         TpSync(EchoGroup(theirs)).check_schedule(_batch(), *_pools())
+
+
+class ObjectGroup:
+    """A 2-rank group whose other rank reports `other` for all_gather_object."""
+
+    def __init__(self, other):
+        self.other = other
+
+    def all_gather_object(self, obj):
+        return [obj, self.other]
+
+
+class FakeLoRAManager:
+    def __init__(self, fail: bool) -> None:
+        self.fail, self.loaded = fail, set()
+
+    def load(self, name, path):
+        from radixserve.lora.adapter import LoRAError
+
+        if self.fail:
+            raise LoRAError(f"cannot read {path}")
+        self.loaded.add(name)
+
+    def unload(self, name):
+        self.loaded.remove(name)
+
+
+@pytest.mark.parametrize(
+    "mine_fails, theirs, served",
+    [(False, None, True), (False, "no such file", False), (True, None, False)],
+    ids=["both-load", "the-other-rank-fails", "this-rank-fails"],
+)
+def test_an_adapter_is_served_only_when_every_rank_loaded_it(mine_fails, theirs, served):
+    """A rank that could not load an adapter (a node without its files) once answered nothing
+    while rank 0 answered success: its requests then hung in the forward's all-reduce."""
+    from radixserve.io_struct import LoadLoRAAdapterReq
+    from radixserve.managers.scheduler import Scheduler
+
+    manager = FakeLoRAManager(mine_fails)
+    host = SimpleNamespace(
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)),
+        tp_sync=TpSync(ObjectGroup(theirs)),
+        lora_names=set(),
+    )
+    out = Scheduler.load_lora_adapter(host, LoadLoRAAdapterReq("a", "/adapters/a"))
+    assert out.success == served
+    assert (host.lora_names, manager.loaded) == (({"a"}, {"a"}) if served else (set(), set()))
+    if theirs is not None:
+        assert out.message == "TP rank 1: no such file"
+    if mine_fails:
+        assert out.message == "TP rank 0: cannot read /adapters/a"
