@@ -20,6 +20,8 @@ the dense ones at tp 1).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,6 +33,7 @@ from radixserve.args import parse_dist_init_addr
 logger = logging.getLogger(__name__)
 
 INIT_TIMEOUT = timedelta(minutes=10)
+RENDEZVOUS_LOG_S = 30.0  # how often a rank waiting for the others says so
 
 
 @dataclass(frozen=True)
@@ -142,13 +145,35 @@ def init_tp_group(
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     host, port = parse_dist_init_addr(dist_init_addr)
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{host}:{port}",
-        rank=tp_rank,
-        world_size=tp_size,
-        timeout=INIT_TIMEOUT,
+    logger.info(
+        "TP rank %d of %d: waiting for the other ranks at %s:%d", tp_rank, tp_size, host, port
     )
+    joined = threading.Event()
+
+    def still_waiting() -> None:  # a wrong --dist-init-addr would otherwise wait in silence
+        started = time.monotonic()
+        while not joined.wait(RENDEZVOUS_LOG_S):
+            logger.warning(
+                "TP rank %d of %d: still waiting for the other ranks at %s:%d after %.0f s "
+                "(every node needs the same --dist-init-addr and --nnodes)",
+                tp_rank,
+                tp_size,
+                host,
+                port,
+                time.monotonic() - started,
+            )
+
+    threading.Thread(target=still_waiting, daemon=True).start()
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=tp_rank,
+            world_size=tp_size,
+            timeout=INIT_TIMEOUT,
+        )
+    finally:
+        joined.set()
     ranks = list(range(tp_size))
     device_group = dist.new_group(ranks, backend=backend)
     cpu_group = dist.new_group(ranks, backend="gloo")

@@ -20,6 +20,9 @@ from radixserve.managers.schedule_batch import Req, finish_abort, finish_stop
 
 logger = logging.getLogger(__name__)
 
+# A queued request's compile, as GrammarManager.statuses reports it.
+PENDING, READY, EXPIRED = 0, 1, 2
+
 
 class GrammarManager:
     def __init__(self, backend_name: str, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]):
@@ -61,26 +64,40 @@ class GrammarManager:
         self.queue.append(req)
         return None
 
-    def pop_ready(self, deadlines: bool = True) -> tuple[list[Req], list[tuple[Req, str]]]:
-        """Requests whose grammar compiled (with a fresh matcher) and those it rejected, or
-        whose compile ran past GRAMMAR_TIMEOUT_S (unless `deadlines` is False: tensor-parallel
-        ranks must agree, so they wait for every compile instead)."""
+    def statuses(self) -> list[int]:
+        """Each queued request's state here: PENDING, READY (its compile is done, or it was
+        aborted) or EXPIRED (past its deadline, GRAMMAR_TIMEOUT_S from its arrival)."""
+        now = time.monotonic()
+        return [
+            READY
+            if req.to_abort is not None or req.grammar.done()
+            else EXPIRED
+            if now > req.grammar_deadline
+            else PENDING
+            for req in self.queue
+        ]
+
+    def pop_ready(
+        self, statuses: list[int] | None = None
+    ) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """Requests whose grammar compiled (with a fresh matcher), and those it rejected or
+        that waited past their deadline. `statuses` (default: this process's) says which are
+        which: tensor-parallel ranks pass the ones they agreed on (TpSync.agree_statuses)."""
         from radixserve.constrained.xgrammar_backend import InvalidGrammar, timeout_message
 
+        statuses = self.statuses() if statuses is None else statuses
         ready, failed, still = [], [], []
-        now = time.monotonic()
-        for req in self.queue:
-            fut = req.grammar
-            if req.to_abort is not None:
-                failed.append((req, req.to_abort))
-            elif not fut.done() and deadlines and now > req.grammar_deadline:
-                req.grammar = None
-                failed.append((req, timeout_message(self.key_of(req)[0])))
-            elif not fut.done():
+        for req, status in zip(self.queue, statuses, strict=True):
+            if status == PENDING:
                 still.append(req)
+            elif req.to_abort is not None:
+                failed.append((req, req.to_abort))
+            elif status == EXPIRED:
+                failed.append((req, timeout_message(self.key_of(req)[0])))
+                req.grammar = None
             else:
                 try:
-                    result = fut.result()
+                    result = req.grammar.result()
                     if not isinstance(result, InvalidGrammar):
                         req.grammar = self.backend.new_matcher(result)
                         ready.append(req)

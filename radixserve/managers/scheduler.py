@@ -12,7 +12,6 @@ ZMQ socket's send in the served engine, a list's append in tests).
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import os
@@ -259,9 +258,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self._finish_queued_abort(req, message, status_code=400)
 
     def move_ready_grammar_requests(self) -> None:
-        if self.tp_sync is not None:  # every rank must admit them in the same round
-            concurrent.futures.wait([r.grammar for r in self.grammar_manager.queue])
-        ready, failed = self.grammar_manager.pop_ready(deadlines=self.tp_sync is None)
+        statuses = None
+        if self.tp_sync is not None:  # every rank admits the same ones in the same round
+            statuses = self.tp_sync.agree_statuses(self.grammar_manager.statuses())
+        ready, failed = self.grammar_manager.pop_ready(statuses)
         for req in ready:
             self._enqueue(req)
         for req, message in failed:

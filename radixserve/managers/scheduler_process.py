@@ -57,6 +57,11 @@ def run_scheduler_process(
             server_args.device,
             tp_rank % max(1, server_args.tp_size // server_args.nnodes),
         )
+        if tp.world_size > 1:
+            from radixserve.distributed.tp_sync import check_ranks_agree
+            from radixserve.model_loader.loader import resolve_model_path
+
+            check_ranks_agree(tp, server_args, resolve_model_path(server_args.model_path))
         ctx = zmq.Context(2)
         recv = send = None
         if tp_rank == 0:  # the other ranks get their inputs from rank 0 and send nothing

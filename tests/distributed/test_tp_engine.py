@@ -116,6 +116,30 @@ def test_tp2_staggered_and_second_wave(overlap_engine, prompts, reference):
     _assert_drained(overlap_engine)
 
 
+def test_tp2_grammar_requests_beside_plain_ones(overlap_engine, prompts, reference):
+    """Constrained requests compile on each rank; the ranks admit each one in the same round
+    (they agree on whose compile is done, without waiting for one) while the plain requests
+    decode: the constrained outputs match their grammars, the plain ones keep their tokens."""
+    import re
+
+    patterns = [f"(ab|cd){{2}}[0-9]{{{n}}}x" for n in range(1, 7)]
+    with ThreadPoolExecutor(len(prompts) + len(patterns)) as pool:
+        plain = pool.submit(overlap_engine.generate, input_ids=prompts, sampling_params=_params())
+        constrained = [
+            pool.submit(
+                overlap_engine.generate,
+                input_ids=prompts[i % len(prompts)],
+                sampling_params={"max_new_tokens": 32, "temperature": 0, "regex": pattern},
+            )
+            for i, pattern in enumerate(patterns)
+        ]
+        assert [o["output_ids"] for o in plain.result(timeout=120)] == reference
+        for pattern, fut in zip(patterns, constrained, strict=True):
+            out = fut.result(timeout=120)
+            assert re.fullmatch(pattern, out["text"]), (pattern, out["text"])
+    _assert_drained(overlap_engine)
+
+
 def test_tp2_normal_loop_page16_radix_off_retraction(tiny_model, prompts, reference):
     """cpu_paged attention in the normal loop, pages of 16, no radix cache, and a pool too
     small for every request's output, admitted recklessly so that decoding must retract."""

@@ -118,3 +118,38 @@ def test_an_adapter_is_served_only_when_every_rank_loaded_it(mine_fails, theirs,
         assert out.message == "TP rank 1: no such file"
     if mine_fails:
         assert out.message == "TP rank 0: cannot read /adapters/a"
+
+
+def test_ranks_that_run_other_flags_or_weights_are_refused_at_start(tmp_path):
+    """A node started with other weights (same shapes) served garbage, and other flags failed
+    in a collective with a bare gloo error: every rank now compares what it runs with rank 0."""
+    from rs_testing import make_tiny_model_dir
+
+    from radixserve.args import ServerArgs
+    from radixserve.distributed.tp_sync import check_ranks_agree, rank_fingerprint
+
+    a = make_tiny_model_dir(str(tmp_path / "a"), seed=0)
+    b = make_tiny_model_dir(str(tmp_path / "b"), seed=7)  # the same shapes, other weights
+    args = ServerArgs(model_path=a, tp_size=2, chunked_prefill_size=64)
+    mine = rank_fingerprint(args, a)
+
+    def check(theirs_args, theirs_path):
+        check_ranks_agree(ObjectGroup(rank_fingerprint(theirs_args, theirs_path)), args, a)
+
+    # Where the files are, and what only node 0 or this machine uses, may differ.
+    check(
+        ServerArgs(
+            model_path="/elsewhere",
+            tp_size=2,
+            chunked_prefill_size=64,
+            port=1234,
+            log_level="debug",
+            num_threads=1,
+        ),
+        a,
+    )
+    with pytest.raises(ValueError, match=r"TP rank 1 .*--chunked-prefill-size 32 \(rank 0: 64\)"):
+        check(ServerArgs(model_path=a, tp_size=2, chunked_prefill_size=32), a)
+    with pytest.raises(ValueError, match="model files differ from rank 0's: model.safetensors"):
+        check(args, b)
+    assert mine == rank_fingerprint(args, a)  # deterministic

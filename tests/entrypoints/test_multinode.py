@@ -1,7 +1,8 @@
 """Tensor parallelism across machines, on one machine: `--nnodes 2` with one TP rank per
 "node", node 0 a full server and node 1 (`--node-rank 1`) running only its scheduler rank.
 They meet at --dist-init-addr (gloo on loopback) and serve transformers' greedy tokens; when
-node 0 stops, node 1's rank fails in its next collective and node 1 exits."""
+node 0 stops, node 1's rank fails in its next collective and node 1 exits. Nodes started
+with other flags are refused at start."""
 
 from __future__ import annotations
 
@@ -58,6 +59,27 @@ def test_two_nodes_serve_greedy_tokens_and_node_1_stops_with_node_0(tmp_path, ti
         except subprocess.TimeoutExpired:
             pytest.fail(f"node 1 kept running after node 0 stopped:\n{node1.log()[-3000:]}")
         assert code != 0 and "node 1 stops" in node1.log()
+    finally:
+        node0.stop()
+        node1.stop()
+
+
+def test_a_node_started_with_other_flags_is_refused(tmp_path, tiny_model):
+    """Node 1 with another --chunked-prefill-size: both nodes stop at start with the flag named
+    (they used to fail in a collective with a bare gloo error)."""
+    flags = ["--model-path", tiny_model, "--tp-size", "2", "--nnodes", "2"]
+    flags += ["--dist-init-addr", f"127.0.0.1:{free_port()}", "--chunked-prefill-size", "64"]
+    node1 = ServerProcess(str(tmp_path), *flags, "--node-rank", "1", "--chunked-prefill-size", "32")
+    node0 = ServerProcess(str(tmp_path), *flags, "--node-rank", "0")
+    try:
+        for node in (node0, node1):
+            try:
+                node.proc.wait(180)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"a node kept running:\n{node.log()[-3000:]}")
+            assert node.proc.returncode != 0
+        message = "TP rank 1 does not run what rank 0 runs: --chunked-prefill-size 32 (rank 0: 64)"
+        assert message in node0.log() and message in node1.log()
     finally:
         node0.stop()
         node1.stop()

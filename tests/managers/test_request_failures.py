@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import torch
 from rs_fake_worker import PackedMaskBackend
 
-from radixserve.managers.grammar_manager import GrammarManager
+from radixserve.managers.grammar_manager import EXPIRED, PENDING, READY, GrammarManager
 from radixserve.managers.schedule_batch import Req
 from radixserve.sampling_params import SamplingParams
 
@@ -98,16 +98,46 @@ def test_a_mask_that_allows_no_token_aborts_that_request_without_a_token():
     assert "admits no next token" in dead.finished_reason["message"]
 
 
-def test_a_compile_past_its_deadline_fails_its_request_unless_ranks_must_agree():
+def test_a_compile_past_its_deadline_fails_its_request():
     gm = _manager()
     slow, late = _req("slow"), _req("late")
     slow.grammar, late.grammar = Future(), Future()
     slow.grammar_deadline, late.grammar_deadline = 0.0, float("inf")
     gm.queue = [slow, late]
-    assert gm.pop_ready(deadlines=False) == ([], []) and gm.queue == [slow, late]
+    assert gm.statuses() == [EXPIRED, PENDING]
     ready, failed = gm.pop_ready()
     assert ready == [] and gm.queue == [late]
     assert [(r.rid, "did not compile within" in m) for r, m in failed] == [("slow", True)]
+
+
+def test_tensor_parallel_ranks_admit_grammars_they_agree_on_without_waiting():
+    """Each rank's compile finishes when it does: a request is admitted once every rank's is
+    done, timed out when any rank's deadline passed, and nobody blocks on a compile (rank 0
+    once waited for every pending one, stalling every other request under TP)."""
+    from radixserve.distributed.tp_sync import TpSync
+
+    class Gather:
+        def __init__(self, theirs):
+            self.theirs = theirs
+
+        def all_gather_ints(self, values):
+            return [values, self.theirs]
+
+    mine = [READY, READY, PENDING, EXPIRED, READY]
+    theirs = [READY, PENDING, READY, READY, EXPIRED]
+    agreed = TpSync(Gather(theirs)).agree_statuses(mine)
+    assert agreed == [READY, PENDING, PENDING, EXPIRED, EXPIRED]
+    assert TpSync(Gather([])).agree_statuses([]) == []
+
+    gm = _manager()
+    reqs = [_req(f"r{i}") for i in range(5)]
+    for req in reqs:
+        req.grammar = Future()
+        req.grammar.set_result("compiled")
+    gm.queue = list(reqs)
+    ready, failed = gm.pop_ready(agreed)
+    assert ready == [reqs[0]] and gm.queue == [reqs[1], reqs[2]]
+    assert [r.rid for r, _ in failed] == ["r3", "r4"]
 
 
 def test_a_matcher_that_raises_finishes_its_request_with_an_abort():
