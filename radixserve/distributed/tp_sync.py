@@ -6,6 +6,11 @@ every rank's Scheduler sees the same inputs in the same order and — holding it
 pools and waiting queue — makes the same decisions. Sampled tokens agree because the worker
 broadcasts rank 0's (TpModelWorker.sample). Only rank 0 sends outputs to the detokenizer.
 
+The same decisions need the same inputs beyond the requests: `check_ranks_agree` refuses, at
+start, ranks that run other flags or model files than rank 0; what each rank does on its own
+is agreed before it counts — an adapter load (`agree`: served only where every rank loaded it)
+and a grammar compile (`agree_statuses`: admitted once every rank's is done).
+
 With --enable-integrity-checks, `check_schedule` compares a digest of each step's schedule
 (forward mode, rids, sequence and prefix lengths, allocated slots, free and evictable slot
 counts) across ranks and fails loudly on the first step where they differ (invariant 10).
