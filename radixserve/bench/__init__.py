@@ -39,8 +39,28 @@ def float_in(low: float, high: float = math.inf, low_open: bool = False) -> Call
     return parse
 
 
+def json_object(text: str) -> dict:
+    """A flag's JSON object (e.g. --extra-request-body); anything else is argparse's error."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
+    return value
+
+
+json_object.__name__ = "JSON object"
 POSITIVE = int_at_least(1)  # counts and lengths
 NON_NEGATIVE = int_at_least(0)  # warm-up runs, seeds
 SECONDS = float_in(0.0, low_open=True)  # durations and timeouts
 FRACTION = float_in(0.0, 1.0)
-PORT = int_at_least(1)
+
+
+def PORT(text: str) -> int:  # noqa: N802 (a flag type, named like the others)
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {text}")
+    return value

@@ -37,6 +37,9 @@ class ClientConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)
     request_timeout: float = 3600.0  # seconds for a whole request
     read_timeout: float = 600.0  # seconds of silence allowed between two chunks
+    # Counts the output tokens of a server that reports no `usage` (openai backend); without
+    # it, each chunk that carries text counts as one token.
+    tokenizer: Any = None
 
     def __post_init__(self) -> None:
         assert self.backend in BACKEND_PATHS, f"unknown backend {self.backend!r}"
@@ -92,11 +95,14 @@ class NativeParser:
 
     def __init__(self, record: RequestRecord) -> None:
         self.record = record
+        self.finished = False  # an event carried meta_info.finish_reason
 
     def on_event(self, data: dict[str, Any], now: float) -> None:
         if "error" in data:
             raise ServerError(str(data["error"]))
         rec, meta = self.record, data.get("meta_info") or {}
+        if meta.get("finish_reason"):
+            self.finished = True
         text = data.get("text") or ""
         done = rec.output_len
         grew = len(text) > len(rec.generated_text)
@@ -120,12 +126,16 @@ class NativeParser:
 
 class OpenAIParser:
     """Events of `/v1/completions`: text deltas; token counts from `usage` when present,
-    else one token per chunk that carries text."""
+    else the generated text re-tokenized (one token per chunk that carries text without a
+    tokenizer). The chunks' times come from the stream: a chunk carrying several tokens (by
+    the usage in it) counts as that many equal inter-token gaps, else as one gap."""
 
-    def __init__(self, record: RequestRecord) -> None:
+    def __init__(self, record: RequestRecord, tokenizer: Any = None) -> None:
         self.record = record
+        self.tokenizer = tokenizer
         self.counted = 0
         self.usage_seen = False
+        self.finished = False  # a choice carried a finish_reason
 
     def on_event(self, data: dict[str, Any], now: float) -> None:
         if "error" in data:
@@ -133,6 +143,8 @@ class OpenAIParser:
         rec, usage = self.record, data.get("usage") or {}
         choices = data.get("choices") or []
         text = (choices[0].get("text") or "") if choices else ""
+        if choices and choices[0].get("finish_reason"):
+            self.finished = True
         if text:
             new = usage.get("completion_tokens", self.counted + 1) - self.counted
             rec.add_chunk(now, max(new, 1))
@@ -148,12 +160,21 @@ class OpenAIParser:
                 rec.cached_tokens = int(cached)
 
     def finish(self) -> None:
-        if not self.usage_seen:
-            self.record.output_len = self.counted
+        if self.usage_seen:
+            return
+        rec = self.record
+        if self.tokenizer is not None and rec.generated_text:
+            rec.output_len = len(
+                self.tokenizer.encode(rec.generated_text, add_special_tokens=False)
+            )
+        else:
+            rec.output_len = self.counted
 
 
-def _parser(backend: str, record: RequestRecord) -> NativeParser | OpenAIParser:
-    return NativeParser(record) if backend == "radixserve" else OpenAIParser(record)
+def _parser(cfg: ClientConfig, record: RequestRecord) -> NativeParser | OpenAIParser:
+    if cfg.backend == "radixserve":
+        return NativeParser(record)
+    return OpenAIParser(record, cfg.tokenizer)
 
 
 async def _exchange(
@@ -173,6 +194,7 @@ async def _exchange(
             rec.end_time = clock()
             parser.on_event(json.loads(body_bytes), rec.end_time)
         else:
+            done = False
             async for raw in sse_lines(resp):
                 now = clock()
                 line = raw.decode()
@@ -180,8 +202,12 @@ async def _exchange(
                     continue
                 chunk = line[len("data:") :].strip()
                 rec.end_time = now
-                if chunk != "[DONE]":
+                if chunk == "[DONE]":
+                    done = True
+                else:
                     parser.on_event(json.loads(chunk), now)
+            if not (done or parser.finished):  # the connection closed mid-generation
+                raise ServerError("the stream ended before the request finished (no [DONE])")
     parser.finish()
     if rec.output_len == 0:
         raise ServerError("the response carried no output tokens")
@@ -195,7 +221,7 @@ async def send_request(
 ) -> RequestRecord:
     """Send one request and record its timings; never raises (errors land in the record)."""
     record = RequestRecord(prompt_len=req.prompt_len)
-    parser = _parser(cfg.backend, record)
+    parser = _parser(cfg, record)
     payload = build_payload(cfg, req)
     record.start_time = clock()
     try:

@@ -183,6 +183,11 @@ def sample_rewrite_requests(
     word, so that the answer quotes the prompt (the text NGRAM speculation predicts)."""
     rng = np.random.default_rng(seed)
     docs = _doc_passages(tokenizer, passage_len)
+    if not docs:
+        raise ValueError(
+            f"--rewrite-passage-len {passage_len}: no topic of the Python documentation has "
+            "that many tokens; choose a shorter passage"
+        )
     requests = []
     for _ in range(num_prompts):
         _, ids = docs[int(rng.integers(len(docs)))]
@@ -358,7 +363,7 @@ def build_dataset(args: Any, tokenizer: Any) -> list[BenchRequest]:
             tokenizer, args.num_prompts, args.random_output_len, seed=args.seed
         )
     if not args.dataset_path:
-        raise SystemExit("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
+        raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
     return sample_sharegpt_requests(
         tokenizer,
         args.dataset_path,

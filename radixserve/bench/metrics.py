@@ -4,7 +4,12 @@ The definitions follow SGLang's `bench_serving`:
 
 * TTFT: first chunk carrying output tokens minus the send time.
 * ITL: the gap between consecutive chunks that carry output tokens; a chunk that carries n tokens
-  contributes n entries of gap / n (a server may batch tokens into one SSE event).
+  contributes n entries of gap / n (a server may batch tokens into one SSE event). The native
+  backend knows n from each event's completion_tokens; the openai backend only where a chunk
+  carries `usage` (else each chunk is one gap, as in SGLang's and vLLM's clients, so with
+  --stream-interval > 1 its ITL is per chunk while TPOT stays per token).
+* Output tokens: the server's count (usage, completion_tokens); a server that reports none has
+  its generated text re-tokenized with --tokenizer.
 * TPOT: (latency - TTFT) / (output_len - 1), only for requests with output_len > 1.
 * E2E latency: end of the response minus the send time.
 * Throughputs divide token totals of successful requests by the benchmark's wall duration;
@@ -15,7 +20,8 @@ The definitions follow SGLang's `bench_serving`:
   verify step (accepted drafts + the bonus token), accept rate the share of draft tokens
   accepted, both averaged over all verify steps of the run.
 
-Failed requests count only in `failed`. Called by `bench.serving`; `print_metrics` and
+Failed requests count only in `failed` (an HTTP error, an error event, a timeout, or a stream
+that ends before its request finished); statistics of nothing measured are None ("n/a"). Called by `bench.serving`; `print_metrics` and
 `append_jsonl` are shared with `bench.hf_baseline`.
 """
 
@@ -79,9 +85,13 @@ class RequestRecord:
         return (self.latency - self.ttft) / (self.output_len - 1)
 
 
-def _stats_ms(name: str, values: list[float]) -> dict[str, float]:
-    """mean / median / std / p90 / p95 / p99 / max in milliseconds (0.0 when empty)."""
-    arr = np.asarray(values if values else [0.0], dtype=np.float64) * 1000.0
+def _stats_ms(name: str, values: list[float]) -> dict[str, float | None]:
+    """mean / median / std / p90 / p95 / p99 / max in milliseconds (None when nothing was
+    measured: every request failed, or TPOT/ITL of a run without streaming)."""
+    keys = ["mean", "median", "std", *(f"p{p}" for p in PERCENTILES), "max"]
+    if not values:
+        return {f"{k}_{name}_ms": None for k in keys}
+    arr = np.asarray(values, dtype=np.float64) * 1000.0
     out = {
         f"mean_{name}_ms": float(np.mean(arr)),
         f"median_{name}_ms": float(np.median(arr)),

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.bench import NON_NEGATIVE, POSITIVE
+from radixserve.bench import NON_NEGATIVE, POSITIVE, json_object
 
 
 @dataclass
@@ -122,13 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-length", type=POSITIVE, default=16, help="Tokens per answer.")
     p.add_argument("--seed", type=NON_NEGATIVE, default=1)
     p.add_argument(
-        "--max-parallel", type=int, default=None, help="Requests in flight (default: clients)."
+        "--max-parallel", type=POSITIVE, default=None, help="Requests in flight (default: clients)."
     )
     p.add_argument("--repeats", type=POSITIVE, default=1, help="Runs of each config, alternating.")
     p.add_argument("--dtype", default="auto")
     p.add_argument(
         "--hicache-args",
-        default='{"enable_hierarchical_cache": true}',
+        type=json_object,
+        default={"enable_hierarchical_cache": True},
         help="JSON of the ServerArgs the hierarchical run adds (e.g. a write policy, a ratio).",
     )
     p.add_argument("--only", choices=("radix", "hicache"), default=None, help="Run one config.")
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     base = {"model_path": args.model_path, "max_total_tokens": args.max_total_tokens}
     base["dtype"] = args.dtype
-    configs = {"radix": base, "hicache": {**base, **json.loads(args.hicache_args)}}
+    configs = {"radix": base, "hicache": {**base, **args.hicache_args}}
     if args.only:
         configs = {args.only: configs[args.only]}
     final = args.num_rounds * (args.request_length + args.output_length)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from radixserve.args import ServerArgs
-from radixserve.bench import NON_NEGATIVE, datasets
+from radixserve.bench import NON_NEGATIVE, datasets, json_object
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(num_prompts=64, random_input_len=256, random_output_len=128)
     p.add_argument("--seed", type=NON_NEGATIVE, default=1)
     p.add_argument("--disable-ignore-eos", action="store_true")
-    p.add_argument("--extra-sampling-params", default=None, help="JSON merged into each request.")
+    p.add_argument(
+        "--extra-sampling-params",
+        type=json_object,
+        default={},
+        help="JSON object merged into each request's sampling params.",
+    )
     p.add_argument("--output-file", default=None, help="Append one JSON line with the result.")
     ServerArgs.add_cli_args(p)
     return p
@@ -33,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from radixserve.utils import configure_logging
 
     configure_logging(ns.log_level)
-    extra = json.loads(ns.extra_sampling_params) if ns.extra_sampling_params else {}
+    extra = ns.extra_sampling_params
     with Engine(ServerArgs.from_cli_args(ns)) as engine:
         ns.tokenize_prompt = True  # the Engine takes token ids
         reqs = datasets.build_dataset(ns, engine.tokenizer)

@@ -132,10 +132,12 @@ def _served(
 
     procs = {p: _name(p) for p in [pid, *_children(pid)]}
     cfg = ClientConfig(backend=backend, base_url=url, model=None, ignore_eos=True)
+    # The warm-up runs before the CPU snapshot: its tokens are not counted, nor its CPU time.
+    asyncio.run(run_benchmark(cfg, requests[:1], warmup_requests=0, disable_tqdm=True))
     before = {p: _cpu_seconds(p) for p in procs}
     client_before = sum(os.times()[:2])
     records, duration, _ = asyncio.run(
-        run_benchmark(cfg, requests, max_concurrency=1, warmup_requests=1, disable_tqdm=True)
+        run_benchmark(cfg, requests, max_concurrency=1, warmup_requests=0, disable_tqdm=True)
     )
     cpu = {procs[p]: _cpu_seconds(p) - t for p, t in before.items()}
     cpu["bench client"] = sum(os.times()[:2]) - client_before

@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer_for(args)
     text = text[: ns.max_tokens * 16]  # plenty of characters for max_tokens tokens
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"][: ns.max_tokens]
+    if len(token_ids) < 2:
+        raise ValueError(f"{source} has {len(token_ids)} token(s); perplexity needs at least 2")
     runner = ModelRunner(args, tokenizer=tokenizer)
     t0 = time.perf_counter()
     total, count = score(runner, token_ids, ns.window)

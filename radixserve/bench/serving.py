@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
@@ -26,7 +25,15 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from radixserve.bench import NON_NEGATIVE, PORT, POSITIVE, SECONDS, datasets, float_in
+from radixserve.bench import (
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    SECONDS,
+    datasets,
+    float_in,
+    json_object,
+)
 from radixserve.bench.client import (
     BACKEND_PATHS,
     ClientConfig,
@@ -62,9 +69,11 @@ async def request_arrivals(
 
 
 async def warmup(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchRequest, n: int) -> None:
+    """`n` requests like `req` but its prompt reversed (the same length, and no prefix of the
+    run's first request left in the server's cache)."""
     if n <= 0:
         return
-    short = replace(req, output_len=min(req.output_len, WARMUP_OUTPUT_LEN))
+    short = replace(req, prompt=req.prompt[::-1], output_len=min(req.output_len, WARMUP_OUTPUT_LEN))
     records = await asyncio.gather(*(send_request(client, cfg, short) for _ in range(n)))
     if not any(r.success for r in records):
         raise WarmupError(f"warmup failed: {records[0].error}")
@@ -160,7 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-file", default=None, help="Append the result as a JSON line.")
     p.add_argument("--warmup-requests", type=NON_NEGATIVE, default=1)
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after warmup.")
-    p.add_argument("--extra-request-body", default=None, help="JSON merged into each request.")
+    p.add_argument(
+        "--extra-request-body",
+        type=json_object,
+        default={},
+        help="JSON object merged into each request.",
+    )
     p.add_argument("--request-timeout", type=SECONDS, default=3600.0, help="Seconds per request.")
     p.add_argument("--tag", default=None, help="Free-form label stored in the output file.")
     return p
@@ -174,7 +188,7 @@ def client_config(args: argparse.Namespace) -> ClientConfig:
         model=args.model,
         ignore_eos=not args.disable_ignore_eos,
         stream=not args.disable_stream,
-        extra_body=json.loads(args.extra_request_body) if args.extra_request_body else {},
+        extra_body=args.extra_request_body,
         request_timeout=args.request_timeout,
     )
 
@@ -185,9 +199,9 @@ def run(
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> dict[str, Any]:
     """Build the dataset, run the benchmark, print the table; returns the result dict."""
-    cfg = client_config(args)
     if tokenizer is None:
         tokenizer = datasets.load_tokenizer(args.tokenizer)
+    cfg = replace(client_config(args), tokenizer=tokenizer)  # counts tokens without usage
     requests = datasets.build_dataset(args, tokenizer)
     if not requests:
         raise SystemExit("the dataset produced no requests")
@@ -219,6 +233,8 @@ def run(
     result = {**_run_info(args, cfg), **metrics}
     if args.output_file:
         append_jsonl(args.output_file, result)
+    if metrics["completed"] == 0:
+        raise SystemExit(f"all {len(records)} requests failed; the first: {error}")
     return result
 
 

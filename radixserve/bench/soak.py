@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import sys
@@ -309,8 +310,13 @@ def _parse_mix(text: str | None) -> dict[str, float]:
         if item.strip():
             name, _, weight = item.partition("=")
             if name.strip() not in ACTIONS:
-                raise SystemExit(f"--mix: unknown kind {name!r}; kinds: {', '.join(ACTIONS)}")
-            mix[name.strip()] = float(weight)
+                raise ValueError(f"--mix: unknown kind {name!r}; kinds: {', '.join(ACTIONS)}")
+            value = float(weight)  # a ValueError names a weight that is no number
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"--mix: the weight of {name.strip()} must be >= 0, got {weight}")
+            mix[name.strip()] = value
+    if not any(w > 0 for w in mix.values()):
+        raise ValueError("--mix: every weight is 0; give at least one kind a positive weight")
     return mix
 
 

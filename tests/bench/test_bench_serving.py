@@ -141,6 +141,110 @@ def test_openai_stream_without_usage_counts_chunks():
     assert rec.prompt_len == REQ.prompt_len and rec.cached_tokens is None
 
 
+def test_openai_stream_without_usage_is_retokenized_with_the_tokenizer():
+    """A server that reports no usage and puts 1 or 2 tokens in a chunk: counting chunks gave
+    42 of 60 tokens (and TPOT 50 ms for 34 ms); the tokenizer counts the text."""
+
+    class Chars:  # one token per character
+        def encode(self, text, add_special_tokens=True):
+            return list(text)
+
+    clock = FakeClock()
+    events = [(0.1, {"choices": [{"text": "ab"}]}), (0.2, {"choices": [{"text": "c"}]})]
+    events += [(0.3, {"choices": [{"text": "de", "finish_reason": "length"}]})]
+    cfg = ClientConfig("openai", "http://fake", tokenizer=Chars())
+    rec = _send(cfg, _sse(events, clock), clock, REQ)
+    assert rec.success and rec.output_len == 5 and rec.generated_text == "abcde"
+    assert rec.tpot == pytest.approx((0.3 - 0.1) / 4)
+
+
+@pytest.mark.parametrize("backend", ["openai", "radixserve"])
+def test_a_stream_cut_off_before_its_end_is_a_failure(backend):
+    """No [DONE] and no finish_reason: the connection closed mid-generation (it counted as a
+    success with the tokens it had)."""
+    clock = FakeClock()
+    if backend == "openai":
+        events = [(0.1, {"choices": [{"text": "a"}]}), (0.2, {"choices": [{"text": "b"}]})]
+    else:
+        events = [(0.1, _native("a", 1)), (0.2, _native("ab", 2))]
+    rec = _send(ClientConfig(backend, "http://fake"), _sse(events, clock), clock, REQ)
+    assert not rec.success and "ended before the request finished" in rec.error
+
+
+def test_when_every_request_fails_the_run_fails_and_shows_no_latencies(capsys, tmp_path):
+    from radixserve.bench.metrics import compute_metrics
+    from radixserve.bench.serving import build_parser, run
+
+    failing = httpx.MockTransport(lambda r: httpx.Response(500, text="boom"))
+    args = build_parser().parse_args(
+        ["--backend", "radixserve", "--num-prompts", "2", "--warmup-requests", "0"]
+        + ["--random-input-len", "8", "--random-output-len", "4", "--disable-tqdm"]
+    )
+
+    from rs_testing import save_byte_tokenizer
+    from transformers import AutoTokenizer
+
+    save_byte_tokenizer(str(tmp_path), 320)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    with pytest.raises(SystemExit, match="all 2 requests failed; the first: ServerError: HTTP 500"):
+        run(args, tokenizer=tokenizer, transport=failing)
+    assert "n/a" in capsys.readouterr().out
+    metrics = compute_metrics([], 1.0)
+    assert metrics["mean_ttft_ms"] is None and metrics["p99_tpot_ms"] is None
+
+
+def test_the_warmup_request_shares_no_prefix_with_the_first_one():
+    """It reused request 0's prompt, which then hit the prefix cache (a low TTFT for it, and a
+    cached-token ratio of 0.13 where 0.006 was true)."""
+    clock, seen = FakeClock(), []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=_native("ab", 2, finish_reason="length"))
+
+    cfg = ClientConfig("radixserve", "http://fake", stream=False)
+    first = BenchRequest([5, 6, 7, 8], 4, 2)
+
+    async def go():
+        async with httpx.AsyncClient(
+            base_url=cfg.base_url, transport=httpx.MockTransport(handler)
+        ) as client:
+            await serving.warmup(client, cfg, first, 1)
+
+    asyncio.run(go())
+    assert seen[0]["input_ids"] == [8, 7, 6, 5] and clock.now == 0.0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serving", "--extra-request-body", "[1]"], "must be a JSON object"),
+        (["serving", "--extra-request-body", "{x"], "is not JSON"),
+        (["offline", "--extra-sampling-params", '"x"'], "must be a JSON object"),
+        (["multiturn", "--hicache-args", "[1]"], "must be a JSON object"),
+        (["multiturn", "--max-parallel", "-1"], "must be >= 1"),
+        (["serving", "--port", "70000"], "must be a port in"),
+    ],
+)
+def test_bad_bench_flags_end_with_usage_and_one_line(argv, message, capsys):
+    from radixserve.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_soak_mix_without_a_positive_weight_is_refused():
+    from radixserve.bench.soak import ACTIONS, _parse_mix
+
+    with pytest.raises(ValueError, match="every weight is 0"):
+        _parse_mix(",".join(f"{name}=0" for name in ACTIONS))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _parse_mix("generate=-1")
+
+
 def test_non_streamed_response_counts_as_one_chunk():
     clock = FakeClock()
 
