@@ -108,7 +108,7 @@ class HiCacheRequestOps:
                 ops, tiers.loads = [op], tiers.loads + 1
         elif not beyond and self.storage is not None and not tiers.storage_checked:
             tiers.storage_checked = True
-            op = self._prefetch(key, path)
+            op = self._prefetch(key, path, budget)
             ops = [op] if op is not None else []
         if ops:
             self._waiting[req] = ops
@@ -116,11 +116,17 @@ class HiCacheRequestOps:
         return True
 
     def _load_back(self, nodes: list[Any], budget: float) -> CacheOperation | None:
+        """Load the host-only `nodes` (the end of a path) to the device. Within `budget`: the
+        tokens loaded, and the device tokens above them that the lock takes out of the evictable
+        ones (the round's admission counted on them)."""
         need = sum(len(n.key) for n in nodes)
         if need > budget:
             return None
         last = nodes[-1]
-        self.inc_lock_ref(last)  # the whole path: nothing on it is evicted from either tier
+        moved = self.inc_lock_ref(last)  # the whole path: nothing on it is evicted from either tier
+        if need + moved > budget:
+            self.dec_lock_ref(last)
+            return None
         allocator = self.token_to_kv_pool_allocator
         if allocator.available_size() < need:
             self.evict(need - allocator.available_size())
@@ -139,8 +145,9 @@ class HiCacheRequestOps:
         self.ops.append(op)
         return self.controller.load(op)
 
-    def _prefetch(self, key: RadixKey, path: list[Any]) -> CacheOperation | None:
-        """Read the storage blocks that continue the tree's match into host slots."""
+    def _prefetch(self, key: RadixKey, path: list[Any], budget: float) -> CacheOperation | None:
+        """Read the storage blocks that continue the tree's match into host slots (locking the
+        matched path takes its device tokens out of the evictable ones: within `budget`)."""
         b = self.block_size
         matched = sum(len(n.key) for n in path)
         start = matched // b * b
@@ -152,7 +159,9 @@ class HiCacheRequestOps:
         if not keys or start + len(keys) * b <= matched:
             return None
         last = path[-1] if path else self.root_node
-        self.inc_lock_ref(last)
+        if self.inc_lock_ref(last) > budget:
+            self.dec_lock_ref(last)
+            return None
         host = self.alloc_host(len(keys) * b)
         if host is None:
             self.dec_lock_ref(last)

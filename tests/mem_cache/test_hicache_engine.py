@@ -46,14 +46,9 @@ def _conversations() -> list[list[list[int]]]:
 def _engine(model: str, **kwargs):
     from radixserve import Engine
 
-    return Engine(
-        model_path=model,
-        dtype="float32",
-        max_total_tokens=DEVICE_TOKENS,
-        chunked_prefill_size=128,
-        enable_integrity_checks=True,
-        **kwargs,
-    )
+    kwargs.setdefault("max_total_tokens", DEVICE_TOKENS)
+    kwargs.setdefault("chunked_prefill_size", 128)
+    return Engine(model_path=model, dtype="float32", enable_integrity_checks=True, **kwargs)
 
 
 def _params():
@@ -107,6 +102,33 @@ def test_greedy_identical_with_and_without_hierarchical_cache(tiny_model):
     assert got[-len(convs) :] == ref
     assert info["hicache_host_hit_tokens"] > 0
     assert hi_cached > base_cached
+
+
+def test_a_load_back_within_a_full_round_never_overdraws_the_pool(tiny_model):
+    """Loading a prefix back locks its device ancestors too, out of the evictable tokens the
+    round had already admitted requests against: 20 concurrent requests on three shared
+    prefixes, a 300-token pool and 32-token chunks killed the scheduler ("KV pool exhausted
+    after admission control") every time."""
+    rng = random.Random(11)
+    bases = [[rng.randrange(3, 319) for _ in range(80)] for _ in range(3)]
+    prompts, params = [], []
+    for _ in range(20):
+        prompts.append(
+            rng.choice(bases) + [rng.randrange(3, 319) for _ in range(rng.randint(1, 40))]
+        )
+        n = rng.randint(1, 30)
+        params.append({"temperature": 0, "max_new_tokens": n, "min_new_tokens": n})
+    with _engine(
+        tiny_model,
+        max_total_tokens=300,
+        chunked_prefill_size=32,
+        enable_hierarchical_cache=True,
+        hicache_ratio=1.0,
+    ) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=params)
+        assert [len(o["output_ids"]) for o in outs] == [p["max_new_tokens"] for p in params]
+        assert e.get_server_info()["hicache_host_hit_tokens"] > 0  # loads did happen
+        _assert_drained(e)
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
