@@ -29,20 +29,11 @@ from radixserve.managers.data_parallel_controller import (
 )
 from radixserve.managers.detokenizer_manager import run_detokenizer_process
 from radixserve.managers.scheduler_process import run_scheduler_process
-from radixserve.managers.tokenizer_manager import TokenizerManager
+from radixserve.managers.tokenizer_manager import TokenizerManager, detached
 from radixserve.managers.tokenizer_utils import load_tokenizer_for
 from radixserve.utils import PortArgs, zmq_socket
 
 _DONE = object()  # the end of a stream's queue (Engine._start_stream)
-
-
-def _detached(out: Any) -> Any:
-    """A stream item the caller may keep: the TokenizerManager's items share the request
-    state's lists (output_ids, logprobs), which later outputs extend from the engine's thread."""
-    if isinstance(out, list):
-        return [_detached(o) for o in out]
-    meta = {k: list(v) if isinstance(v, list) else v for k, v in out["meta_info"].items()}
-    return {**out, "output_ids": list(out["output_ids"]), "meta_info": meta}
 
 
 logger = logging.getLogger(__name__)
@@ -358,7 +349,7 @@ class Engine:
         async def pump() -> None:
             try:
                 async for out in self.tokenizer_manager.generate_request(obj):
-                    q.put(_detached(out))
+                    q.put(detached(out))  # the caller keeps it; later outputs go on
             except Exception as e:
                 q.put(e)
             q.put(_DONE)

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from radixserve.entrypoints.openai_protocol import (
     error_body,
 )
-from radixserve.managers.tokenizer_manager import RequestError
+from radixserve.managers.tokenizer_manager import RequestError, detached
 
 logger = logging.getLogger(__name__)
 
@@ -180,9 +180,11 @@ async def collect(gen: AsyncIterator[Any], request: Request | None) -> Any:
 
 
 async def first_item(gen: AsyncIterator[Any], request: Request | None) -> Any:
-    """Wait for the first streamed item, so that input errors still become an HTTP 400."""
+    """Wait for the first streamed item, so that input errors still become an HTTP 400. It is
+    sent only once the response starts: a copy, or the tokens that arrive meanwhile would join
+    its lists (its text would not)."""
     try:
-        return await until_disconnected(gen.__anext__(), request)
+        return detached(await until_disconnected(gen.__anext__(), request))
     except StopAsyncIteration:
         return None
 

@@ -101,6 +101,21 @@ class ReqState:
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
 
 
+def detached(out: Any) -> Any:
+    """An output (dict, or list of them) that stays as it is: `ReqState.snapshot`'s dicts
+    share the state's lists, which later outputs extend. For an item kept across an await."""
+    if isinstance(out, list):
+        return [detached(o) for o in out]
+    if not isinstance(out, dict):
+        return out
+    copy = {k: list(v) if isinstance(v, list) else v for k, v in out.items()}
+    if isinstance(out.get("meta_info"), dict):
+        copy["meta_info"] = {
+            k: list(v) if isinstance(v, list) else v for k, v in out["meta_info"].items()
+        }
+    return copy
+
+
 class TokenizerManager:
     def __init__(
         self,
@@ -302,6 +317,11 @@ class TokenizerManager:
             state.finished = True
             state.event.set()
         self.rid_to_state.clear()
+        for waiters in self._control_waiters.values():  # flush_cache, server info, LoRA loads
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(RequestError(message, status_code))
+        self._control_waiters.clear()
         self.dead = message
 
     # -- requests -------------------------------------------------------------------------------
@@ -559,6 +579,8 @@ class TokenizerManager:
     # -- control --------------------------------------------------------------------------------
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
         self.start()
+        if self.dead is not None:  # nobody would answer: fail now, as a request does
+            raise RequestError(self.dead, 503)
         if self.dp_controller is not None:  # every replica answers; the controller merges
             return await self.dp_controller.control(req, reply_type, timeout)
         fut = asyncio.get_running_loop().create_future()

@@ -71,3 +71,22 @@ def test_a_whole_body_is_still_parsed():
     sent = _call(_app(), [{"type": "http.request", "body": body, "more_body": False}])
     assert sent[0]["status"] == 200
     assert sent[1]["body"] == b'{"prompt":"Hello"}'
+
+
+def test_the_first_streamed_item_is_a_copy_kept_until_the_response_starts():
+    """Its lists are the request state's, which later outputs extend before the response sends
+    it: the first chunk of a native stream carried 11 ids with completion_tokens 1."""
+    from radixserve.entrypoints.http_utils import first_item
+
+    ids, logprobs = [7], [(-0.5, 7, None)]
+    item = {"text": "a", "output_ids": ids, "meta_info": {"output_token_logprobs": logprobs}}
+
+    async def gen():
+        yield item
+
+    first = asyncio.run(first_item(gen(), None))
+    ids.append(8)
+    logprobs.append((-0.1, 8, None))
+    assert first["output_ids"] == [7] and first["meta_info"]["output_token_logprobs"] == [
+        (-0.5, 7, None)
+    ]

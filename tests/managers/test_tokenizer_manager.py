@@ -397,6 +397,23 @@ def test_fail_all_wakes_every_waiter_and_refuses_new_requests():
     run(body())
 
 
+def test_fail_all_fails_control_calls_waiting_and_later_ones_at_once():
+    """flush_cache and server info waited their 30 s timeout for a dead scheduler, then
+    raised a bare TimeoutError (a LoRA load waited 300 s)."""
+
+    async def body():
+        tm, _ = _make_tm()
+        waiting = asyncio.create_task(tm.flush_cache())
+        await _settle()
+        tm.fail_all("radixserve-scheduler exited with code 1")
+        for call in (lambda: waiting, tm.flush_cache, tm.get_server_info):
+            with pytest.raises(RequestError) as e:
+                await asyncio.wait_for(call(), 2)
+            assert e.value.status_code == 503 and "exited with code 1" in str(e.value)
+
+    run(body())
+
+
 # -- item 4: a request the detokenizer cannot decode --------------------------------------------
 class FlakyTokenizer(ByteTokenizer):
     def decode(self, ids: list[int], **kw: Any) -> str:
