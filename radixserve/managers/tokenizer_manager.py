@@ -108,12 +108,12 @@ def detached(out: Any) -> Any:
         return [detached(o) for o in out]
     if not isinstance(out, dict):
         return out
-    copy = {k: list(v) if isinstance(v, list) else v for k, v in out.items()}
+    kept = {k: list(v) if isinstance(v, list) else v for k, v in out.items()}
     if isinstance(out.get("meta_info"), dict):
-        copy["meta_info"] = {
+        kept["meta_info"] = {
             k: list(v) if isinstance(v, list) else v for k, v in out["meta_info"].items()
         }
-    return copy
+    return kept
 
 
 class TokenizerManager:
