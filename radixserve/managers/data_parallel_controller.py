@@ -232,6 +232,13 @@ class DataParallelController:
                 del self._calls[reply_type]
             raise
 
+    def fail_calls(self, error: BaseException) -> None:
+        """A replica is gone: no call in flight can get its N replies; each fails now."""
+        for call in self._calls.values():
+            if not call.future.done():
+                call.future.set_exception(error)
+        self._calls.clear()
+
     def on_reply(self, msg: Any) -> None:
         call = self._calls.get(type(msg))
         if call is None:  # the answer to a call that timed out

@@ -322,6 +322,8 @@ class TokenizerManager:
                 if not fut.done():
                     fut.set_exception(RequestError(message, status_code))
         self._control_waiters.clear()
+        if self.dp_controller is not None:
+            self.dp_controller.fail_calls(RequestError(message, status_code))
         self.dead = message
 
     # -- requests -------------------------------------------------------------------------------

@@ -16,9 +16,11 @@ from radixserve.io_struct import (
     BatchStrOutput,
     BatchTokenIDOutput,
     BatchTokenizedGenerateReqInput,
+    FlushCacheReqOutput,
     GenerateReqInput,
     TokenizedGenerateReqInput,
 )
+from radixserve.managers.data_parallel_controller import DataParallelController
 from radixserve.managers.detokenizer_manager import DetokenizerManager
 from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager
 
@@ -410,6 +412,27 @@ def test_fail_all_fails_control_calls_waiting_and_later_ones_at_once():
             with pytest.raises(RequestError) as e:
                 await asyncio.wait_for(call(), 2)
             assert e.value.status_code == 503 and "exited with code 1" in str(e.value)
+
+    run(body())
+
+
+def test_fail_all_fails_data_parallel_control_calls_in_flight():
+    """With --dp-size the calls wait in the DataParallelController for every replica's reply;
+    one replica dead, they waited their timeout (30 s, 300 s for a LoRA load)."""
+
+    async def body():
+        sockets = FakeSockets()
+        ctl = DataParallelController([FakeSockets(), FakeSockets()], "round_robin")
+        tm = TokenizerManager(
+            ServerArgs(), ByteTokenizer(), ctl, sockets, 256, VOCAB, dp_controller=ctl
+        )
+        waiting = asyncio.create_task(tm.flush_cache())
+        await _settle()
+        ctl.on_reply(FlushCacheReqOutput(True))  # one replica answered, the other died
+        tm.fail_all("radixserve-scheduler-dp1 exited with code -9")
+        with pytest.raises(RequestError) as e:
+            await asyncio.wait_for(waiting, 2)
+        assert e.value.status_code == 503 and "dp1 exited" in str(e.value)
 
     run(body())
 
