@@ -150,6 +150,7 @@ def _tm(request: Request) -> Any:
 
 async def _watchdog(state: AppState) -> None:
     announce = asyncio.create_task(_announce_ready(state))  # warm-up included: runs beside
+    stopping_since: float | None = None
     try:
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
@@ -160,6 +161,17 @@ async def _watchdog(state: AppState) -> None:
                 if hasattr(state.tokenizer_manager, "fail_all"):
                     state.tokenizer_manager.fail_all(reason)  # waiting clients get a 503 now
                 state.request_exit(1)
+                return
+            if state.server is None or not state.server.should_exit:
+                continue
+            # SIGTERM/SIGINT: uvicorn waits GRACEFUL_SHUTDOWN_S for the requests in flight,
+            # then cancels them (a bare 500, a cut stream). Just before, answer them with the
+            # reason instead.
+            now = time.monotonic()
+            stopping_since = stopping_since or now
+            if now - stopping_since >= GRACEFUL_SHUTDOWN_S - 2 * WATCHDOG_INTERVAL_S:
+                if hasattr(state.tokenizer_manager, "fail_all"):
+                    state.tokenizer_manager.fail_all("the server is shutting down")
                 return
     finally:
         announce.cancel()

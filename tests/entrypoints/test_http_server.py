@@ -622,3 +622,48 @@ def test_scheduler_crash_makes_server_exit_nonzero(tmp_path):
         assert "radixserve-scheduler exited with code -9" in log
     finally:
         server.stop()
+
+
+def test_sigterm_answers_requests_that_outlast_the_grace_with_503(tmp_path):
+    """Requests still running when the graceful shutdown's time is nearly up get a 503 naming
+    the shutdown (a JSON error, an SSE error event); uvicorn cancelled them and the client saw a
+    bare 500 or a cut stream."""
+    model = make_tiny_served_model(str(tmp_path / "tiny"), context=8192)
+    server = ServerProcess(str(tmp_path), "--model-path", model)
+    try:
+        server.wait_ready()
+        params = {"max_new_tokens": 8000, "ignore_eos": True, "temperature": 0}
+        results: dict[str, Any] = {}
+
+        async def plain() -> None:
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"input_ids": [5, 6, 7], "sampling_params": params}
+                results["plain"] = await c.post(server.url + "/generate", json=body)
+
+        async def stream() -> None:
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"input_ids": [5, 6, 8], "sampling_params": params, "stream": True}
+                async with c.stream("POST", server.url + "/generate", json=body) as r:
+                    results["stream_status"] = r.status_code
+                    results["stream"] = [line async for line in r.aiter_lines() if line]
+
+        async def body() -> None:
+            tasks = [asyncio.create_task(plain()), asyncio.create_task(stream())]
+            await asyncio.sleep(1.0)
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.gather(*tasks)
+            results["answered_after"] = time.monotonic() - signalled
+
+        asyncio.run(asyncio.wait_for(body(), 60))
+        assert server.proc.wait(15) == 0
+        plain_r = results["plain"]
+        assert plain_r.status_code == 503, plain_r.text
+        assert "shutting down" in plain_r.json()["error"]["message"]
+        assert results["stream_status"] == 200
+        last = results["stream"][-2] if results["stream"][-1] == "data: [DONE]" else None
+        assert last is not None and "shutting down" in last, results["stream"][-3:]
+        assert results["answered_after"] < 5
+        assert "timeout graceful shutdown exceeded" not in server.log()
+    finally:
+        server.stop()
