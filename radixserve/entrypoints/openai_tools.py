@@ -10,8 +10,10 @@ makes one `ChoiceParser` per choice. The reasoning parser (--reasoning-parser, u
 separate_reasoning is false or chat_template_kwargs.enable_thinking is false) runs first; the
 tool-call parser then reads the content after the reasoning: the JSON-array parser for
 required / named, the --tool-call-parser for auto. Without --tool-call-parser, auto answers in
-plain text (as SGLang does); required and named do not need it. Constrained output is never
-reasoning-parsed (the grammar leaves no room to think).
+plain text (as SGLang does); required and named do not need it. Constrained output (forced
+calls, response_format, json_schema, regex, ebnf) has reasoning only where it opens `<think>`
+itself, whatever the parser: the grammar applies from the first token, so a JSON answer is
+content even where the template opened the reasoning (deepseek-r1, qwen3-thinking).
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ def is_forced(req: ChatCompletionRequest) -> bool:
     """tool_choice required or naming a function: the grammar forces the call(s)."""
     choice = tool_choice_of(req)
     return choice == "required" or isinstance(choice, ToolChoice)
+
+
+def is_constrained(req: ChatCompletionRequest) -> bool:
+    """A grammar shapes the output from its first token (forced calls, response_format,
+    json_schema, regex, ebnf)."""
+    fmt = req.response_format
+    return (
+        is_forced(req)
+        or (fmt is not None and fmt.type != "text")
+        or any((req.json_schema, req.regex, req.ebnf))
+    )
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -101,10 +114,16 @@ def tool_call_schema(req: ChatCompletionRequest) -> str | None:
 
 # Keywords whose values are JSON data, not schemas: a "$ref" key inside them is not a reference.
 _DATA_KEYWORDS = frozenset(("enum", "const", "default", "examples"))
+# Keywords whose values map names (of properties, of definitions) to schemas: the names are not
+# keywords (a property may be called "default").
+_NAME_MAPS = frozenset(
+    ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+)
 
 
 def _rebase_refs(node: Any, base: str) -> Any:
-    """`node` with its document-local `$ref`s ("#", "#/...") made relative to `base`."""
+    """`node` (a schema, or a list of them) with its document-local `$ref`s ("#", "#/...")
+    made relative to `base`."""
     if isinstance(node, list):
         return [_rebase_refs(v, base) for v in node]
     if not isinstance(node, dict):
@@ -115,6 +134,8 @@ def _rebase_refs(node: Any, base: str) -> Any:
             out[key] = base + value[1:]
         elif key in _DATA_KEYWORDS:
             out[key] = value
+        elif key in _NAME_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(sub, base) for name, sub in value.items()}
         else:
             out[key] = _rebase_refs(value, base)
     return out
@@ -160,6 +181,7 @@ class ChatParsing:
 
     reasoning_parser: str | None = None
     stream_reasoning: bool = True
+    reasoning_forced: bool = True  # False: reasoning only where the output opens `<think>`
     tool_call_parser: str | None = None  # "json_array" for required / named
     tool_names: tuple[str, ...] = ()
     parallel_tool_calls: bool = True
@@ -170,7 +192,7 @@ class ChatParsing:
     ) -> ChatParsing:
         forced = is_forced(req)
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-        if not (req.separate_reasoning and thinking) or forced:
+        if not (req.separate_reasoning and thinking):
             reasoning_parser = None
         names = tuple(t.function.name for t in req.tools or [])
         if forced:
@@ -180,6 +202,7 @@ class ChatParsing:
         return cls(
             reasoning_parser=reasoning_parser,
             stream_reasoning=req.stream_reasoning,
+            reasoning_forced=not is_constrained(req),
             tool_call_parser=tool_call_parser if names else None,
             tool_names=names,
             parallel_tool_calls=req.parallel_tool_calls is not False,
@@ -199,7 +222,7 @@ class ChatParsing:
     def _reasoning(self) -> ReasoningParser | None:
         if self.reasoning_parser is None:
             return None
-        return ReasoningParser(self.reasoning_parser, self.stream_reasoning)
+        return ReasoningParser(self.reasoning_parser, self.stream_reasoning, self.reasoning_forced)
 
     def new_choice(self) -> ChoiceParser:
         return ChoiceParser(self._reasoning(), self._detector(), self.parallel_tool_calls)
@@ -239,6 +262,8 @@ class ChoiceParser:
         self.parallel_tool_calls = parallel_tool_calls
         self.made_calls = False
         self._ids: dict[int, str] = {}
+        self._sent_text = False  # some content other than whitespace went out
+        self._held_ws = ""  # trailing whitespace of the content: sent once text follows it
 
     def feed(self, delta: str, final: bool) -> list[Piece]:
         """The pieces to send for `delta`; `final` at the end of the output (releases all)."""
@@ -262,9 +287,23 @@ class ChoiceParser:
                 if self.parallel_tool_calls or p.index == 0:
                     self.made_calls = True
                     out.append(p)
-            elif p.strip() or not self.made_calls:  # whitespace between calls is no content
-                out.append(p)
+            elif text := self._content(p):
+                out.append(text)
+        if final and not self.made_calls and self._held_ws:
+            out.append(self._held_ws)  # without calls the content is the text as it is
         return out
+
+    def _content(self, text: str) -> str:
+        """What to send of a piece of content, as `ChatParsing.parse` reads the whole: once
+        there are calls the content is stripped, so whitespace waits for text after it (the
+        whitespace around and between calls never goes out, that inside the content does)."""
+        text = self._held_ws + text
+        body = text.rstrip()
+        self._held_ws = text[len(body) :]
+        if body and self.made_calls and not self._sent_text:
+            body = body.lstrip()
+        self._sent_text = self._sent_text or bool(body)
+        return body
 
     def deltas(self, pieces: list[Piece]) -> list[DeltaMessage]:
         """Pieces as delta messages: each run of reasoning or content is one delta; a call's

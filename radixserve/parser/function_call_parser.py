@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from radixserve.parser.json_scan import ObjectScan, is_value_prefix, scan_object, skip_ws
+from radixserve.parser.json_scan import INCOMPLETE, JsonScanner, ScanError, skip_ws
 
 
 @dataclass(frozen=True)
@@ -128,10 +128,18 @@ class FormatDetector(ABC):
 
     def decode_call(self, text: str, i: int, arg_keys: tuple[str, ...]) -> tuple[ToolCallItem, int]:
         """The call whose JSON object starts at text[i] and where it ends; NotACall if none."""
+        top: list[list[tuple[str, object]]] = []  # the last object decoded is the outermost
+
+        def pairs_hook(pairs: list[tuple[str, object]]) -> dict[str, object]:
+            top[:] = [pairs]
+            return dict(pairs)
+
         try:
-            obj, end = json.JSONDecoder().raw_decode(text, i)
+            obj, end = json.JSONDecoder(object_pairs_hook=pairs_hook).raw_decode(text, i)
         except (ValueError, RecursionError):
             raise NotACall(text[i : i + 20]) from None
+        if isinstance(obj, dict) and len(obj) != len(top[0]):  # a key twice: which counts?
+            raise NotACall(text[i : i + 20])  # (streaming would have taken the first)
         if not isinstance(obj, dict) or not self._known(obj.get("name")):
             raise NotACall(text[i : i + 20])
         key = next((k for k in arg_keys if k in obj), None)
@@ -151,58 +159,52 @@ class ObjectCall:
         self.committed = False
         self.args_sent = 0
         self.consumed = 0  # how far into the object the pieces sent so far reach
+        self.scan = JsonScanner()  # reads each character of the object once
 
     def step(self, text: str) -> tuple[list[CallDelta], int | None]:
-        """`text` starts at the object's `{`. Return the new pieces and, once the call is over,
-        where its text ends (None: not yet). NotACall while not committed and not a call."""
+        """`text` starts at the object's `{` (and only grows between calls). Return the new
+        pieces and, once the call is over, where its text ends (None: not yet). NotACall while
+        not committed and not a call."""
+        scan, broken = self.scan, False
         try:
-            scan = scan_object(text, 0)
-        except (ValueError, RecursionError):
+            scan.feed(text)
+        except ScanError:
             if not self.committed:
                 raise NotACall(text[:20]) from None
-            return [], self.consumed  # broken after commit: what follows is normal text
+            broken = True  # what precedes scan.pos is JSON still: send it, the rest is text
         out: list[CallDelta] = []
         if not self.committed and not self._commit(text, scan, out):
             return out, None
         key = next((k for k in self.arg_keys if k in scan.values), None)
         if key is not None:
-            args = scan.value_text(text, key) or ""
-            if len(args) > self.args_sent and not is_value_prefix(args):
-                return out, self.consumed  # broken after commit: what follows is normal text
-            if len(args) > self.args_sent:
-                out.append(CallDelta(self.index, arguments=args[self.args_sent :]))
-                self.args_sent = len(args)
-                self.consumed = max(self.consumed, scan.values[key][0] + self.args_sent)
+            start, end = scan.values[key]
+            stop = scan.pos if end == INCOMPLETE else end
+            if stop - start > self.args_sent:
+                out.append(CallDelta(self.index, arguments=text[start + self.args_sent : stop]))
+                self.args_sent = stop - start
+                self.consumed = max(self.consumed, stop)
+        if broken:
+            return out, self.consumed  # broken after commit: what follows is normal text
         if scan.end is None:
             return out, None
-        try:
-            json.loads(text[: scan.end])
-        except (ValueError, RecursionError):
-            return out, self.consumed
         if key is None:
             out.append(CallDelta(self.index, arguments="{}"))
         return out, scan.end
 
-    def _commit(self, text: str, scan: ObjectScan, out: list[CallDelta]) -> bool:
+    def _commit(self, text: str, scan: JsonScanner, out: list[CallDelta]) -> bool:
         """Commit once the name is known and the arguments opened with `{` (or are absent)."""
         if not scan.closed("name"):
             if scan.end is not None:
                 raise NotACall("no name")
             return False
         start, end = scan.values["name"]
-        try:
-            name = json.loads(text[start:end])
-        except (ValueError, RecursionError):
-            raise NotACall("bad name") from None
+        name = json.loads(text[start:end])
         if not self.detector._known(name):
             raise NotACall(f"unknown function {name!r}")
         key = next((k for k in self.arg_keys if k in scan.values), None)
         if key is not None:
-            first = scan.values[key][0]
-            if text[first] != "{":
+            if text[scan.values[key][0]] != "{":
                 raise NotACall("arguments are not an object")
-            if not is_value_prefix(scan.value_text(text, key) or ""):
-                raise NotACall("arguments are not JSON")
         elif scan.end is None:
             return False
         self.committed = True

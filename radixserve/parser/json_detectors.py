@@ -9,6 +9,7 @@ import re
 from collections.abc import Collection
 
 from radixserve.parser.function_call_parser import (
+    CallDelta,
     FormatDetector,
     NotACall,
     ObjectCall,
@@ -26,6 +27,7 @@ class HermesDetector(FormatDetector):
 
     START, END = "<tool_call>", "</tool_call>"
     ARG_KEYS = ("arguments", "parameters")
+    _CLOSING = re.compile(r"[ \t\r\n]*" + re.escape(END))  # JSON's whitespace, as streaming
 
     def __init__(self, tool_names: Collection[str] | None = None) -> None:
         super().__init__(tool_names)
@@ -45,7 +47,7 @@ class HermesDetector(FormatDetector):
                 normal.append(self.START)
                 continue
             calls.append(call)
-            closing = re.compile(r"\s*" + re.escape(self.END)).match(text, end)
+            closing = self._CLOSING.match(text, end)
             pos = closing.end() if closing else end
         normal.append(text[pos:])
         return ParseResult("".join(normal), calls)
@@ -92,7 +94,7 @@ class Llama3Detector(FormatDetector):
 
     TAG = "<|python_tag|>"
     ARG_KEYS = ("parameters", "arguments")
-    _SEPARATOR = re.compile(r"\s*;")
+    _SEPARATOR = re.compile(r"[ \t\r\n]*;")  # JSON's whitespace, as streaming
 
     def __init__(self, tool_names: Collection[str] | None = None) -> None:
         super().__init__(tool_names)
@@ -183,7 +185,9 @@ class Llama3Detector(FormatDetector):
 
 class JsonArrayDetector(FormatDetector):
     """`[{"name": ..., "parameters": {...}}, ...]`: the output that tool_choice required or a
-    named tool_choice forces through the grammar. Anything else is normal text."""
+    named tool_choice forces through the grammar. Anything else is normal text; so is what
+    follows the calls that are complete where the list breaks (an output cut by max_tokens
+    keeps its complete calls)."""
 
     ARG_KEYS = ("parameters", "arguments")
 
@@ -191,19 +195,30 @@ class JsonArrayDetector(FormatDetector):
         super().__init__(tool_names)
         self._mode = "open"  # open | call | sep | end | text
         self._call: ObjectCall | None = None
+        self._prefix = ""  # the `[` or `,` before the call being read: text if it is none
 
     def parse(self, text: str) -> ParseResult:
-        try:
-            items = json.loads(text)
-            if not isinstance(items, list) or not items:
-                raise NotACall("not a list")
-            calls = []
-            for item in items:
-                body = json.dumps(item)
-                calls.append(self.decode_call(body, 0, self.ARG_KEYS)[0])
-        except (ValueError, RecursionError):
-            return ParseResult(text, [])
-        return ParseResult("", calls)
+        """What streaming the whole text sends, with each call's arguments re-serialised; all
+        of it is text where a call that was committed broke (as `parse` of the other formats
+        reads a broken call)."""
+        stream = JsonArrayDetector(self.tool_names)
+        pieces = stream.parse_streaming(text).pieces + stream.finish().pieces
+        names: dict[int, str] = {}
+        args: dict[int, str] = {}
+        for p in pieces:
+            if isinstance(p, CallDelta):
+                if p.name is not None:
+                    names[p.index] = p.name
+                args[p.index] = args.get(p.index, "") + p.arguments
+        calls = []
+        for index, name in names.items():
+            try:
+                body = json.loads(args[index])
+            except ValueError:
+                return ParseResult(text, [])
+            calls.append(ToolCallItem(name, json.dumps(body, ensure_ascii=False)))
+        normal = "".join(p for p in pieces if isinstance(p, str))
+        return ParseResult(normal, calls)
 
     def _drain(self, out: list[Piece], final: bool) -> None:
         while True:
@@ -216,11 +231,13 @@ class JsonArrayDetector(FormatDetector):
                 status = self._advance_call(self._call, out, final)
                 if status == "wait":
                     return
+                if status == "not_a_call":
+                    out.append(self._prefix)
                 self._mode = "sep" if status == "done" else "text"
                 continue
             j = skip_ws(self._buf, 0)
             if j == len(self._buf):
-                if self._mode == "end":
+                if final and self._mode == "end":
                     self._buf = ""  # trailing whitespace
                 elif final:
                     self._mode = "text"
@@ -228,6 +245,7 @@ class JsonArrayDetector(FormatDetector):
                 return
             c = self._buf[j]
             if (self._mode, c) in (("open", "["), ("sep", ",")):
+                self._prefix = self._buf[: j + 1]
                 self._buf = self._buf[j + 1 :]
                 self._mode = "call"
                 self._call = ObjectCall(self, self._num_calls, self.ARG_KEYS)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Collection
 
 from radixserve.parser.function_call_parser import (
     CallDelta,
@@ -24,6 +25,10 @@ _CLOSERS = {"(": ")", "[": "]", "{": "}"}
 
 
 class PythonicDetector(FormatDetector):
+    def __init__(self, tool_names: Collection[str] | None = None) -> None:
+        super().__init__(tool_names)
+        self._scan: _ListScan | None = None  # of the list that opens at the buffer's start
+
     def parse(self, text: str) -> ParseResult:
         normal: list[str] = []
         calls: list[ToolCallItem] = []
@@ -49,11 +54,16 @@ class PythonicDetector(FormatDetector):
                 out.append(self._buf[:keep])
                 self._buf = self._buf[keep:]
                 return
-            out.append(self._buf[: m.start()])
-            self._buf = self._buf[m.start() :]
-            end = _list_end(self._buf, 0)
+            if m.start() > 0:
+                out.append(self._buf[: m.start()])
+                self._buf = self._buf[m.start() :]
+                self._scan = None
+            if self._scan is None:
+                self._scan = _ListScan()
+            end = self._scan.advance(self._buf)  # reads only what is new since the last time
             if end is None and not final:
                 return
+            self._scan = None
             found = self._calls(self._buf[:end]) if end is not None else None
             if found is None:
                 out.append("[")
@@ -109,33 +119,39 @@ class PythonicDetector(FormatDetector):
 
 def _list_end(text: str, i: int) -> int | None:
     """End (past the `]`) of the bracketed Python expression opening at text[i], or None."""
-    expected: list[str] = []
-    j = i
-    while j < len(text):
-        c = text[j]
-        if c in "'\"":
-            j = _py_string_end(text, j)
-            if j < 0:
-                return None
-            continue
-        if c in _CLOSERS:
-            expected.append(_CLOSERS[c])
-        elif c in ")]}":
-            if not expected or c != expected.pop() or not expected:
-                return j + 1  # the list ends here (a mismatch makes it invalid Python)
-        j += 1
-    return None
+    return _ListScan(i).advance(text)
 
 
-def _py_string_end(text: str, j: int) -> int:
-    """End of the Python string literal opening at text[j] (one quote), or -1 if unfinished."""
-    quote = text[j]
-    j += 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text[j] == quote:
-            return j + 1
-        else:
+class _ListScan:
+    """Finds the end of a bracketed Python expression as its text grows, reading each
+    character once (a long list streamed token by token costs its length, not its square)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.j = start
+        self.expected: list[str] = []
+        self.quote: str | None = None  # inside a string literal opened by this quote
+        self.escaped = False
+
+    def advance(self, text: str) -> int | None:
+        """End (past the closing bracket) of the expression, or None when not there yet."""
+        j, expected = self.j, self.expected
+        while j < len(text):
+            c = text[j]
             j += 1
-    return -1
+            if self.quote is not None:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == self.quote:
+                    self.quote = None
+            elif c in "'\"":
+                self.quote = c
+            elif c in _CLOSERS:
+                expected.append(_CLOSERS[c])
+            elif c in ")]}":
+                if not expected or c != expected.pop() or not expected:
+                    self.j = j
+                    return j  # the list ends here (a mismatch makes it invalid Python)
+        self.j = j
+        return None

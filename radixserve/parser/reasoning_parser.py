@@ -20,11 +20,13 @@ REASONING_PARSERS = {"deepseek-r1": True, "qwen3": False, "qwen3-thinking": True
 class ReasoningParser:
     START, END = "<think>", "</think>"
 
-    def __init__(self, kind: str, stream_reasoning: bool = True) -> None:
+    def __init__(self, kind: str, stream_reasoning: bool = True, forced: bool = True) -> None:
+        """`forced=False`: reasoning only where the output itself opens `<think>`, whatever the
+        kind (constrained output: the grammar, not the template, decides how it starts)."""
         if kind not in REASONING_PARSERS:
             known = sorted(REASONING_PARSERS)
             raise ValueError(f"unknown reasoning parser {kind!r}; expected one of {known}")
-        self.force_reasoning = REASONING_PARSERS[kind]
+        self.force_reasoning = REASONING_PARSERS[kind] and forced
         self.stream_reasoning = stream_reasoning
         # open (may see the opening tag) | reasoning | after (skip whitespace) | content
         self._mode = "open"

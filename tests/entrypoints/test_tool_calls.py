@@ -108,7 +108,7 @@ def test_auto_stream_sends_content_then_name_then_arguments(tools_client):
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     content = "".join(d.get("content") or "" for d in deltas)
     calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
-    assert content == "Let me look.\n"
+    assert content == "Let me look."  # as the whole message has it: the "\n" before the call
     first_call = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
     assert all(not d.get("content") for d in deltas[first_call:])  # no text after the call
     assert calls[0]["function"] == {"name": "get_time", "arguments": ""} and calls[0]["id"]
@@ -207,6 +207,32 @@ def test_local_refs_of_each_function_keep_meaning_its_own_schema(tools_client):
     assert not validator.is_valid([{"name": "list", "parameters": {"items": [1]}}])
     info = xgrammar.TokenizerInfo([f"t{i}" for i in range(64)])
     xgrammar.GrammarCompiler(info).compile_json_schema(text)  # xgrammar resolves them too
+
+
+def test_refs_under_properties_named_like_data_keywords_are_rebased(tools_client):
+    """A property may be called "default", "enum", "const" or "examples": its `$ref` was left
+    as it was (the property map was read as that keyword's data) and the schema refused."""
+    import xgrammar
+
+    client, tm = tools_client
+    names = ("default", "enum", "const", "examples")
+    params = {
+        "type": "object",
+        "properties": {n: {"$ref": "#/$defs/V"} for n in names},
+        "required": list(names),
+        "$defs": {"V": {"type": "integer"}},
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    r = client.post(CHAT, json={"messages": [USER], "tools": tools, "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    text = tm.requests[-1].sampling_params["json_schema"]
+    validator = jsonschema.Draft202012Validator(json.loads(text))
+    assert validator.is_valid([{"name": "f", "parameters": dict.fromkeys(names, 3)}])
+    assert not validator.is_valid(
+        [{"name": "f", "parameters": {**dict.fromkeys(names, 3), "enum": "x"}}]
+    )
+    info = xgrammar.TokenizerInfo([f"t{i}" for i in range(64)])
+    xgrammar.GrammarCompiler(info).compile_json_schema(text)
 
 
 def test_history_with_calls_and_results_reaches_the_template(tools_client):
