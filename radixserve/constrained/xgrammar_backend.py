@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xgrammar as xgr
@@ -195,6 +195,10 @@ class XGrammarBackend:
             if kind == "json" and text == ANY_JSON:
                 return self.compiler.compile_builtin_json_grammar()
             if kind == "json":
+                try:
+                    text = json.dumps(bounded_strings_as_patterns(json.loads(text)))
+                except (ValueError, RecursionError):
+                    pass  # the compiler says what is wrong with it
                 return self.compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
             if kind == "regex":
                 return self.compiler.compile_regex(text)
@@ -313,6 +317,41 @@ def unenforced_keywords(schema: object, path: str = "#") -> Iterator[str]:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
                 yield from unenforced_keywords(sub, f"{path}/{key}/{name}")
+
+
+# A JSON string's characters, written unescaped: no quote, backslash or control character.
+_PLAIN_CHAR = '[^"\\\\\\x00-\\x1f]'
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """`schema` with each string schema bounded by minLength / maxLength (and no pattern or
+    format) written as the pattern of as many plain characters. xgrammar 0.2.9 compiles such a
+    string as any characters but quote, backslash, CR and LF, so a tab or another control
+    character could be generated raw inside it: the output was not JSON (json.loads refuses
+    it) and a forced tool call was not parsed. The pattern keeps its reading (escapes were not
+    allowed either) without them."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in (*_SUBSCHEMA, *_SUBSCHEMA_LISTS):  # a schema or a list of them
+        if key in out:
+            out[key] = bounded_strings_as_patterns(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: bounded_strings_as_patterns(v) for k, v in out[key].items()}
+    bounds = (out.get("minLength"), out.get("maxLength"))
+    if (
+        out.get("type") == "string"
+        and bounds != (None, None)
+        and "pattern" not in out
+        and "format" not in out
+        and all(b is None or (type(b) is int and b >= 0) for b in bounds)
+    ):
+        low, high = out.pop("minLength", None) or 0, out.pop("maxLength", None)
+        out["pattern"] = f"^{_PLAIN_CHAR}{{{low},{'' if high is None else high}}}$"
+    return out
 
 
 def _bit(j: int) -> int:

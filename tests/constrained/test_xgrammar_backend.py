@@ -262,6 +262,31 @@ def test_rejected_token_leaves_state_unchanged(backend, tokenizer):
     assert allowed_ids(backend, grammar) == before
 
 
+@pytest.mark.parametrize(
+    "bounds", [{"maxLength": 6}, {"minLength": 2}, {"minLength": 1, "maxLength": 3}]
+)
+def test_length_bounded_strings_admit_no_raw_control_character(backend, tokenizer, bounds):
+    """xgrammar 0.2.9 compiles a string with minLength / maxLength as any characters but
+    quote, backslash, CR and LF: a raw tab or \\x02 made the output invalid JSON."""
+    schema = {"type": "object", "properties": {"c": {"type": "string", **bounds}}}
+    grammar = backend.new_matcher(backend.get_future(("json", json.dumps(schema))).result())
+    for t in tokenizer.encode('{"c": "a', add_special_tokens=False):
+        assert grammar.accept_token(t)
+    allowed = allowed_ids(backend, grammar)
+    texts = {t: tokenizer.decode([t]) for t in allowed}
+    assert any(text == "b" for text in texts.values())
+    control = [
+        t for t in range(len(tokenizer)) if any(ord(c) < 0x20 for c in tokenizer.decode([t]))
+    ]
+    assert len(control) > 10 and not set(control) & set(allowed)
+    if "maxLength" in bounds:  # the bound still holds
+        for t in tokenizer.encode("b" * (bounds["maxLength"] - 1), add_special_tokens=False):
+            assert grammar.accept_token(t)
+        assert {texts.get(t, tokenizer.decode([t]))[0] for t in allowed_ids(backend, grammar)} == {
+            '"'
+        }
+
+
 def test_special_tokens_and_padding_never_allowed(tokenizer):
     padded = len(tokenizer) + 64  # model vocab larger than the tokenizer's
     eos = [tokenizer.eos_token_id, 0]
