@@ -78,17 +78,19 @@ class ChoiceCursor:
 
     text_len: int = 0  # characters of the cumulative output text already sent
     num_logprobs: int = 0
-    chars_sent: int = 0  # for text_offset, including an echoed prompt
+    # text_offset of the next logprob entry: the token strings sent so far (an echoed prompt's
+    # included), as the whole response counts them (not the text: a token that ends inside a
+    # character has a string but adds no text yet)
+    next_offset: int = 0
     started: bool = False
     finished: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def advance(self, out: dict[str, Any], delta: str, reason: str | None) -> None:
+    def advance(self, out: dict[str, Any], reason: str | None) -> None:
         self.started = True
         self.text_len = len(out["text"])
         self.meta = out["meta_info"]
         self.num_logprobs = num_logprobs(self.meta)
-        self.chars_sent += len(delta)
         self.finished = reason is not None
 
 
@@ -252,10 +254,12 @@ class OpenAIServing:
         logprobs = None
         if req.logprobs is not None:  # the echoed prompt's logprobs come with its text
             first = bool(echo) and not c.started
-            logprobs = completion_logprobs(self.tok, meta, c.num_logprobs, c.chars_sent, first)
+            logprobs = completion_logprobs(self.tok, meta, c.num_logprobs, c.next_offset, first)
+            if logprobs.tokens:
+                c.next_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         if not delta and reason is None and not (logprobs and logprobs.tokens):
             return None
-        c.advance(out, delta, reason)
+        c.advance(out, reason)
         return CompletionChoice(
             index=i, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
         )
@@ -346,7 +350,7 @@ class OpenAIServing:
         logprobs = chat_logprobs(self.tok, meta, c.num_logprobs) if req.logprobs else None
         if not delta and reason is None and not (logprobs and logprobs.content):
             return []
-        c.advance(out, delta, reason)
+        c.advance(out, reason)
         if parser is None:
             deltas = [DeltaMessage(content=delta or None)]
         else:

@@ -215,6 +215,26 @@ def test_completion_logprobs_and_echo(fake_tm, make_client):
     assert blp["text_offset"] == [0, 1, 2, 3, 4]
 
 
+def test_streamed_text_offsets_equal_the_whole_responses(fake_tm, make_client, monkeypatch):
+    """A token that adds no text yet (it ends inside a UTF-8 character): the stream's
+    text_offset counted the text sent, the whole response the tokens' strings ([0, 0, 2]
+    against [0, 1, 2])."""
+    whole_output = fake_tm._output
+
+    def lagging(single, k, total):
+        out = whole_output(single, k, total)
+        return {**out, "text": "" if k == 1 else out["text"]}
+
+    monkeypatch.setattr(fake_tm, "_output", lagging)
+    for echo in (False, True):
+        req = {"prompt": "ab", "logprobs": 1, "max_tokens": 3, "echo": echo}
+        with make_client(fake_tm) as client:
+            whole = client.post("/v1/completions", json=req).json()["choices"][0]["logprobs"]
+            events = _sse(client.post("/v1/completions", json={**req, "stream": True}))
+        offsets = [o for e in events[:-1] for o in e["choices"][0]["logprobs"]["text_offset"]]
+        assert offsets == whole["text_offset"] == list(range(5 if echo else 3))
+
+
 def test_completion_stream_shape(fake_tm, make_client):
     req = {"prompt": ["a", "b"], "n": 2, "stream": True, "echo": True}
     req["stream_options"] = {"include_usage": True}
