@@ -130,6 +130,9 @@ def _accept_sampled(
             # A draft model's chain: its one child drawn from q, accepted with min(1, p/q).
             (child,) = kids
             q = tree.draft_probs[child - 1].to(p.device)
+            # top-k / top-p / min-p leave each distribution with less than all its mass: the
+            # ratio and the residual compare normalised ones (p's kept mass scaled acceptance)
+            p, q = p / p.sum(), q / q.sum()
             d = tree.tokens[child]
             ratio = float(p[d]) / max(float(q[d]), 1e-30)
             if float(torch.rand(())) < min(1.0, ratio):

@@ -150,6 +150,34 @@ def test_rejection_sampling_with_a_draft_distribution_reproduces_the_target():
     assert math.isclose(accepted / n, expect, abs_tol=0.03)
 
 
+@pytest.mark.parametrize("filters", [{"top_k": 3}, {"top_p": 0.6}, {"min_p": 0.5}])
+def test_rejection_sampling_with_a_draft_distribution_under_filters(filters):
+    """STANDALONE with top-k / top-p / min-p: the target's filtered probabilities were not
+    renormalised before p/q and the residual, so acceptance shrank by the kept mass and the
+    committed tokens followed neither p nor the filtered p."""
+    torch.manual_seed(3)
+    req = FakeReq(SamplingParams(temperature=1.0, **filters))
+    p = torch.tensor(P_ROOT)
+    keep = {"top_k": [1, 3, 4], "top_p": [1, 3, 4], "min_p": [1, 3, 4]}[next(iter(filters))]
+    want = torch.zeros(V)
+    want[keep] = p[keep] / p[keep].sum()
+    q = torch.tensor([0.05, 0.15, 0.05, 0.45, 0.25, 0.05])  # a draft under the same filter
+    q_kept = torch.zeros(V)
+    q_kept[keep] = q[keep] / q[keep].sum()
+    rows = _logits_from([P_ROOT, P_NODE])
+    n = 8000
+
+    def draft() -> DraftTree:
+        tree = DraftTree.chain([3, int(torch.multinomial(q_kept, 1))])
+        tree.draft_probs = q_kept.view(1, -1)
+        return tree
+
+    counts = torch.zeros(V)
+    for tokens, _ in _draw_many(rows, req, draft, n):
+        counts[tokens[0]] += 1
+    _chi2_ok(counts, want, n)
+
+
 def test_top_k_and_temperature_shape_the_target_distribution():
     torch.manual_seed(2)
     tree = DraftTree([3, 1, 4], [-1, 0, 0])
