@@ -313,9 +313,18 @@ def completion_logprobs(
         s = tok(tid)
         out.tokens.append(s)
         out.token_logprobs.append(_finite(lp))
-        out.top_logprobs.append({tok(t): _finite(v) for v, t, *_ in top} if top else None)
+        out.top_logprobs.append(_top_by_text(tok, top) if top else None)
         out.text_offset.append(offset)
         offset += len(s)
+    return out
+
+
+def _top_by_text(tok: TokenStrings, top: list[Any]) -> dict[str, float | None]:
+    """The legacy top_logprobs map, keyed by token text: where tokens share a text (partial
+    UTF-8 characters all read "\ufffd"), the most likely one's logprob (the list is sorted)."""
+    out: dict[str, float | None] = {}
+    for v, t, *_ in top:
+        out.setdefault(tok(t), _finite(v))
     return out
 
 

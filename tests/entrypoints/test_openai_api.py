@@ -235,6 +235,19 @@ def test_streamed_text_offsets_equal_the_whole_responses(fake_tm, make_client, m
         assert offsets == whole["text_offset"] == list(range(5 if echo else 3))
 
 
+def test_legacy_top_logprobs_keep_the_likeliest_of_tokens_sharing_a_text():
+    """Partial UTF-8 tokens all read "\ufffd": the least likely one's logprob won the key."""
+    from radixserve.entrypoints.openai_api import completion_logprobs
+
+    def tok(t: int) -> str:
+        return "\ufffd" if t in (5, 6) else chr(t)
+
+    top = [(-0.1, 5, None), (-0.2, 65, None), (-0.3, 6, None)]
+    meta = {"output_token_logprobs": [(-0.1, 5)], "output_top_logprobs": [top]}
+    lp = completion_logprobs(tok, meta, 0, 0)
+    assert lp.top_logprobs == [{"\ufffd": -0.1, "A": -0.2}]
+
+
 def test_completion_stream_shape(fake_tm, make_client):
     req = {"prompt": ["a", "b"], "n": 2, "stream": True, "echo": True}
     req["stream_options"] = {"include_usage": True}
