@@ -229,7 +229,8 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        # (rstrip: "/dashboard/" is open too; routing redirects it without the slash)
+        if scope["type"] == "http" and scope["path"].rstrip("/") not in OPEN_PATHS:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(auth, self.expected):
                 response = error_response("invalid or missing API key", 401)

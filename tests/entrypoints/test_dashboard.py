@@ -33,7 +33,7 @@ from radixserve.args import ServerArgs
 from radixserve.entrypoints.dashboard import DashboardFeed, page_html
 from radixserve.managers.live_stats import LatencyWindow
 
-API_KEY = "dash-key"
+API_KEY = "dash+key/x=&y"  # "+" and "&" as base64-style keys have them (#key= keeps them)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -194,7 +194,10 @@ def test_the_page_is_open_and_the_stream_needs_the_api_key(fake_tm, make_client)
         page = client.get("/dashboard")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'id="generation-tokens"' in page.text and "/events" in page.text
+        assert client.get("/dashboard/").status_code == 200  # redirected, not refused
+        assert client.get("/metrics/").status_code == 200
         assert client.get("/dashboard/events").status_code == 401
+        assert client.get("/dashboard/events/").status_code == 401
         wrong = {"Authorization": "Bearer nope"}
         assert client.get("/dashboard/events", headers=wrong).status_code == 401
         paths = client.get("/openapi.json", headers=AUTH).json()["paths"]
