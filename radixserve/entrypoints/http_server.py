@@ -66,6 +66,7 @@ HEALTH_TIMEOUT_S = 10.0
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 HEALTH_GENERATE_POLL_S = 0.05
 WARMUP_TIMEOUT_S = 300.0
+WARMUP_FLUSH_S = 10.0
 WATCHDOG_INTERVAL_S = 0.5
 GRACEFUL_SHUTDOWN_S = 3
 # How long an idle keep-alive connection stays open: longer than clients keep idle connections
@@ -85,6 +86,7 @@ class AppState:
     openai: OpenAIServing | None = None
     metrics: ServerMetrics | None = None
     server: Any = None  # uvicorn.Server
+    loop: asyncio.AbstractEventLoop | None = None  # the serving loop
     failure: str | None = None  # set by the watchdog: why the server is going down
     exit_code: int = 0
     tokenizer_dir: str | None = None  # what /model_info and /server_info report
@@ -207,7 +209,11 @@ async def _warm_up(state: AppState) -> None:
     try:
         warm = asyncio.gather(*(collect(tm.generate_request(o, None), None) for o in objs))
         await asyncio.wait_for(warm, WARMUP_TIMEOUT_S)
-        await tm.flush_cache()
+        # The scheduler refuses a flush while work is left: the finished warm-up request until
+        # its next step, a hierarchical-cache backup of its KV. Ask until it is done.
+        deadline = time.monotonic() + WARMUP_FLUSH_S
+        while not (await tm.flush_cache()).success and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
     except Exception as e:  # the watchdog reports a dead child; this only says what it saw
         logger.warning("warm-up request failed: %r", e)
         return
@@ -556,6 +562,7 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.metrics = ServerMetrics(served_model_name(server_args))
+        state.loop = asyncio.get_running_loop()
         tm = make_tokenizer_manager(state.metrics)
         if hasattr(tm, "start"):
             tm.start()
@@ -590,7 +597,8 @@ def build_app(
 
 
 class _Signals:
-    """SIGINT/SIGTERM: abort start-up (KeyboardInterrupt) or ask uvicorn to stop once serving.
+    """SIGINT/SIGTERM/SIGHUP: abort start-up (KeyboardInterrupt) or ask uvicorn to stop once
+    serving (a closed terminal's SIGHUP killed the server without a word or its clean-up).
 
     uvicorn installs its own handlers while it serves and, when done, restores these and
     re-raises the signal it caught; this handler then only asks for an exit again (a no-op).
@@ -600,7 +608,7 @@ class _Signals:
         self.server: Any = None
         self.previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (uvicorn: the first two)
                 self.previous[sig] = signal.signal(sig, self)
 
     def __call__(self, signum: int, frame: Any) -> None:
@@ -670,8 +678,23 @@ def _serve(app: FastAPI, server_args: ServerArgs, signals: _Signals) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
-    server = uvicorn.Server(config)
     state: AppState = app.state.rs
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            """A second Ctrl-C stops at once: uvicorn drops the requests in flight (a bare 500,
+            a cut stream); answer them first, as at the end of the grace."""
+            super().handle_exit(sig, frame)
+            tm, loop = state.tokenizer_manager, state.loop
+            if self.force_exit and loop is not None and hasattr(tm, "fail_all"):
+                loop.call_soon_threadsafe(tm.fail_all, "the server is shutting down")
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            await super().shutdown(sockets)
+            if self.force_exit:  # uvicorn skips the app's own shutdown then, and the loop's
+                await self.lifespan.shutdown()  # end cancelled it: a CancelledError traceback
+
+    server = Server(config)
     state.server = signals.server = server
     try:
         server.run()

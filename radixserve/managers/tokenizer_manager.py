@@ -154,6 +154,7 @@ class TokenizerManager:
         # (its late outputs still count in the metrics), None for one already finished here.
         self._draining: dict[str, ReqState | None] = {}
         self.dead: str | None = None  # why no request can be served any more (fail_all)
+        self.closed = False  # close() ran: nothing can be sent any more
         queued = getattr(server_args, "max_queued_requests", None)
         self.max_in_flight = (
             None
@@ -171,6 +172,7 @@ class TokenizerManager:
     def close(self) -> None:
         """Stop receiving and close both sockets and their context (call on the loop's thread);
         a context left to the garbage collector blocks whichever thread collects it."""
+        self.closed = True
         if self._reader is not None:
             loop, fd = self._reader
             loop.remove_reader(fd)
@@ -576,19 +578,25 @@ class TokenizerManager:
         # The rid stays taken until the scheduler's final output for it passes (so a new
         # request reusing it never receives the old one's output).
         self._draining[rid] = state
-        self.send_to_scheduler.send_pyobj(AbortReq(rid))
+        if not self.closed:  # (handlers cancelled as the server stops: the sockets are gone)
+            self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
     # -- control --------------------------------------------------------------------------------
     async def _control(self, req: Any, reply_type: type, timeout: float = 30.0) -> Any:
         self.start()
         if self.dead is not None:  # nobody would answer: fail now, as a request does
             raise RequestError(self.dead, 503)
-        if self.dp_controller is not None:  # every replica answers; the controller merges
-            return await self.dp_controller.control(req, reply_type, timeout)
-        fut = asyncio.get_running_loop().create_future()
-        self._control_waiters.setdefault(reply_type, []).append(fut)
-        self.send_to_scheduler.send_pyobj(req)
-        return await asyncio.wait_for(fut, timeout)
+        try:
+            if self.dp_controller is not None:  # every replica answers; the controller merges
+                return await self.dp_controller.control(req, reply_type, timeout)
+            fut = asyncio.get_running_loop().create_future()
+            self._control_waiters.setdefault(reply_type, []).append(fut)
+            self.send_to_scheduler.send_pyobj(req)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:  # a stalled scheduler: a 503 that says so, not a 500
+            raise RequestError(
+                f"the scheduler did not answer {type(req).__name__} within {timeout:g} s", 503
+            ) from None
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control(FlushCacheReq(), FlushCacheReqOutput)

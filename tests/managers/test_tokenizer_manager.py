@@ -16,6 +16,7 @@ from radixserve.io_struct import (
     BatchStrOutput,
     BatchTokenIDOutput,
     BatchTokenizedGenerateReqInput,
+    FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
     TokenizedGenerateReqInput,
@@ -435,6 +436,26 @@ def test_fail_all_fails_data_parallel_control_calls_in_flight():
         assert e.value.status_code == 503 and "dp1 exited" in str(e.value)
 
     run(body())
+
+
+def test_a_control_call_the_scheduler_never_answers_is_a_503():
+    """A stalled scheduler: /get_server_info, /flush_cache answered a bare 500 (TimeoutError)."""
+
+    async def body():
+        tm, _ = _make_tm()
+        for make in (lambda: tm, lambda: _dp_tm()):
+            with pytest.raises(RequestError) as e:
+                await make()._control(FlushCacheReq(), FlushCacheReqOutput, 0.05)
+            assert e.value.status_code == 503 and "did not answer FlushCacheReq" in str(e.value)
+
+    run(body())
+
+
+def _dp_tm() -> TokenizerManager:
+    ctl = DataParallelController([FakeSockets(), FakeSockets()], "round_robin")
+    return TokenizerManager(
+        ServerArgs(), ByteTokenizer(), ctl, FakeSockets(), 256, VOCAB, dp_controller=ctl
+    )
 
 
 # -- item 4: a request the detokenizer cannot decode --------------------------------------------
