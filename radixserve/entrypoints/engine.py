@@ -10,14 +10,16 @@ TokenizerManager running on a private event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing as mp
 import queue
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 from radixserve.args import ServerArgs
@@ -260,25 +262,26 @@ class Engine:
 
         check_model_path(self.server_args.model_path, load_format=self.server_args.load_format)
         self._closed = threading.Event()
-        self.procs = Subprocesses(self.server_args)
+        self.procs = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
+        # The children start from the loop's thread, which lives as long as the engine: they
+        # die with the thread that started them (PR_SET_PDEATHSIG), and an Engine made in a
+        # worker thread lost them when that thread ended.
+        self._run(self._start_children())
         self.tokenizer_manager: TokenizerManager = self._run(self._init_tm())
         self.tokenizer = self.tokenizer_manager.tokenizer
-        self._monitor = threading.Thread(target=self._watch_children, daemon=True)
+        # Neither thread nor the exit hook holds the engine: one dropped without shutdown()
+        # is collected, and __del__ stops its processes.
+        self._monitor = threading.Thread(
+            target=_watch_children, args=(weakref.ref(self), self._closed), daemon=True
+        )
         self._monitor.start()
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
-    def _watch_children(self) -> None:
-        """A dead scheduler or detokenizer fails every pending and later request (RequestError,
-        status 503) instead of leaving the caller waiting forever."""
-        while not self._closed.wait(CHILD_POLL_S):
-            procs = self.procs
-            reason = procs.dead_child() if procs is not None else None
-            if reason is not None:
-                logger.error("%s; the engine can serve no more requests", reason)
-                self.loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason)
-                return
+    async def _start_children(self) -> None:
+        self.procs = Subprocesses(self.server_args)  # (set here: shutdown() finds them)
 
     async def _init_tm(self) -> TokenizerManager:
         tm = create_tokenizer_manager(self.server_args, self.procs)
@@ -299,6 +302,10 @@ class Engine:
         fut = self._submit(coro)
         try:
             return fut.result()
+        except CancelledError:
+            if self._closed.is_set():  # shutdown() cancelled it (a bare CancelledError)
+                raise RuntimeError("the engine is shut down") from None
+            raise
         except BaseException:
             fut.cancel()
             raise
@@ -350,6 +357,10 @@ class Engine:
             try:
                 async for out in self.tokenizer_manager.generate_request(obj):
                     q.put(detached(out))  # the caller keeps it; later outputs go on
+            except asyncio.CancelledError:  # the consumer stopped, or shutdown(): a reader
+                q.put(RuntimeError("the engine is shut down"))  # still waiting must wake
+                q.put(_DONE)
+                raise
             except Exception as e:
                 q.put(e)
             q.put(_DONE)
@@ -437,3 +448,26 @@ class Engine:
             self.shutdown()
         except Exception:
             pass
+
+
+def _watch_children(ref: weakref.ref, closed: threading.Event) -> None:
+    """A dead scheduler or detokenizer fails every pending and later request (RequestError,
+    status 503) instead of leaving the caller waiting forever."""
+    while not closed.wait(CHILD_POLL_S):
+        engine = ref()
+        if engine is None:
+            return
+        procs = engine.procs
+        reason = procs.dead_child() if procs is not None else None
+        if reason is not None:
+            logger.error("%s; the engine can serve no more requests", reason)
+            engine.loop.call_soon_threadsafe(engine.tokenizer_manager.fail_all, reason)
+            return
+        del engine
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    """An engine still open when the interpreter exits: stop its processes, remove its files."""
+    engine = ref()
+    if engine is not None:
+        engine.shutdown()

@@ -130,3 +130,102 @@ def test_an_engine_shut_down_refuses_at_once_and_leaves_no_files(tmp_path):
     ):
         with pytest.raises(RuntimeError, match="the engine is shut down"):
             call()
+
+
+def test_shutdown_wakes_the_readers_of_its_requests(tmp_path):
+    """A thread reading a stream blocked forever when shutdown() ran; a blocking generate got
+    a bare CancelledError."""
+    import threading
+
+    from radixserve import Engine
+
+    model = make_tiny_served_model(str(tmp_path / "m"), context=CONTEXT)
+    e = Engine(model_path=model, dtype="float32", max_total_tokens=CONTEXT + 512)
+    errors: dict[str, BaseException] = {}
+
+    def read_stream() -> None:
+        try:
+            for _ in e.generate("hi", LONG, stream=True):
+                pass
+        except BaseException as err:  # noqa: BLE001 (what the reader sees)
+            errors["stream"] = err
+
+    def blocking() -> None:
+        try:
+            e.generate("ho", LONG)
+        except BaseException as err:  # noqa: BLE001
+            errors["generate"] = err
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (read_stream, blocking)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while e.get_server_info()["running"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    e.shutdown()
+    for t in threads:
+        t.join(15)
+        assert not t.is_alive(), "a reader still blocked after shutdown()"
+    for name in ("stream", "generate"):
+        assert isinstance(errors[name], RuntimeError), errors
+        assert "shut down" in str(errors[name])
+
+
+def test_an_engine_dropped_without_shutdown_is_collected_and_stops_its_processes(tmp_path):
+    """Its watch thread held it: never collected, __del__ never ran, and each dropped engine
+    left a scheduler, a detokenizer and their socket directory behind."""
+    import gc
+    import weakref
+
+    import psutil
+
+    from radixserve import Engine
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    before = {p.pid for p in psutil.Process().children()}  # (multiprocessing's tracker)
+    e = Engine(model_path=model, dtype="float32", max_total_tokens=1024)
+    assert e.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    children = [p for p in psutil.Process().children() if p.pid not in before]
+    assert len(children) >= 2
+    ipc_dir, ref = e.procs.port_args.ipc_dir, weakref.ref(e)
+    del e
+    gc.collect()
+    assert ref() is None
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive and not os.path.exists(ipc_dir)
+
+
+def test_an_engine_made_in_a_thread_that_ends_keeps_its_processes(tmp_path):
+    """The children die with the thread that started them (PR_SET_PDEATHSIG): an Engine made
+    in a worker thread answered every request with a 503 once that thread ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixserve import Engine
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    with ThreadPoolExecutor(1) as pool:
+        e = pool.submit(Engine, model_path=model, dtype="float32", max_total_tokens=1024).result()
+    try:
+        time.sleep(1.5)  # the engine's child watch polls every 0.5 s
+        assert e.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    finally:
+        e.shutdown()
+
+
+def test_a_process_that_exits_without_shutdown_leaves_no_files(tmp_path):
+    import subprocess
+    import sys
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    script = (
+        "from radixserve import Engine\n"
+        f"e = Engine(model_path={model!r}, dtype='float32', max_total_tokens=1024)\n"
+        "print(e.procs.port_args.ipc_dir, flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    ipc_dir = out.stdout.strip().splitlines()[-1]
+    assert ipc_dir and not os.path.exists(ipc_dir)
