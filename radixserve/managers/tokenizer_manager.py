@@ -464,6 +464,11 @@ class TokenizerManager:
                 raise RequestError(f"a request with rid {rid!r} is already running")
             seen.add(rid)
         limit = self.max_in_flight
+        if limit is not None and len(rids) > limit:  # no retry could ever succeed
+            raise RequestError(
+                f"a batch of {len(rids)} requests (prompts times n) is more than the "
+                f"{limit} this server holds at once (--max-queued-requests); split it"
+            )
         if limit is not None and len(self.rid_to_state) + len(rids) > limit:
             raise RequestError(
                 f"the server is overloaded: more than {limit} requests in flight "

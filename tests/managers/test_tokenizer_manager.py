@@ -282,6 +282,20 @@ def test_past_the_queue_bound_a_request_gets_503_at_once():
     run(body())
 
 
+def test_a_batch_larger_than_the_queue_bound_is_a_400_even_when_idle():
+    """It got a 503 with Retry-After: 1 on an idle server; no retry could ever pass."""
+
+    async def body():
+        tm, sockets = _make_tm(max_queued_requests=1)  # 2 running + 1 queued
+        for obj in (_req(n=4), GenerateReqInput(input_ids=[[5], [6], [7], [8]])):
+            with pytest.raises(RequestError) as e:
+                await _collect(tm, obj)
+            assert e.value.status_code == 400 and "split it" in str(e.value)
+        assert sockets.requests() == []
+
+    run(body())
+
+
 # -- item 12: a slow streaming client ------------------------------------------------------------
 def test_a_slow_stream_reader_sees_the_latest_state_not_a_backlog():
     async def body():
