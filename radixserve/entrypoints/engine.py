@@ -84,10 +84,11 @@ class Subprocesses:
             self.scheduler, self.heartbeat = self.schedulers[0], self.heartbeats[0]
         # A machine other than node 0 runs its TP ranks' schedulers only (run_worker_node).
         self.detokenizer = None
+        self.detokenizer_heartbeat = ctx.Value("d", time.monotonic(), lock=False)
         if server_args.node_rank == 0:
             self.detokenizer = ctx.Process(
                 target=run_detokenizer_process,
-                args=(server_args, self.port_args, detok_w),
+                args=(server_args, self.port_args, detok_w, self.detokenizer_heartbeat),
                 name="radixserve-detokenizer",
                 daemon=True,
             )
@@ -157,6 +158,15 @@ class Subprocesses:
     def seconds_since_heartbeat(self) -> float:
         """Of the scheduler (data-parallel replica) that has been silent longest."""
         return time.monotonic() - min(h.value for h in self.heartbeats)
+
+    def silent_child(self) -> tuple[str, float]:
+        """The child silent longest, the schedulers' loops or the detokenizer's, and for how
+        many seconds."""
+        scheduler = ("scheduler", self.seconds_since_heartbeat())
+        if self.detokenizer is None:
+            return scheduler
+        detokenizer = ("detokenizer", time.monotonic() - self.detokenizer_heartbeat.value)
+        return max(scheduler, detokenizer, key=lambda named: named[1])
 
     def shutdown(self) -> None:
         for p in self.children:

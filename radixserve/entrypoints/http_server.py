@@ -106,19 +106,17 @@ class AppState:
         return self._silent_scheduler()
 
     def _silent_scheduler(self) -> str | None:
-        """Requests are pending but the scheduler's loop has not come round for
-        watchdog_timeout s: it is stuck in one step. Liveness comes from the loop's heartbeat,
+        """Requests are pending but the scheduler's loop (or the detokenizer's) has not come
+        round for watchdog_timeout s: it is stuck. Liveness comes from each loop's heartbeat,
         not from request output (a long generation that streams nothing is healthy)."""
         timeout, procs = self.server_args.watchdog_timeout, self.procs
         states = getattr(self.tokenizer_manager, "rid_to_state", None)
         if procs is None or not states or not timeout or timeout <= 0:
             return None
-        silent = procs.seconds_since_heartbeat()
+        name, silent = procs.silent_child()
         if silent <= timeout:
             return None
-        return (
-            f"the scheduler has been stuck for {silent:.0f} s with {len(states)} requests pending"
-        )
+        return f"the {name} has been stuck for {silent:.0f} s with {len(states)} requests pending"
 
     def request_exit(self, code: int) -> None:
         self.exit_code = code

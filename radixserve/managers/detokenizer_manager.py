@@ -10,6 +10,7 @@ no_stop_trim. Control messages (cache flush, server info, errors) pass straight 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from radixserve.io_struct import BatchStrOutput, BatchTokenIDOutput
 logger = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
+HEARTBEAT_POLL_MS = 500
 
 
 @dataclass
@@ -122,8 +124,12 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
     return best
 
 
-def run_detokenizer_process(server_args: Any, port_args: Any, ready: Any = None) -> None:
-    """Process entry: PULL BatchTokenIDOutput from the scheduler, PUSH BatchStrOutput."""
+def run_detokenizer_process(
+    server_args: Any, port_args: Any, ready: Any = None, heartbeat: Any = None
+) -> None:
+    """Process entry: PULL BatchTokenIDOutput from the scheduler, PUSH BatchStrOutput. The loop
+    writes the time into `heartbeat` at least every HEARTBEAT_POLL_MS, busy or idle, so the
+    server's watchdog tells a stuck detokenizer from an idle one."""
     from radixserve.utils import configure_child_process, zmq_socket
 
     configure_child_process("detokenizer", server_args.log_level)
@@ -140,6 +146,10 @@ def run_detokenizer_process(server_args: Any, port_args: Any, ready: Any = None)
         ready.send({"status": "ready"})
         ready.close()
     while True:
+        if heartbeat is not None:
+            heartbeat.value = time.monotonic()  # system-wide clock: the parent compares
+            if not recv.poll(HEARTBEAT_POLL_MS):
+                continue
         try:
             msg = recv.recv_pyobj()
             if isinstance(msg, BatchTokenIDOutput):

@@ -11,6 +11,7 @@ few cores).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -691,3 +692,23 @@ def test_the_warm_up_flush_is_asked_again_until_the_scheduler_accepts_it(fake_tm
     state = AppState(ServerArgs(model_path="/models/tiny-llama.gguf"), tokenizer_manager=fake_tm)
     asyncio.run(asyncio.wait_for(_warm_up(state), 10))
     assert answers == [] and len(fake_tm.requests) == 1
+
+
+def test_a_stuck_detokenizer_is_found_by_the_watchdog(tmp_path):
+    """Only the scheduler had a heartbeat: with the detokenizer stuck, requests waited until
+    their clients gave up and the server never exited (/health blamed the scheduler)."""
+    model = make_tiny_served_model(str(tmp_path / "tiny"))
+    server = ServerProcess(str(tmp_path), "--model-path", model, "--watchdog-timeout", "3")
+    try:
+        server.wait_ready()
+        detokenizer = server.server_info()["detokenizer_pid"]
+        os.kill(detokenizer, signal.SIGSTOP)
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
+        r = httpx.post(server.url + "/generate", json=body, timeout=30)
+        assert r.status_code == 503, r.text
+        assert "the detokenizer has been stuck" in r.json()["error"]["message"]
+        assert server.proc.wait(15) != 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(detokenizer, signal.SIGCONT)
+        server.stop()
