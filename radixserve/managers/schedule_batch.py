@@ -142,6 +142,15 @@ class Req:
     def max_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens or 0
 
+    def ends_with_pending_token(self) -> bool:
+        """The token of the step in flight (overlap) is its last: it reaches max_new_tokens."""
+        limit = self.sampling_params.max_new_tokens
+        return (
+            self.pending_future is not None
+            and limit is not None
+            and len(self.output_ids) + 1 >= limit
+        )
+
     def schedule_input_logprobs(self, start: int, end: int) -> tuple[int, int]:
         """Of positions [start, end) that a step runs, those [lo, hi) whose hidden state scores
         the next prompt token (empty when none is wanted); they count as scheduled now (the

@@ -143,6 +143,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
+        self.ending: list[Req] = []  # overlap: left the running batch, last token in flight
         self.last_batch: ScheduleBatch | None = None
         self.grammar_manager = GrammarManager(
             server_args.grammar_backend,
@@ -514,6 +515,15 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             if last.reqs:
                 self.running_batch.merge_batch(last)
         self.running_batch.filter_batch()
+        # Overlap: the step in flight gives these their last token. Another step would compute
+        # a token to discard, and its KV slot could be the one the pool lacks (a request that
+        # fits the pool exactly was aborted one token before its end). They hold their rows
+        # until that step's result is processed.
+        self.ending = [r for r in self.running_batch.reqs if r.ends_with_pending_token()]
+        if self.ending:
+            self.running_batch.filter_batch(
+                [r for r in self.running_batch.reqs if not r.ends_with_pending_token()]
+            )
         if self.disagg is not None:
             self.poll_disaggregation()
         self.release_aborted()
@@ -544,7 +554,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.chunked_req is None and not self.waiting_queue:
             return None
         running = self.running_batch.reqs
-        if len(running) >= self.max_running_requests and self.chunked_req is None:
+        occupying = running + self.ending  # the request rows in use
+        if len(occupying) >= self.max_running_requests and self.chunked_req is None:
             return None
         order = self.policy.calc_priority(self.waiting_queue, running, self.chunked_req)
         # Mixed decode tokens come out of the chunk budget; with as many running requests as
@@ -558,7 +569,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         adder = PrefillAdder(
             self.tree_cache,
             self.allocator,
-            running,
+            occupying,
             self.ratio.value,
             self.server_args.max_prefill_tokens,
             chunk,
@@ -626,6 +637,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 self.ratio.on_retract(batch.reqs + retracted)
                 logger.info("retracted %d requests; KV pool is full", len(retracted))
             if not self._decode_fits(batch):
+                self._retract_chunked_req()
+            if not self._decode_fits(batch):
                 last = batch.reqs[0]
                 last.finished_reason = finish_abort(
                     "the request no longer fits in the KV cache (prompt + output exceed the pool)",
@@ -640,6 +653,21 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self.ratio.on_decode_step()
         batch.prepare_for_decode()
         return batch
+
+    def _retract_chunked_req(self) -> None:
+        """The request being prefilled in chunks gives back its KV (it starts again later)
+        before a running request is aborted: its next chunk gets no budget while the running
+        requests' reservations fill the pool, so it held its slots until the last running
+        request ran out of room and was aborted though it fits the pool alone."""
+        req = self.chunked_req
+        if req is None or any(req is r for snap, _ in self.result_queue for r in snap.reqs):
+            return  # (a chunk of it in flight: its slots are being written)
+        self.tree_cache.cache_finished_req(req, is_insert=False)
+        req.reset_for_retract()
+        self.chunked_req = None
+        self.waiting_queue.insert(0, req)
+        self.stats.num_retractions += 1
+        logger.info("retracted the chunked request; KV pool is full")
 
     def _await_cache_copies(self, fits: Callable[[], bool], limit_s: float = 30.0) -> None:
         """Slots held by the hierarchical cache's copies in flight (write-through backups of

@@ -34,15 +34,41 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def test_a_finished_request_already_launched_again_keeps_its_output():
+    want = expected_output(_prompt(1, 10), 3)
+    r = Run()
+    r.submit("a", _prompt(1, 10), max_new_tokens=10, stop_token_ids=[want[2]])
+    r.drain()
+    assert r.tokens()["a"] == want
+    assert r.reasons()["a"]["type"] == "stop"
+    # One prefill and two decodes produce its 3 tokens; the step after them was launched
+    # before the third token was processed (and showed the stop token), and its token was
+    # dropped.
+    assert [rids for rids in r.launched if rids] == [["a"]] * 4
+    assert r.s.stats.generation_tokens == 3
+
+
+def test_no_step_is_launched_after_the_one_that_reaches_max_new_tokens():
     r = Run()
     r.submit("a", _prompt(1, 10), max_new_tokens=3)
     r.drain()
     assert r.tokens()["a"] == expected_output(_prompt(1, 10), 3)
     assert r.reasons()["a"]["type"] == "length"
-    # One prefill and two decodes produce its 3 tokens; the step after them was launched
-    # before the third token was processed, and its token was dropped.
-    assert [rids for rids in r.launched if rids] == [["a"]] * 4
-    assert r.s.stats.generation_tokens == 3
+    assert [rids for rids in r.launched if rids] == [["a"]] * 3  # its last token is known
+
+
+@pytest.mark.parametrize("page,pool,prompt,max_new", [(1, 40, 20, 21), (16, 48, 20, 29)])
+def test_a_request_that_fills_the_pool_exactly_ends_as_in_the_normal_loop(
+    page, pool, prompt, max_new
+):
+    """prompt + max_new_tokens - 1 slots = the pool: the overlap loop wanted a slot for a step
+    after the one computing its last token, found none, and aborted it a token early ("no
+    longer fits in the KV cache")."""
+    for overlap in (True, False):
+        r = Run(overlap, total_tokens=pool, page_size=page)
+        r.submit("a", _prompt(2, prompt), max_new_tokens=max_new)
+        r.drain()
+        assert r.reasons()["a"]["type"] == "length", (overlap, r.reasons()["a"])
+        assert r.tokens()["a"] == expected_output(_prompt(2, prompt), max_new)
 
 
 def test_two_prefills_in_a_row_stream_the_first_before_the_second_runs():

@@ -101,6 +101,20 @@ def test_chunk_budget_of_exactly_zero_is_a_cap():
     assert adder.can_run_list == [] and long.extend_input_len == 87
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stalled_chunked_request_gives_its_kv_back_before_a_running_one_is_aborted(overlap):
+    """Pool 31, chunks of 16: a (7 + 19 tokens, 25 slots) decodes while b's prompt (13) stops
+    after a chunk of 11, its next chunk getting no budget beside a's reservation. b held its
+    slots until a ran out of room, and a, which fits the pool alone, was aborted ("prompt +
+    output exceed the pool")."""
+    r = Run(total_tokens=31, max_running=4, overlap=overlap, chunked_prefill_size=16)
+    r.submit("a", [3 + k * 5 % 90 for k in range(7)], max_new=19)
+    r.submit("b", [40 + k for k in range(13)], max_new=1)
+    r.drain()
+    r.check_complete()
+    assert r.s.stats.num_retractions >= 1
+
+
 def test_abort_right_after_the_final_prefill():
     """The request lives only in last_batch between its prefill and the next round."""
     r = Run()
