@@ -9,7 +9,9 @@ no_stop_trim. Control messages (cache flush, server info, errors) pass straight 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,10 +139,17 @@ def run_detokenizer_process(
 
     from radixserve.managers.tokenizer_utils import load_tokenizer_for
 
-    tokenizer = load_tokenizer_for(server_args)
-    ctx = zmq.Context(2)
-    recv = zmq_socket(ctx, zmq.PULL, port_args.detokenizer_ipc, bind=True)
-    send = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc, bind=False)
+    try:
+        tokenizer = load_tokenizer_for(server_args)
+        ctx = zmq.Context(2)
+        recv = zmq_socket(ctx, zmq.PULL, port_args.detokenizer_ipc, bind=True)
+        send = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc, bind=False)
+    except Exception as e:  # the parent reports it in one line (an unhandled one: a traceback)
+        logger.error("detokenizer failed to start: %s: %s", type(e).__name__, e)
+        if ready is not None:
+            with contextlib.suppress(OSError):
+                ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        sys.exit(1)
     manager = DetokenizerManager(tokenizer)
     if ready is not None:
         ready.send({"status": "ready"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import shutil
 from typing import Any
 
 import pytest
@@ -567,3 +568,29 @@ def test_outputs_are_drained_from_a_real_socket_in_order():
         assert got == expected + expected[:2]
 
     run(body())
+
+
+def test_a_detokenizer_that_cannot_start_says_why_on_its_ready_pipe(tmp_path):
+    """An unhandled error printed the process's traceback and the parent saw only its exit."""
+    import multiprocessing as mp
+
+    from radixserve.managers.detokenizer_manager import run_detokenizer_process
+    from radixserve.utils import PortArgs
+
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    ctx = mp.get_context("spawn")
+    read, write = ctx.Pipe(duplex=False)
+    args, port_args = ServerArgs(model_path=str(bad), log_level="error"), PortArgs.new()
+    proc = ctx.Process(target=run_detokenizer_process, args=(args, port_args, write))
+    proc.start()
+    try:
+        assert read.poll(60)
+        msg = read.recv()
+        proc.join(30)
+        assert msg["status"] == "error" and msg["message"], msg
+        assert proc.exitcode == 1
+    finally:
+        proc.kill()
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
