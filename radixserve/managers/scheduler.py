@@ -158,9 +158,17 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             server_args.chunked_prefill_size if server_args.chunked_prefill_enabled else None
         )
         if self.chunked_prefill_size is not None:
+            asked = self.chunked_prefill_size
             self.chunked_prefill_size = max(
-                self.page_size, self.chunked_prefill_size // self.page_size * self.page_size
+                self.page_size, asked // self.page_size * self.page_size
             )
+            if self.chunked_prefill_size != asked:
+                logger.warning(
+                    "--chunked-prefill-size %d is not a multiple of --page-size %d: chunks of %d",
+                    asked,
+                    self.page_size,
+                    self.chunked_prefill_size,
+                )
         self.init_speculative(server_args, tokenizer)
         # Speculative steps run in the normal loop (their results decide the next step's input).
         self.enable_overlap = (

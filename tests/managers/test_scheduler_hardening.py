@@ -201,3 +201,11 @@ def test_mixed_chunk_under_a_tight_pool(seed):
             assert tokens.get(rid, []) == want[: len(tokens.get(rid, []))]
         else:
             assert tokens[rid] == want
+
+
+def test_a_chunk_size_that_is_not_a_multiple_of_the_page_says_so(caplog):
+    """It was rounded to whole pages silently (8 with pages of 16 ran chunks of 16)."""
+    with caplog.at_level("WARNING"):
+        r = Run(page_size=16, chunked_prefill_size=8)
+    assert r.s.chunked_prefill_size == 16
+    assert "--chunked-prefill-size 8 is not a multiple of --page-size 16" in caplog.text
