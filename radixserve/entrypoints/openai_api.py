@@ -199,7 +199,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
-            content = "\n".join(_text_of(p) for p in content)
+            content = "\n".join(
+                _text_of(p, f"messages.{i}.content.{k}") for k, p in enumerate(content)
+            )
         msg: dict[str, Any] = {
             "role": "system" if m.role == "developer" else m.role,
             "content": content or "",
@@ -220,9 +222,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _text_of(part: ChatContentPart) -> str:
-    if part.type != "text" or part.text is None:
-        raise RequestError(f"unsupported content part type {part.type!r}; only text")
+def _text_of(part: ChatContentPart, where: str) -> str:
+    if part.type != "text":
+        raise RequestError(f"{where}: unsupported content part type {part.type!r}; only text")
+    if part.text is None:
+        raise RequestError(f"{where}.text is required (a string)")
     if part.model_extra:
         raise RequestError(f"unsupported field(s) in a text part: {', '.join(part.model_extra)}")
     return part.text

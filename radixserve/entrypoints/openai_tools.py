@@ -63,10 +63,14 @@ def is_constrained(req: ChatCompletionRequest) -> bool:
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools as chat templates expect them; none when tool_choice is "none"."""
-    if not req.tools or tool_choice_of(req) == "none":
+    """The tools as chat templates expect them; none when tool_choice is "none", only the
+    named one when tool_choice names a function (as SGLang: the others cannot be called)."""
+    choice = tool_choice_of(req)
+    if not req.tools or choice == "none":
         return None
-    return [t.model_dump(exclude_none=True) for t in req.tools]
+    named = choice.function.name if isinstance(choice, ToolChoice) else None
+    tools = [t for t in req.tools if named is None or t.function.name == named]
+    return [t.model_dump(exclude_none=True) for t in tools]
 
 
 def tool_call_schema(req: ChatCompletionRequest) -> str | None:

@@ -171,8 +171,8 @@ def check_length(n: int, sp: SamplingParams, context_len: int, explicit: bool = 
     set it (`explicit`; its default is capped to the room left by the scheduler, as SGLang's)."""
     if n >= context_len:
         raise RequestError(
-            f"The prompt has {n} tokens, which exceeds the model's context length of "
-            f"{context_len} tokens."
+            f"The prompt has {n} tokens, which leaves no room in the model's context length "
+            f"of {context_len} tokens (at most {context_len - 1} for at least one new token)."
         )
     if explicit and sp.max_new_tokens is not None and n + sp.max_new_tokens > context_len:
         raise RequestError(

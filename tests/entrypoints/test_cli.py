@@ -141,6 +141,28 @@ def test_a_model_path_without_a_model_is_refused_before_anything_starts(tmp_path
     check_model_path(str(tmp_path / "notes.txt"), load_format="gguf")
 
 
+def test_a_chat_template_that_cannot_render_is_refused_before_anything_starts(tmp_path, capsys):
+    """Not UTF-8: a UnicodeDecodeError traceback after the model had loaded (exit 3); a Jinja
+    syntax error: the server started and every chat request got a 400 blaming the client."""
+    from rs_testing import make_tiny_served_model
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    binary, broken = tmp_path / "binary.jinja", tmp_path / "broken.jinja"
+    binary.write_bytes(b"\xff\xfe{{ messages }}")
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    for path, message in (
+        (binary, "cannot be read as UTF-8 text"),
+        (broken, "is not a valid Jinja template: line 1: unexpected '}'"),
+    ):
+        for command in ("serve", "generate"):
+            argv = [command, *(["hi"] if command == "generate" else [])]
+            with pytest.raises(SystemExit) as exit_:
+                main([*argv, "--model-path", model, "--chat-template", str(path)])
+            assert exit_.value.code == 2
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err
+
+
 def test_a_context_longer_than_the_models_positions_needs_saying_so(tmp_path, capsys, monkeypatch):
     # --context-length 10**8 once hung the start-up building a rotary table of 10**8 rows.
     from rs_testing import make_tiny_model_dir

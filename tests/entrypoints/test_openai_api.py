@@ -143,9 +143,14 @@ def test_chat_request_errors(fake_tm):
     with pytest.raises(RequestError, match="logprobs"):
         chat_to_generate(no_logprobs, fake_tm)
     image = [{"type": "image_url"}]
-    with pytest.raises(RequestError, match="image_url"):
+    with pytest.raises(RequestError, match="messages.0.content.0: unsupported .* 'image_url'"):
         chat_to_generate(
             ChatCompletionRequest(messages=[{"role": "user", "content": image}]), fake_tm
+        )
+    no_text = [{"type": "text", "text": "a"}, {"type": "text"}]  # was "unsupported type 'text'"
+    with pytest.raises(RequestError, match=r"messages.0.content.1.text is required"):
+        chat_to_generate(
+            ChatCompletionRequest(messages=[{"role": "user", "content": no_text}]), fake_tm
         )
 
 

@@ -157,6 +157,18 @@ def test_required_and_named_constrain_to_a_schema_of_calls(
     assert not validator.is_valid([])
 
 
+def test_a_named_tool_choice_puts_only_that_tool_in_the_prompt(tools_client):
+    """Every tool reached the template though only the named one can be called (SGLang keeps
+    the named one only)."""
+    client, tm = tools_client
+    named = {"type": "function", "function": {"name": "get_time"}}
+    body = {"messages": [USER], "tools": TOOLS, "tool_choice": named}
+    assert client.post(CHAT, json=body).status_code == 200
+    assert [t["function"]["name"] for t in tm.template_calls[-1][1]["tools"]] == ["get_time"]
+    assert client.post(CHAT, json={**body, "tool_choice": "required"}).status_code == 200
+    assert len(tm.template_calls[-1][1]["tools"]) == 2
+
+
 TREE = {  # refers to itself ("#"), to its $defs and to an older-style definitions entry
     "type": "object",
     "properties": {
