@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
+MOONCAKE_BATCH = 512  # copies per batch_transfer_sync_write
 
 
 class TransferError(RuntimeError):
@@ -155,9 +156,15 @@ class MooncakeTransfer:
                 local.append(base + s * tb)
                 remote.append(peer_addr + d * tb)
                 lengths.append(n * tb)
-        ret = self.engine.batch_transfer_sync_write(peer["session"], local, remote, lengths)
-        if ret != 0:
-            raise TransferError(f"Mooncake's write to {peer['session']} failed (status {ret})")
+        # One batch per MOONCAKE_BATCH copies: its TCP transport refuses a batch of more than
+        # about 2,100 (a fragmented pool: KV buffers x runs), and the pair could stay broken.
+        for i in range(0, len(local), MOONCAKE_BATCH):
+            batch = slice(i, i + MOONCAKE_BATCH)
+            ret = self.engine.batch_transfer_sync_write(
+                peer["session"], local[batch], remote[batch], lengths[batch]
+            )
+            if ret != 0:
+                raise TransferError(f"Mooncake's write to {peer['session']} failed (status {ret})")
 
     def receive(self, payload: Any, dst: list[int]) -> None:
         """The bytes are already in place: the prefill side wrote them into this pool."""
