@@ -13,7 +13,8 @@ A request arrives with the prefill server's bootstrap host, port and room. Its l
 
 A `failed` message, no `done` within --disaggregation-timeout, or a prefill server that stops
 answering pings fails the request with an error (HTTP 503 before any token) and frees its row
-and slots at once; a client abort here frees them too and tells the prefill server.
+and slots at once; a client abort here frees them too and tells the prefill server, as does
+any end of a request before it reserved (an abort while queued, a refusal, a timeout).
 """
 
 from __future__ import annotations
@@ -79,10 +80,30 @@ class DecodePrealloc(DisaggSide):
         return False  # a decoded request is released as in a plain server
 
     def on_aborted(self, req: Req) -> None:
-        pass
+        """A request that ends here before it reserved slots (aborted while queued, refused,
+        out of time): its prefill copy is told to stop. It waited for a reservation until its
+        own timeout (60 s by default; behind SGLang's router the client waited as long for a
+        400 this side had answered at once)."""
+        room = req.bootstrap_room
+        if room is None or not req.bootstrap_host or req.disagg_reserved or self._room_in_use(room):
+            return  # (reserved: _drop tells the peer; in use: another request's room)
+        address = self.peer_address(req)
+        try:
+            self.channel.connect(address)
+        except ValueError:  # an address ZMQ cannot parse: nobody to tell
+            return
+        self.channel.send(
+            address, {"type": "abort", "room": room, "reply_to": self.channel.address}
+        )
+
+    def _room_in_use(self, room: int) -> bool:
+        return room in self.waiting_kv or any(r.bootstrap_room == room for r in self.prealloc)
 
     def has_work(self) -> bool:
         return bool(self.prealloc or self.waiting_kv or self.quarantine)
+
+    def holds_reservations(self) -> bool:
+        return bool(self.waiting_kv)
 
     def queued_reqs(self) -> list[Req]:
         """The requests this side holds outside the scheduler's queues."""
@@ -165,6 +186,7 @@ class DecodePrealloc(DisaggSide):
                 continue
             req.req_pool_idx = s.req_to_token_pool.alloc(1)[0]
             req.kv_allocated_len = 0
+            req.disagg_reserved = True
             slots = batch._alloc_slots([req], [0], [n])
             req.last_node = s.tree_cache.root_node
             self.peers.setdefault(address, {"ping": 0.0, "pong": time.monotonic()})

@@ -42,6 +42,7 @@ class PrefillBootstrap(DisaggSide):
         self.reservations: dict[int, tuple[float, dict[str, Any]]] = {}  # arrived first
         self.sending: list[tuple[Req, concurrent.futures.Future]] = []
         self.cancelled: dict[int, float] = {}  # rooms the decode side gave up, since when
+        self.ended: dict[int, tuple[float, str]] = {}  # rooms ended here before pairing: why
         # Decode servers (their channel addresses) a transfer failed to, since when; and when
         # each last pinged. One that has not pinged since gets no more tries (_send), so a dead
         # decode server does not hold the transfer thread a failed write (~1 s) per request.
@@ -132,10 +133,26 @@ class PrefillBootstrap(DisaggSide):
 
     def on_aborted(self, req: Req) -> None:
         """A paired request aborted here before its forward finished: the decode side stops
-        waiting for it."""
+        waiting for it. One that ends before it paired (aborted while it waited, refused):
+        the decode side's reservation, arrived or still to come, is answered `failed` at once
+        (it held its slots until the timeout, then blamed a request never received)."""
+        message = (req.finished_reason or {}).get("message") or req.to_abort or "aborted"
         if req.disagg_target is not None:
-            self._fail_reservation(req.disagg_target, req.to_abort or "aborted")
+            self._fail_reservation(req.disagg_target, message)
             req.disagg_target = None
+            return
+        room = req.bootstrap_room
+        if (
+            room is None
+            or room in self.waiting
+            or any(r.bootstrap_room == room for r, _ in self.sending)
+        ):
+            return  # (in use: another request's room, refused as a duplicate)
+        arrived = self.reservations.pop(room, None)
+        if arrived is not None:
+            self._fail_reservation(arrived[1], message)
+        else:
+            self.ended[room] = (time.monotonic(), message)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.sending)
@@ -182,6 +199,10 @@ class PrefillBootstrap(DisaggSide):
             req = self.waiting.pop(msg["room"], None)
             if req is not None:
                 self.s._finish_queued_abort(req, error, status_code=400)
+            return
+        ended = self.ended.pop(msg["room"], None)
+        if ended is not None:  # its request ended here before the reservation came
+            self._fail_reservation(msg, ended[1])
             return
         req = self.waiting.pop(msg["room"], None)
         if req is None:
@@ -267,6 +288,9 @@ class PrefillBootstrap(DisaggSide):
             for key, t in list(since.items()):
                 if now > t + 2 * self.timeout:
                     del since[key]
+        for room, (t, _) in list(self.ended.items()):
+            if now > t + 2 * self.timeout:
+                del self.ended[room]
         for room, (t, msg) in list(self.reservations.items()):
             if now > t + self.timeout:
                 del self.reservations[room]

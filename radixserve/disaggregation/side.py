@@ -21,6 +21,10 @@ class DisaggSide:
         self.num_transferred = 0
         self.num_failed = 0
 
+    def holds_reservations(self) -> bool:
+        """Slots are held for requests that will run here later (decode: KV on its way)."""
+        return False
+
     def close(self) -> None:
         self.channel.close()
         self.transfer.close()

@@ -125,6 +125,7 @@ class Req:
         self.bootstrap_room: int | None = None
         self.disagg_target: dict[str, Any] | None = None
         self.disagg_deadline = 0.0
+        self.disagg_reserved = False  # decode side: its slots were reserved (the peer knows)
 
     # -- lengths --------------------------------------------------------------------------------
     @property

@@ -144,6 +144,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
         self.ending: list[Req] = []  # overlap: left the running batch, last token in flight
+        self.decode_waits_for_reservations = False  # P/D decode: no room until KV arrives
         self.last_batch: ScheduleBatch | None = None
         self.grammar_manager = GrammarManager(
             server_args.grammar_backend,
@@ -490,7 +491,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             return 0 if self.has_work() else idle_ms
         busy = (
             self.waiting_queue
-            or self.running_batch.reqs
+            or (self.running_batch.reqs and not self.decode_waits_for_reservations)
             or self.chunked_req
             or self.result_queue
             or self.grammar_manager.queue
@@ -632,6 +633,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
         """Make room for one decode step: evict, then retract, then abort (never crash).
         With speculative decoding the step verifies draft trees when that pays and fits."""
+        self.decode_waits_for_reservations = False
         if self.spec_worker is not None and self._prepare_verify(batch):
             self.ratio.on_decode_step()
             return batch
@@ -646,6 +648,13 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 logger.info("retracted %d requests; KV pool is full", len(retracted))
             if not self._decode_fits(batch):
                 self._retract_chunked_req()
+            if not self._decode_fits(batch) and self.disagg and self.disagg.holds_reservations():
+                # P/D decode: reservations for requests whose KV is on its way hold the rest of
+                # the pool. The last request waits, its KV kept, rather than end as if it could
+                # never fit: the KV arrives (and the two retract as usual) or the reservation
+                # fails and frees its slots. (Retracted, it re-prefilled thousands of times.)
+                self.decode_waits_for_reservations = True
+                return None
             if not self._decode_fits(batch):
                 last = batch.reqs[0]
                 last.finished_reason = finish_abort(

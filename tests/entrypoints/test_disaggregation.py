@@ -404,3 +404,79 @@ def test_a_prefill_request_for_a_room_the_decode_side_gave_up_ends_at_once(pd):
     )
     _pool_free(prefill)
     _pool_free(decode)
+
+
+def test_a_prefill_request_that_ends_before_pairing_fails_the_reservation_at_once(pd):
+    """Aborted on the prefill side while it waited for its reservation: the decode side
+    reserved slots for the room anyway, held them until --disaggregation-timeout and then
+    said the prefill server never received the request."""
+    _, prefill, port, decode, _ = pd
+    pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 79}
+    body = {"text": "z" * 300, "sampling_params": GREEDY, "rid": "ends-first", **pairing}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, prefill.url + "/generate", json=body, timeout=60)
+        deadline = time.monotonic() + 30
+        while prefill.server_info()["disaggregation"]["waiting_for_decode"] == 0:
+            assert time.monotonic() < deadline and not waiting.done()
+            time.sleep(0.05)
+        r = httpx.post(prefill.url + "/abort_request", json={"rid": "ends-first"}, timeout=30)
+        assert r.status_code == 200
+        assert waiting.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    start = time.monotonic()
+    r = httpx.post(decode.url + "/generate", json={**body, "rid": None}, timeout=60)
+    assert time.monotonic() - start < TIMEOUT_S, "waited for the timeout"
+    assert r.status_code == 503 and "prefill server failed" in r.text, r.text
+    _pool_free(prefill)
+    _pool_free(decode)
+
+
+def test_a_decode_request_that_ends_before_reserving_stops_its_prefill_copy(
+    pd, tmp_path, tiny_model
+):
+    """Aborted on the decode side while it queued for a reservation: the prefill copy waited
+    --disaggregation-timeout for a reservation that could never come (behind SGLang's router,
+    the client waited as long)."""
+    _, prefill, port, _, backend = pd
+    decode = ServerProcess(
+        str(tmp_path),
+        "--model-path",
+        tiny_model,
+        *_decode_flags(backend),
+        "--max-running-requests",
+        "1",
+    )
+    _ready(decode)
+    try:
+        pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 81}
+        body = {"text": "w" * 200, "sampling_params": GREEDY, "rid": "queued", **pairing}
+        busy = {"text": "busy", "sampling_params": {**GREEDY, "max_new_tokens": 4000}}
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            occupying = pool.submit(httpx.post, decode.url + "/generate", json=busy, timeout=120)
+            deadline = time.monotonic() + 30
+            while decode.server_info()["running"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            queued = pool.submit(httpx.post, decode.url + "/generate", json=body, timeout=60)
+            while decode.server_info()["disaggregation"]["waiting_for_slots"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            copy = pool.submit(
+                httpx.post, prefill.url + "/generate", json={**body, "rid": None}, timeout=60
+            )
+            while prefill.server_info()["disaggregation"]["waiting_for_decode"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            start = time.monotonic()
+            httpx.post(decode.url + "/abort_request", json={"rid": "queued"}, timeout=30)
+            assert queued.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+            r = copy.result()
+            assert time.monotonic() - start < TIMEOUT_S, "the prefill copy waited the timeout"
+            assert r.json()["meta_info"]["finish_reason"]["message"] == (
+                "the decode server aborted the request"
+            )
+            httpx.post(decode.url + "/abort_request", json={"abort_all": True}, timeout=30)
+            occupying.result()
+        _pool_free(prefill)
+        _pool_free(decode)
+    finally:
+        decode.stop()

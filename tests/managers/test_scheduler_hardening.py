@@ -209,3 +209,49 @@ def test_a_chunk_size_that_is_not_a_multiple_of_the_page_says_so(caplog):
         r = Run(page_size=16, chunked_prefill_size=8)
     assert r.s.chunked_prefill_size == 16
     assert "--chunked-prefill-size 8 is not a multiple of --page-size 16" in caplog.text
+
+
+class _Reservations:
+    """A P/D decode side that holds `slots` for a request whose KV has not arrived."""
+
+    def __init__(self, slots) -> None:
+        self.slots = slots
+
+    def holds_reservations(self) -> bool:
+        return self.slots is not None
+
+    def poll(self) -> list:
+        return []
+
+    def has_work(self) -> bool:
+        return self.slots is not None
+
+    def poll_interval_ms(self) -> int:
+        return 50
+
+    def on_aborted(self, req) -> None:
+        pass
+
+    def on_finished(self, req) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_decode_crowded_by_reservations_waits_instead_of_aborting(overlap):
+    """P/D decode: slots reserved for a request whose KV is late left the running request
+    (10 + 40 tokens, fits the 60-token pool alone) without room; it was aborted ("prompt +
+    output exceed the pool"). It now waits, its KV kept, until the reservation resolves."""
+    r = Run(total_tokens=60, max_running=4, overlap=overlap)
+    r.submit("a", [3 + k for k in range(10)], max_new=40)
+    while r.s.running_batch.is_empty():
+        r.step()
+    reserved = r.s.allocator.alloc(15)
+    r.s.disagg = _Reservations(reserved)
+    for _ in range(100):  # runs out of room, then waits
+        r.step()
+    assert "a" not in r.reasons(), r.reasons()  # not aborted: waiting
+    assert r.s.poll_timeout_ms(50) == 50  # (and not spinning meanwhile)
+    r.s.allocator.free(reserved)  # the reservation failed: its slots are back
+    r.s.disagg = None
+    r.drain()
+    r.check_complete()
