@@ -379,53 +379,44 @@ def test_a_client_abort_while_waiting_for_kv_frees_the_reservation(pd):
     _pool_free(prefill)  # its reservation for room 77 expires there on its own
 
 
-def test_a_prefill_request_for_a_room_the_decode_side_gave_up_ends_at_once(pd):
-    """The decode side aborted room 78 before its prefill request arrived; that request once
-    waited out --disaggregation-timeout for a reservation that could never come."""
-    _, prefill, port, decode, _ = pd
-    pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 78}
-    body = {"text": "y" * 300, "sampling_params": GREEDY, "rid": "gave-up", **pairing}
+def _abort_while_waiting(server: ServerProcess, body: dict[str, Any], state: str) -> None:
+    """Send `body` to one side of the pair, abort it by its rid once the side's disaggregation
+    stats count it in `state` (waiting for its peer), and check that it ended aborted."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(httpx.post, decode.url + "/generate", json=body, timeout=60)
+        waiting = pool.submit(httpx.post, server.url + "/generate", json=body, timeout=60)
         deadline = time.monotonic() + 30
-        while decode.server_info()["disaggregation"]["waiting_for_kv"] == 0:
+        while server.server_info()["disaggregation"][state] == 0:
             assert time.monotonic() < deadline and not waiting.done()
             time.sleep(0.05)
-        r = httpx.post(decode.url + "/abort_request", json={"rid": "gave-up"}, timeout=30)
+        r = httpx.post(server.url + "/abort_request", json={"rid": body["rid"]}, timeout=30)
         assert r.status_code == 200
         assert waiting.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
-    # (whether the decode side's abort reaches the prefill side before this request or after,
-    # it ends with that message)
-    start = time.monotonic()
-    r = httpx.post(prefill.url + "/generate", json={**body, "rid": None}, timeout=60)
-    assert time.monotonic() - start < TIMEOUT_S, "waited for the timeout"
-    assert r.json()["meta_info"]["finish_reason"]["message"] == (
-        "the decode server aborted the request"
-    )
-    _pool_free(prefill)
-    _pool_free(decode)
 
 
-def test_a_prefill_request_that_ends_before_pairing_fails_the_reservation_at_once(pd):
-    """Aborted on the prefill side while it waited for its reservation: the decode side
-    reserved slots for the room anyway, held them until --disaggregation-timeout and then
-    said the prefill server never received the request."""
+@pytest.mark.parametrize("first", ["decode", "prefill"])
+def test_a_side_that_aborts_a_request_before_pairing_ends_the_other_at_once(pd, first):
+    """decode first: the decode side aborted room 78 before its prefill request arrived; that
+    request once waited out --disaggregation-timeout for a reservation that could never come.
+    prefill first: aborted there while it waited for its reservation, room 79; the decode side
+    reserved slots for it anyway, held them until the timeout and then said the prefill server
+    never received the request."""
     _, prefill, port, decode, _ = pd
-    pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 79}
-    body = {"text": "z" * 300, "sampling_params": GREEDY, "rid": "ends-first", **pairing}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(httpx.post, prefill.url + "/generate", json=body, timeout=60)
-        deadline = time.monotonic() + 30
-        while prefill.server_info()["disaggregation"]["waiting_for_decode"] == 0:
-            assert time.monotonic() < deadline and not waiting.done()
-            time.sleep(0.05)
-        r = httpx.post(prefill.url + "/abort_request", json={"rid": "ends-first"}, timeout=30)
-        assert r.status_code == 200
-        assert waiting.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    room, state, other = {
+        "decode": (78, "waiting_for_kv", prefill),
+        "prefill": (79, "waiting_for_decode", decode),
+    }[first]
+    pairing = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+    body = {"text": "y" * 300, "sampling_params": GREEDY, "rid": f"{first}-first", **pairing}
+    _abort_while_waiting(decode if first == "decode" else prefill, body, state)
+    # (whether the abort reaches the other side before this request or after, it ends so)
     start = time.monotonic()
-    r = httpx.post(decode.url + "/generate", json={**body, "rid": None}, timeout=60)
+    r = httpx.post(other.url + "/generate", json={**body, "rid": None}, timeout=60)
     assert time.monotonic() - start < TIMEOUT_S, "waited for the timeout"
-    assert r.status_code == 503 and "prefill server failed" in r.text, r.text
+    if first == "decode":
+        message = r.json()["meta_info"]["finish_reason"]["message"]
+        assert message == "the decode server aborted the request"
+    else:
+        assert r.status_code == 503 and "prefill server failed" in r.text, r.text
     _pool_free(prefill)
     _pool_free(decode)
 

@@ -126,6 +126,17 @@ def test_rejection_sampling_with_deterministic_drafts_reproduces_the_target(chil
     _chi2_ok(second, torch.tensor(P_NODE), m)
 
 
+def _drafts_from(q: torch.Tensor):
+    """A draft model's one-token chains: each draws its token from q and carries q."""
+
+    def draft() -> DraftTree:
+        tree = DraftTree.chain([3, int(torch.multinomial(q, 1))])
+        tree.draft_probs = q.view(1, -1)
+        return tree
+
+    return draft
+
+
 def test_rejection_sampling_with_a_draft_distribution_reproduces_the_target():
     """STANDALONE: drafts drawn from q, accepted with min(1, p/q), residual max(p - q, 0)."""
     torch.manual_seed(1)
@@ -133,15 +144,9 @@ def test_rejection_sampling_with_a_draft_distribution_reproduces_the_target():
     rows = _logits_from([P_ROOT, P_NODE])
     req = FakeReq(SamplingParams(temperature=1.0))
     n = 8000
-
-    def draft() -> DraftTree:
-        tree = DraftTree.chain([3, int(torch.multinomial(q, 1))])
-        tree.draft_probs = q.view(1, -1)
-        return tree
-
     counts = torch.zeros(V)
     accepted = 0
-    for tokens, nodes in _draw_many(rows, req, draft, n):
+    for tokens, nodes in _draw_many(rows, req, _drafts_from(q), n):
         counts[tokens[0]] += 1
         accepted += len(nodes)
     _chi2_ok(counts, torch.tensor(P_ROOT), n)
@@ -166,14 +171,8 @@ def test_rejection_sampling_with_a_draft_distribution_under_filters(filters):
     q_kept[keep] = q[keep] / q[keep].sum()
     rows = _logits_from([P_ROOT, P_NODE])
     n = 8000
-
-    def draft() -> DraftTree:
-        tree = DraftTree.chain([3, int(torch.multinomial(q_kept, 1))])
-        tree.draft_probs = q_kept.view(1, -1)
-        return tree
-
     counts = torch.zeros(V)
-    for tokens, _ in _draw_many(rows, req, draft, n):
+    for tokens, _ in _draw_many(rows, req, _drafts_from(q_kept), n):
         counts[tokens[0]] += 1
     _chi2_ok(counts, want, n)
 
