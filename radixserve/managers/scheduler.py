@@ -631,8 +631,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         return batch
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
-        """Make room for one decode step: evict, then retract, then abort (never crash).
-        With speculative decoding the step verifies draft trees when that pays and fits."""
+        """Make room for one decode step: evict, retract running requests (one stays), retract
+        the chunked request, wait where P/D reservations hold the room, and only then abort
+        (never crash). With speculative decoding the step verifies draft trees when that pays
+        and fits."""
         self.decode_waits_for_reservations = False
         if self.spec_worker is not None and self._prepare_verify(batch):
             self.ratio.on_decode_step()
