@@ -52,7 +52,7 @@ class DecodePrealloc(DisaggSide):
     # -- requests -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         room = req.bootstrap_room
-        if room in self.waiting_kv or any(r.bootstrap_room == room for r in self.prealloc):
+        if self._room_in_use(room):
             self.s._reject(req, f"bootstrap_room {room} is already in use on this server")
             return
         req.disagg_deadline = time.monotonic() + self.timeout

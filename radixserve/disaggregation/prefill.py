@@ -62,7 +62,7 @@ class PrefillBootstrap(DisaggSide):
     # -- requests -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         room = req.bootstrap_room
-        if room in self.waiting or any(r.bootstrap_room == room for r, _ in self.sending):
+        if self._room_in_use(room):
             self.s._reject(req, f"bootstrap_room {room} is already in use on this server")
             return
         if self.cancelled.pop(room, None) is not None:  # given up before it came
@@ -142,17 +142,16 @@ class PrefillBootstrap(DisaggSide):
             req.disagg_target = None
             return
         room = req.bootstrap_room
-        if (
-            room is None
-            or room in self.waiting
-            or any(r.bootstrap_room == room for r, _ in self.sending)
-        ):
+        if room is None or self._room_in_use(room):
             return  # (in use: another request's room, refused as a duplicate)
         arrived = self.reservations.pop(room, None)
         if arrived is not None:
             self._fail_reservation(arrived[1], message)
         else:
             self.ended[room] = (time.monotonic(), message)
+
+    def _room_in_use(self, room: int) -> bool:
+        return room in self.waiting or any(r.bootstrap_room == room for r, _ in self.sending)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.sending)

@@ -69,6 +69,7 @@ WARMUP_TIMEOUT_S = 300.0
 WARMUP_FLUSH_S = 10.0
 WATCHDOG_INTERVAL_S = 0.5
 GRACEFUL_SHUTDOWN_S = 3
+SHUTTING_DOWN = "the server is shutting down"  # what requests cut short by a stop are told
 # How long an idle keep-alive connection stays open: longer than clients keep idle connections
 # in their pools (httpx, and so the OpenAI SDK: 5 s; aiohttp: 15 s). At uvicorn's default of
 # 5 s the server could close a connection just as a client reused it, which the client sees as
@@ -171,7 +172,7 @@ async def _watchdog(state: AppState) -> None:
             stopping_since = stopping_since or now
             if now - stopping_since >= GRACEFUL_SHUTDOWN_S - 2 * WATCHDOG_INTERVAL_S:
                 if hasattr(state.tokenizer_manager, "fail_all"):
-                    state.tokenizer_manager.fail_all("the server is shutting down")
+                    state.tokenizer_manager.fail_all(SHUTTING_DOWN)
                 return
     finally:
         announce.cancel()
@@ -685,7 +686,7 @@ def _serve(app: FastAPI, server_args: ServerArgs, signals: _Signals) -> int:
             super().handle_exit(sig, frame)
             tm, loop = state.tokenizer_manager, state.loop
             if self.force_exit and loop is not None and hasattr(tm, "fail_all"):
-                loop.call_soon_threadsafe(tm.fail_all, "the server is shutting down")
+                loop.call_soon_threadsafe(tm.fail_all, SHUTTING_DOWN)
 
         async def shutdown(self, sockets: Any = None) -> None:
             await super().shutdown(sockets)

@@ -108,12 +108,14 @@ def detached(out: Any) -> Any:
         return [detached(o) for o in out]
     if not isinstance(out, dict):
         return out
-    kept = {k: list(v) if isinstance(v, list) else v for k, v in out.items()}
+    kept = _lists_copied(out)
     if isinstance(out.get("meta_info"), dict):
-        kept["meta_info"] = {
-            k: list(v) if isinstance(v, list) else v for k, v in out["meta_info"].items()
-        }
+        kept["meta_info"] = _lists_copied(out["meta_info"])
     return kept
+
+
+def _lists_copied(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, list) else v for k, v in d.items()}
 
 
 class TokenizerManager:
