@@ -287,6 +287,31 @@ def test_length_bounded_strings_admit_no_raw_control_character(backend, tokenize
         }
 
 
+def test_the_schema_walk_before_a_compile_is_linear(monkeypatch):
+    """The walk that rewrites bounded strings visited "items" twice (it is a schema keyword and
+    a list one): items nested n deep took 2^n steps, and the compile thread of a 300-deep
+    schema never ended, holding the GIL (the test suite ran for hours)."""
+    from radixserve.constrained import xgrammar_backend
+
+    walk = xgrammar_backend.bounded_strings_as_patterns
+    calls = 0
+
+    def counted(schema):
+        nonlocal calls
+        calls += 1
+        return walk(schema)
+
+    monkeypatch.setattr(xgrammar_backend, "bounded_strings_as_patterns", counted)
+    schema: dict = {"type": "string", "maxLength": 3}
+    for _ in range(18):
+        schema = {"type": "array", "items": schema, "prefixItems": [{"type": "integer"}]}
+    out = counted(schema)
+    assert calls <= 3 * 19  # the array, its list of prefix items and that item, per level
+    for _ in range(18):
+        out = out["items"]
+    assert out == {"type": "string", "pattern": f"^{xgrammar_backend._PLAIN_CHAR}{{0,3}}$"}
+
+
 def test_special_tokens_and_padding_never_allowed(tokenizer):
     padded = len(tokenizer) + 64  # model vocab larger than the tokenizer's
     eos = [tokenizer.eos_token_id, 0]
