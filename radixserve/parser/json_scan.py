@@ -204,14 +204,3 @@ class JsonScanner:
         if depth == 0:
             self.end = end
         self._expect = "comma"
-
-
-def is_value_prefix(text: str) -> bool:
-    """Whether `text` is one JSON value, or the beginning of one (strict JSON, as json.loads
-    reads it: no control characters inside strings)."""
-    scanner = JsonScanner(object_only=False)
-    try:
-        scanner.feed(text)
-    except ScanError:
-        return False
-    return scanner.end is None or skip_ws(text, scanner.end) == len(text)

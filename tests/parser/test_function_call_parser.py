@@ -194,14 +194,25 @@ def test_malformed_after_commit_does_not_crash():
     assert make_detector("hermes", TOOLS).parse(text).calls == []
 
 
+def is_value_prefix(text: str) -> bool:
+    """Whether `text` is one JSON value, or the beginning of one (strict JSON, as json.loads
+    reads it: no control characters inside strings)."""
+    from radixserve.parser.json_scan import JsonScanner, ScanError, skip_ws
+
+    scanner = JsonScanner(object_only=False)
+    try:
+        scanner.feed(text)
+    except ScanError:
+        return False
+    return scanner.end is None or skip_ws(text, scanner.end) == len(text)
+
+
 @pytest.mark.parametrize("parser", ["hermes", "qwen25"])
 def test_arguments_that_stop_being_json_are_never_streamed(parser):
     """Arguments broken mid-value (here a closing tag where a value should be): what is
     streamed as arguments is only ever a beginning of a JSON value, and the rest is text; a
     call whose arguments are already broken when it would commit is text whole, as parse()
     reads it."""
-    from radixserve.parser.json_scan import is_value_prefix
-
     text = '<tool_call>\n{"name": "get_time", "arguments": {"tz": \n</tool_call> after'
     detector = make_detector(parser, TOOLS)
     pieces = [p for c in text for p in detector.parse_streaming(c).pieces]
@@ -232,8 +243,6 @@ def test_arguments_that_stop_being_json_are_never_streamed(parser):
     ],
 )
 def test_is_value_prefix(text, prefix):
-    from radixserve.parser.json_scan import is_value_prefix
-
     assert is_value_prefix(text) is prefix
 
 
