@@ -7,12 +7,13 @@ import logging
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,19 @@ def progress_bar(*args: Any, **kwargs: Any) -> Any:
 def configure_logging(level: str = "info", prefix: str = "") -> None:
     fmt = f"[%(asctime)s{(' ' + prefix) if prefix else ''}] %(levelname)s %(message)s"
     logging.basicConfig(level=level.upper(), format=fmt, datefmt="%H:%M:%S", force=True)
+
+
+def exit_failed_start(name: str, ready: Any, e: Exception, *, stack: bool = False) -> NoReturn:
+    """A child process that could not start: log why (with the stack where it is the
+    project's own fault), tell the parent over `ready` in one line, exit 1."""
+    log = logging.getLogger(f"radixserve.{name}")
+    log.error("%s failed to start: %s: %s", name, type(e).__name__, e, exc_info=stack)
+    if ready is not None:
+        try:
+            ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        except OSError:  # the parent already gave up (e.g. another TP rank failed first)
+            pass
+    sys.exit(1)
 
 
 def configure_child_process(name: str, log_level: str = "info") -> None:

@@ -9,9 +9,7 @@ no_stop_trim. Control messages (cache flush, server info, errors) pass straight 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,7 +130,7 @@ def run_detokenizer_process(
     """Process entry: PULL BatchTokenIDOutput from the scheduler, PUSH BatchStrOutput. The loop
     writes the time into `heartbeat` at least every HEARTBEAT_POLL_MS, busy or idle, so the
     server's watchdog tells a stuck detokenizer from an idle one."""
-    from radixserve.utils import configure_child_process, zmq_socket
+    from radixserve.utils import configure_child_process, exit_failed_start, zmq_socket
 
     configure_child_process("detokenizer", server_args.log_level)
     import zmq
@@ -145,11 +143,7 @@ def run_detokenizer_process(
         recv = zmq_socket(ctx, zmq.PULL, port_args.detokenizer_ipc, bind=True)
         send = zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc, bind=False)
     except Exception as e:  # the parent reports it in one line (an unhandled one: a traceback)
-        logger.error("detokenizer failed to start: %s: %s", type(e).__name__, e)
-        if ready is not None:
-            with contextlib.suppress(OSError):
-                ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
-        sys.exit(1)
+        exit_failed_start("detokenizer", ready, e)
     manager = DetokenizerManager(tokenizer)
     if ready is not None:
         ready.send({"status": "ready"})

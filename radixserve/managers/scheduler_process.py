@@ -37,7 +37,7 @@ def run_scheduler_process(
     tp_rank: int = 0,
     dp_rank: int = 0,
 ) -> None:
-    from radixserve.utils import configure_child_process, zmq_socket
+    from radixserve.utils import configure_child_process, exit_failed_start, zmq_socket
 
     name = "scheduler" if server_args.tp_size == 1 else f"scheduler-tp{tp_rank}"
     configure_child_process(name, server_args.log_level)
@@ -75,13 +75,7 @@ def run_scheduler_process(
             server_args, send.send_pyobj if send else _drop_output, tokenizer, worker, dp_rank
         )
     except Exception as e:
-        logger.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
-        if ready is not None:
-            try:
-                ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
-            except OSError:  # the parent already gave up (e.g. another TP rank failed first)
-                pass
-        sys.exit(1)
+        exit_failed_start(name, ready, e, stack=True)
     if ready is not None:
         info = {**scheduler.tp_worker.get_memory_info(), **scheduler.startup_summary()}
         ready.send({"status": "ready", **info})
