@@ -275,7 +275,8 @@ def timeout_message(kind: str, seconds: float = GRAMMAR_TIMEOUT_S) -> str:
 # Schema keywords xgrammar accepts without enforcing them (checked against xgrammar 0.2.9: a
 # value they forbid is still generated), so a response could end with "stop" and not match.
 _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains")
-# Keywords whose value is a schema, a list of schemas, or a map of name → schema.
+# Keywords whose value is a schema, a list of schemas ("items" is either: a list in drafts
+# 4-7), or a map of name → schema.
 _SUBSCHEMA = (
     "additionalProperties",
     "unevaluatedProperties",
@@ -288,12 +289,30 @@ _SUBSCHEMA = (
     "if",
     "then",
     "else",
+    "prefixItems",
+    "anyOf",
+    "oneOf",
+    "allOf",
 )
-_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")
-# Each keyword once ("items" is a schema or, in draft 4-7, a list): walked twice, a schema's
-# items nested n deep took 2^n steps, and a compile thread that never ended held the GIL.
-_SUBSCHEMA_KEYS = tuple(dict.fromkeys((*_SUBSCHEMA, *_SUBSCHEMA_LISTS)))
+
+
+def _subschema_slots(schema: dict) -> Iterator[tuple[str, dict | list, Any]]:
+    """(path from `schema`, container, key) for each direct subschema of `schema`: read it as
+    container[key], replace it there. Each keyword is visited once (visited twice, "items"
+    nested n deep took 2^n steps)."""
+    for key in _SUBSCHEMA:
+        value = schema.get(key)
+        if isinstance(value, dict):
+            yield key, schema, key
+        elif isinstance(value, list):
+            for i in range(len(value)):
+                yield f"{key}/{i}", value, i
+    for key in _SUBSCHEMA_MAPS:
+        value = schema.get(key)
+        if isinstance(value, dict):
+            for name in value:
+                yield f"{key}/{name}", value, name
 
 
 def unenforced_keywords(schema: object, path: str = "#") -> Iterator[str]:
@@ -310,16 +329,8 @@ def unenforced_keywords(schema: object, path: str = "#") -> Iterator[str]:
         yield f"allOf of several schemas at {path}"
     if "multipleOf" in schema and schema.get("type") != "integer":
         yield f"multipleOf of a non-integer at {path}"
-    for key in _SUBSCHEMA:
-        yield from unenforced_keywords(schema.get(key), f"{path}/{key}")
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                yield from unenforced_keywords(sub, f"{path}/{key}/{i}")
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                yield from unenforced_keywords(sub, f"{path}/{key}/{name}")
+    for sub_path, container, key in _subschema_slots(schema):
+        yield from unenforced_keywords(container[key], f"{path}/{sub_path}")
 
 
 # A JSON string's characters, written unescaped: no quote, backslash or control character.
@@ -327,23 +338,20 @@ _PLAIN_CHAR = '[^"\\\\\\x00-\\x1f]'
 
 
 def bounded_strings_as_patterns(schema: Any) -> Any:
-    """`schema` with each string schema bounded by minLength / maxLength (and no pattern or
-    format) written as the pattern of as many plain characters. xgrammar 0.2.9 compiles such a
-    string as any characters but quote, backslash, CR and LF, so a tab or another control
-    character could be generated raw inside it: the output was not JSON (json.loads refuses
-    it) and a forced tool call was not parsed. The pattern keeps its reading (escapes were not
-    allowed either) without them."""
-    if isinstance(schema, list):
-        return [bounded_strings_as_patterns(s) for s in schema]
+    """A copy of `schema` with each string schema bounded by minLength / maxLength (and no
+    pattern or format) written as the pattern of as many plain characters. xgrammar 0.2.9
+    compiles such a string as any characters but quote, backslash, CR and LF, so a tab or
+    another control character could be generated raw inside it: the output was not JSON
+    (json.loads refuses it) and a forced tool call was not parsed. The pattern keeps its
+    reading (escapes were not allowed either) without them."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _SUBSCHEMA_KEYS:  # a schema or a list of them
-        if key in out:
-            out[key] = bounded_strings_as_patterns(out[key])
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: bounded_strings_as_patterns(v) for k, v in out[key].items()}
+    for key in (*_SUBSCHEMA, *_SUBSCHEMA_MAPS):  # copied before their slots are replaced
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = type(out[key])(out[key])
+    for _, container, key in _subschema_slots(out):
+        container[key] = bounded_strings_as_patterns(container[key])
     bounds = (out.get("minLength"), out.get("maxLength"))
     if (
         out.get("type") == "string"

@@ -305,7 +305,9 @@ def test_the_schema_walk_before_a_compile_is_linear(monkeypatch):
     schema: dict = {"type": "string", "maxLength": 3}
     for _ in range(18):
         schema = {"type": "array", "items": schema, "prefixItems": [{"type": "integer"}]}
+    before = json.dumps(schema)
     out = counted(schema)
+    assert json.dumps(schema) == before  # a copy: the request's schema is left as it was
     assert calls <= 3 * 19  # the array, its list of prefix items and that item, per level
     for _ in range(18):
         out = out["items"]
