@@ -631,16 +631,21 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         return batch
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
-        """Make room for one decode step: evict, retract running requests (one stays), retract
-        the chunked request, wait where P/D reservations hold the room, and only then abort
-        (never crash). With speculative decoding the step verifies draft trees when that pays
-        and fits."""
+        """Make room for one decode step: evict, wait for requests ending in the step in flight
+        (overlap), retract running requests (one stays), retract the chunked request, wait
+        where P/D reservations hold the room, and only then abort (never crash). With
+        speculative decoding the step verifies draft trees when that pays and fits."""
         self.decode_waits_for_reservations = False
         if self.spec_worker is not None and self._prepare_verify(batch):
             self.ratio.on_decode_step()
             return batch
         if not self._decode_fits(batch) and self.hicache is not None:
             self._await_cache_copies(lambda: self._decode_fits(batch))
+        if not self._decode_fits(batch) and self.ending:
+            # Overlap: requests whose last token is in flight give their slots back once that
+            # step's result is processed. Wait for it (one round) rather than retract or abort
+            # (a request that fits the pool alone was aborted beside one ending).
+            return None
         if not self._decode_fits(batch):
             retracted = batch.retract_decode(lambda reqs: self._decode_fits(self._new_batch(reqs)))
             if retracted:

@@ -71,6 +71,21 @@ def test_a_request_that_fills_the_pool_exactly_ends_as_in_the_normal_loop(
         assert r.tokens()["a"] == expected_output(_prompt(2, prompt), max_new)
 
 
+def test_a_request_beside_one_ending_in_the_step_in_flight_is_not_aborted():
+    """Pool 64: a (36 + 10 tokens) fits alone, b (12 + 9) ends first. The overlap loop found
+    no room for a's next step while b's last step was in flight, and aborted a ("no longer
+    fits in the KV cache"); b's slots came back a moment later."""
+    b_prompt = [90 - i for i in range(12)]
+    for overlap in (True, False):
+        r = Run(overlap, total_tokens=64)
+        r.submit("a", list(range(3, 39)), max_new_tokens=10)
+        r.submit("b", b_prompt, max_new_tokens=9)
+        r.drain()
+        assert r.reasons()["a"]["type"] == "length", (overlap, r.reasons()["a"])
+        assert r.tokens()["a"] == expected_output(list(range(3, 39)), 10)
+        assert r.tokens()["b"] == expected_output(b_prompt, 9)
+
+
 def test_two_prefills_in_a_row_stream_the_first_before_the_second_runs():
     r = Run()
     seen: list[tuple[list[str], int]] = []  # (rids of a forward, outputs sent when it began)
