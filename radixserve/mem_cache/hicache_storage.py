@@ -41,7 +41,7 @@ STORAGE_BACKENDS = ("file",)
 # a change of format starts a new directory instead of reading old blocks as corrupt.
 BLOCK_HEADER = struct.Struct("<4sQI")
 BLOCK_MAGIC = b"RSKV"
-FILE_FORMAT = 1
+FILE_FORMAT = 2  # 2: block keys tell no extra key from the key "None"
 # The files of a model directory whose contents decide the KV (the weights and the config).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 # A temporary block file this old was left by a process killed in the middle of a write (a
@@ -53,7 +53,10 @@ def block_hashes(
     token_ids: list[int], block_size: int, extra_key: str | None = None, start_block: int = 0
 ) -> list[str]:
     """Chain hashes of the whole blocks of token_ids (the last partial block has none)."""
-    prev = hashlib.sha256(f"radixserve-hicache:{extra_key}".encode()).digest()
+    # No extra key and the key "None" are apart (formatted, both read "None": a request could
+    # read the blocks of a namespace it did not name).
+    seed = b"\x00" if extra_key is None else b"\x01" + extra_key.encode()
+    prev = hashlib.sha256(b"radixserve-hicache:" + seed).digest()
     out: list[str] = []
     for i in range(len(token_ids) // block_size):
         block = token_ids[i * block_size : (i + 1) * block_size]

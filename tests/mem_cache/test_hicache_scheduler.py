@@ -201,6 +201,17 @@ def test_storage_survives_a_restart(tmp_path):
     assert second.s.get_server_info()["hicache_storage_hit_tokens"] == 192
 
 
+def test_storage_keys_keep_each_extra_key_apart():
+    """A request with extra_key "None" read the blocks of requests with no extra key (the chain
+    seed was formatted: both read "None")."""
+    from radixserve.mem_cache.hicache_storage import block_hashes
+
+    tokens = list(range(3, 67))
+    chains = [block_hashes(tokens, 32, key) for key in (None, "None", "", "x")]
+    assert all(len(c) == 2 for c in chains)
+    assert len({c[0] for c in chains}) == len(chains)
+
+
 class _FullDiskFile:
     """A file on a full disk: opening works, every write fails with ENOSPC."""
 
