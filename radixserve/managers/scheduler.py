@@ -58,6 +58,8 @@ from radixserve.utils import torch_threads
 logger = logging.getLogger(__name__)
 
 ABORTED_BY_CLIENT = "aborted by the client"
+# How long /flush_cache waits for the hierarchical cache's copies of finished requests' KV.
+FLUSH_WAIT_S = 30.0
 
 
 def cpus_for_overlap(device: str) -> bool:
@@ -467,7 +469,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         """Called when nothing ran; the served loop sleeps on its socket instead of spinning."""
         time.sleep(0.001)
 
-    def has_work(self) -> bool:
+    def has_work(self, cache_copies: bool = True) -> bool:
+        """Requests to serve, or (`cache_copies`) the hierarchical cache's copies in flight."""
         in_last = self.last_batch is not None and any(
             not r.finished() for r in self.last_batch.reqs
         )
@@ -478,7 +481,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             or in_last
             or self.grammar_manager.queue
             or self.result_queue
-            or (self.hicache is not None and self.hicache.has_pending())
+            or (cache_copies and self.hicache is not None and self.hicache.has_pending())
             or (self.disagg is not None and self.disagg.has_work())
         )
 
@@ -776,8 +779,18 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         return LoRAUpdateReqOutput(True)
 
     def flush_cache(self) -> FlushCacheReqOutput:
-        if self.has_work():
+        if self.has_work(cache_copies=False):
             return FlushCacheReqOutput(False, "cannot flush the cache while requests are running")
+        if self.hicache is not None and self.hicache.has_pending():
+            # The last requests' KV is still being backed up (host, storage): a flush right
+            # after a run waits for it, a bounded time (it was refused as "requests running").
+            self._await_cache_copies(lambda: not self.hicache.has_pending(), FLUSH_WAIT_S)
+            if self.hicache.has_pending():
+                return FlushCacheReqOutput(
+                    False,
+                    "cannot flush the cache while the hierarchical cache's copies are in flight "
+                    f"(still after {FLUSH_WAIT_S:g} s: a slow storage tier?); try again",
+                )
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()

@@ -85,6 +85,30 @@ def _hold_copies(run: FakeRun):
     return gate
 
 
+def test_a_flush_right_after_a_run_waits_for_the_cache_copies(tmp_path, monkeypatch):
+    """The last request finished, its KV still being written to the host and storage: the flush
+    was refused as "requests are running" (a benchmark flushing between runs got a 400). It
+    waits for the copies now; copies that do not land in time are named."""
+    import threading
+
+    from radixserve.managers import scheduler
+
+    run = FakeRun(total_tokens=512, max_running=4, **file_storage_flags(tmp_path))
+    gate = _hold_copies(run)
+    run.submit("a", [random.Random(1).randrange(3, 97) for _ in range(200)], max_new=4)
+    while "a" not in run.reasons() or run.s.has_work(cache_copies=False):
+        run.step()
+    assert run.s.hicache.has_pending()
+    monkeypatch.setattr(scheduler, "FLUSH_WAIT_S", 0.2)
+    out = run.s.flush_cache()
+    assert not out.success and "copies are in flight" in out.message
+    threading.Timer(0.1, gate.set).start()
+    monkeypatch.setattr(scheduler, "FLUSH_WAIT_S", 30.0)
+    assert run.s.flush_cache().success
+    assert not run.s.hicache.has_pending()
+    run.s.close()
+
+
 def _fill_then_evict(run: FakeRun, prompt: list[int]) -> None:
     """Run prompt, then enough other prompts that its prefix is demoted to the host."""
     run.submit("first", prompt, max_new=4)
