@@ -116,14 +116,20 @@ class LoRAConfig:
                 raise LoRAError(f"LoRA adapter {path!r}: {what} are not supported")
         if cfg.get("bias", "none") != "none":
             raise LoRAError(f"LoRA adapter {path!r}: trained biases (bias={cfg['bias']!r})")
-        r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+        # PEFT's LoraConfig writes lora_alpha; a config without it means PEFT's default, 8
+        # (not r: the adapter's scale came out r / 8 times PEFT's).
+        r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)
         if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
             raise LoRAError(
                 f"LoRA adapter {path!r}: r must be a positive integer, lora_alpha a number"
             )
+        try:
+            alpha = float(alpha)  # an integer beyond a float's range overflows
+        except OverflowError:
+            alpha = math.inf
         if not math.isfinite(alpha):
             raise LoRAError(f"LoRA adapter {path!r}: lora_alpha must be finite, got {alpha}")
-        return cls(r=r, alpha=float(alpha), use_rslora=bool(cfg.get("use_rslora", False)))
+        return cls(r=r, alpha=alpha, use_rslora=bool(cfg.get("use_rslora", False)))
 
 
 @dataclass
@@ -180,7 +186,7 @@ class LoRAAdapter:
         tensors = _read_tensors(_weight_file(path))  # type: ignore[arg-type]
         halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
-            m = _KEY.match(key)
+            m = _KEY.match(key) if isinstance(key, str) else None
             if m is None:
                 raise LoRAError(
                     f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B weight of "
@@ -207,7 +213,8 @@ class LoRAAdapter:
                 )
             if not (a.is_floating_point() and b.is_floating_point()):
                 raise LoRAError(f"{where}: weights must be floating point")
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            # (float8 has no isfinite of its own)
+            if not (torch.isfinite(a.float()).all() and torch.isfinite(b.float()).all()):
                 raise LoRAError(f"{where}: weights hold NaN or infinite values")
             weights[(layer, proj)] = (a, b)
         if not weights:

@@ -750,6 +750,9 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             manager.load(req.lora_name, req.lora_path)
         except LoRAError as e:
             error = str(e)
+        except Exception as e:  # a file no check foresaw: the adapter is refused, not the server
+            logger.exception("loading LoRA adapter %r failed", req.lora_name)
+            error = f"cannot load LoRA adapter {req.lora_name!r}: {type(e).__name__}: {e}"
         if self.tp_sync is not None:  # every rank serves the adapter, or none does
             agreed = self.tp_sync.agree(error)
             if agreed is not None and error is None:

@@ -365,6 +365,16 @@ def _shape(tiny) -> ModelShape:
         ({"r": 0}, None, "positive integer"),
         ({"lora_alpha": float("inf")}, None, "lora_alpha must be finite"),
         ({"lora_alpha": float("nan")}, None, "lora_alpha must be finite"),
+        ({"lora_alpha": 10**400}, None, "lora_alpha must be finite"),  # (OverflowError)
+        (
+            None,  # float8 has no isfinite (NotImplementedError)
+            {
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.full(
+                    (4, 64), float("nan")
+                ).to(torch.float8_e4m3fn)
+            },
+            "weights hold NaN",
+        ),
         (None, {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, "lm_head"),
         (
             None,
@@ -377,6 +387,37 @@ def test_unservable_adapters_are_refused(tiny, tmp_path, config, extra, match):
     path = write_adapter(str(tmp_path / "x"), tiny["model"], r=4, config=config, extra=extra)
     with pytest.raises(LoRAError, match=match):
         LoRAAdapter.load("x", path, _shape(tiny))
+
+
+def test_a_config_without_lora_alpha_scales_as_peft_does(tiny, tmp_path):
+    """PEFT's default lora_alpha is 8 (the scale was taken as r / r = 1)."""
+    path = write_adapter(str(tmp_path / "x"), tiny["model"], r=16)
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        conf = json.load(f)
+    del conf["lora_alpha"]
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(conf, f)
+    assert LoRAAdapter.load("x", path, _shape(tiny)).config.alpha == 8.0
+
+
+def test_an_adapter_failing_as_no_check_foresaw_is_refused_not_fatal(tiny, monkeypatch):
+    """An exception other than LoRAError while loading (float8 weights raised
+    NotImplementedError) ended the scheduler's loop: the whole server went down."""
+    from radixserve.io_struct import LoadLoRAAdapterReq
+
+    h = _harness(tiny)
+    manager = h.scheduler.tp_worker.model_runner.lora_manager
+
+    def load(name: str, path: str) -> None:
+        raise NotImplementedError('"isfinite" not implemented for this dtype')
+
+    monkeypatch.setattr(manager, "load", load)
+    out = h.scheduler.load_lora_adapter(LoadLoRAAdapterReq("x", "/somewhere"))
+    assert not out.success
+    assert out.message == (
+        "cannot load LoRA adapter 'x': NotImplementedError: "
+        '"isfinite" not implemented for this dtype'
+    )
 
 
 def test_adapter_shapes_and_halves_are_checked(tiny, tmp_path):
