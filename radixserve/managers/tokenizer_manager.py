@@ -365,7 +365,10 @@ class TokenizerManager:
                 f"logprob_start_len {obj.logprob_start_len} is past the prompt's "
                 f"{len(input_ids)} tokens"
             )
-        lora_id, extra_key = obj.lora_path, obj.extra_key
+        lora_id = obj.lora_path
+        # The client's key has a namespace of its own: it could name an adapter's ("lora:...")
+        # and read, or write base-model KV into, that adapter's cache.
+        extra_key = None if obj.extra_key is None else f"user:{obj.extra_key}"
         if lora_id is not None:
             if lora_id not in self.lora_keys:
                 loaded = ", ".join(sorted(self.lora_keys)) or "none (start with --lora-paths)"

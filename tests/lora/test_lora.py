@@ -494,6 +494,13 @@ def test_the_engine_serves_adapters_per_prompt(tiny):
         again = e.generate(input_ids=prompts[0], sampling_params=params, lora_path="a")
         assert again["output_ids"] == refs["a"][0]
         assert again["meta_info"]["cached_tokens"] >= len(prompts[0]) - 1
+        # A client's extra_key spelling the adapter's namespace reads (and writes) only its own
+        # (it got a's KV, and a base request's KV could be served to a's requests).
+        a_key = adapter_key("a", tiny["adapters"]["a"])
+        for key in (a_key, f"{a_key}|x"):
+            base = e.generate(input_ids=prompts[0], sampling_params=params, extra_key=key)
+            assert base["output_ids"] == refs[None][0]
+            assert base["meta_info"]["cached_tokens"] == 0
         for bad, match in [
             ({"lora_path": "zz"}, "unknown LoRA adapter 'zz'; loaded: a, b, c"),
             ({"lora_path": 3}, "lora_path must be an adapter name"),
