@@ -171,6 +171,9 @@ class OpenAIServing:
     # -- completions ------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
         lora = self._lora_of(req)
+        # Named now: the adapter may be unloaded once the request has ended, before its
+        # response is written (a served request was answered 404 "does not exist").
+        model = self._model_name(req)
         obj = completion_to_generate(req)
         obj.lora_path = lora
         prompts, _ = normalize_prompt(req.prompt)
@@ -180,10 +183,10 @@ class OpenAIServing:
         if not req.stream:
             outs = _as_list(await collect(gen, request))
             echo = self._echo_parts(prompts) if req.echo else None
-            return json_response(self._completion_response(req, rid, created, outs, echo))
+            response = self._completion_response(req, rid, created, model, outs, echo)
+            return json_response(response)
         first = await first_item(gen, request)
         echo = self._echo_parts(prompts) if req.echo else None
-        model = self._model_name(req)
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
             return CompletionChunk(
@@ -213,6 +216,7 @@ class OpenAIServing:
         req: CompletionRequest,
         rid: str,
         created: int,
+        model: str,
         outs: list[dict[str, Any]],
         echo: list[str] | None,
     ) -> CompletionResponse:
@@ -234,7 +238,6 @@ class OpenAIServing:
                 )
             )
         usage = make_usage([o["meta_info"] for o in outs], req.n)
-        model = self._model_name(req)
         return CompletionResponse(
             id=rid, created=created, model=model, choices=choices, usage=usage
         )
@@ -273,11 +276,11 @@ class OpenAIServing:
         obj.lora_path = lora
         parsing = ChatParsing.for_request(req, self.tool_call_parser, self.reasoning_parser)
         rid, created = "chatcmpl-" + new_rid(), int(time.time())
-        model = self._model_name(req)
+        model = self._model_name(req)  # (now: as for completions)
         gen = self.tm.generate_request(obj, None)
         if not req.stream:
             outs = _as_list(await collect(gen, request))
-            return json_response(self._chat_response(req, rid, created, outs, parsing))
+            return json_response(self._chat_response(req, rid, created, model, outs, parsing))
         first = await first_item(gen, request)
         parsers = [parsing.new_choice() if parsing.active else None for _ in range(req.n)]
 
@@ -306,6 +309,7 @@ class OpenAIServing:
         req: ChatCompletionRequest,
         rid: str,
         created: int,
+        model: str,
         outs: list[dict[str, Any]],
         parsing: ChatParsing,
     ) -> ChatCompletionResponse:
@@ -329,7 +333,6 @@ class OpenAIServing:
                 )
             )
         usage = make_usage([o["meta_info"] for o in outs], req.n)
-        model = self._model_name(req)
         return ChatCompletionResponse(
             id=rid, created=created, model=model, choices=choices, usage=usage
         )

@@ -55,6 +55,25 @@ def test_the_model_or_lora_path_picks_the_adapter(served, path):
     assert r.status_code == 400 and "ad1" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_adapter_unloaded_as_its_request_ends_leaves_the_response_whole(served, path):
+    """The adapter was looked up again once the request had ended, and an unload in that
+    moment (it is allowed then) turned a served request into a 404 "does not exist"."""
+    client, tm, _, _ = served
+    generate = tm.generate_request
+
+    async def then_unloaded(obj, request=None):
+        async for item in generate(obj, request):
+            yield item
+        tm.lora_paths.pop("ad1", None)  # what /unload_lora_adapter does as the request ends
+
+    tm.generate_request = then_unloaded
+    body = {"prompt": "ab"} if path == "/v1/completions" else {"messages": USER}
+    r = client.post(path, json={**body, "model": "ad1", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "ad1" and "ad1" not in tm.lora_paths
+
+
 def test_streamed_chunks_name_the_adapter(served):
     client, _, _, _ = served
     body = {"prompt": "ab", "model": "ad1", "stream": True, "max_tokens": 2}
