@@ -242,7 +242,13 @@ class LlamaForCausalLM(nn.Module):
                         )
                     param.copy_(tensor)
                 else:
-                    param.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+                    rows = self._shard_rows(name)
+                    if tensor.shape != (rows, *param.shape[1:]):
+                        raise ValueError(
+                            f"{name}: shape {tuple(tensor.shape)} != {(rows, *param.shape[1:])} "
+                            "(the config's head counts or sizes do not match the checkpoint)"
+                        )
+                    param.narrow(0, offset, rows).copy_(tensor)
             loaded.add(f"{target}@{offset}")
         self._check_all_loaded(params, loaded)
 
@@ -262,6 +268,16 @@ class LlamaForCausalLM(nn.Module):
                 return target, attn.q_size + attn.kv_size
             return target, shard * self.model.layers[0].mlp.local_intermediate_size
         return name, None
+
+    def _shard_rows(self, name: str) -> int:
+        """The rows of fused part `name` (q, k, v, gate or up) in its parameter on this rank."""
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        for _, part, shard in _STACKED:
+            if f".{part}." in name:
+                if shard == "q":
+                    return attn.q_size
+                return attn.kv_size if shard in ("k", "v") else mlp.local_intermediate_size
+        raise KeyError(name)
 
     def shard_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full checkpoint tensor `name` (replicated ones whole)."""
@@ -293,9 +309,21 @@ class LlamaForCausalLM(nn.Module):
         return tensor  # norms, down_proj's bias: replicated
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        """Every parameter arrived, and every part of a fused one (a checkpoint without k_proj
+        loaded, its rows left as initialised)."""
         missing = []
         for name in params:
-            if not any(key.split("@")[0] == name for key in loaded):
-                missing.append(name)
+            parts = [
+                (f".{fused}.", f".{part}.") for fused, part, _ in _STACKED if f".{fused}." in name
+            ]
+            if not parts:
+                if f"{name}@None" not in loaded:
+                    missing.append(name)
+                continue
+            for fused, part in parts:
+                hf_name = name.replace(fused, part)
+                target, offset = self.weight_location(hf_name)
+                if f"{target}@{offset}" not in loaded:
+                    missing.append(hf_name)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

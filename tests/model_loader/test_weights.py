@@ -85,3 +85,31 @@ def test_load_tokenizer_from_hf_directory(default_tokenizer: Any, tmp_path: Path
     text = "a radix tree"
     assert tokenizer.encode(text) == default_tokenizer.encode(text)
     assert tokenizer.chat_template == default_tokenizer.chat_template
+
+
+@pytest.mark.parametrize("broken", ["missing_k_proj", "missing_up_proj", "more_kv_heads"])
+def test_a_checkpoint_short_of_a_fused_part_is_refused(tmp_path: Path, broken: str) -> None:
+    """A checkpoint without layer 0's k_proj (or with fewer key/value heads than its config
+    says) loaded without a word: the fused qkv / gate_up rows it lacked kept their random
+    initial values, and the model served tokens from them."""
+    from rs_testing import make_tiny_model_dir
+    from safetensors.torch import load_file
+
+    from radixserve.model_loader.loader import load_model
+
+    path = str(tmp_path / "m")
+    make_tiny_model_dir(path, "llama")
+    tensors = load_file(f"{path}/model.safetensors")
+    if broken == "more_kv_heads":
+        config = json.loads(Path(path, "config.json").read_text())
+        assert config["num_attention_heads"] >= 2 * config["num_key_value_heads"]
+        config["num_key_value_heads"] *= 2
+        Path(path, "config.json").write_text(json.dumps(config))
+        match = "k_proj.weight: shape \\(32, 64\\) != \\(64, 64\\)"
+    else:
+        part = {"missing_k_proj": "self_attn.k_proj", "missing_up_proj": "mlp.up_proj"}[broken]
+        del tensors[f"model.layers.0.{part}.weight"]
+        save_file(tensors, f"{path}/model.safetensors")
+        match = f"missing 1 tensors, e.g. \\['model.layers.0.{part}.weight'\\]"
+    with pytest.raises(ValueError, match=match):
+        load_model(path, "safetensors", "float32", "cpu")
