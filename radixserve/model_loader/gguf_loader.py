@@ -132,6 +132,15 @@ def gguf_to_hf_config(path: str | GGUFReader) -> dict[str, Any]:
         token_id = _metadata(reader, f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             config["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(token_id)
+    # End-of-turn and end-of-message tokens end generation too (llama.cpp's end-of-generation
+    # set; Llama 3's <|eot_id|> ends each chat reply, its eos is <|end_of_text|>).
+    eos = [config["eos_token_id"]] if "eos_token_id" in config else []
+    for key in ("eot", "eom"):
+        token_id = _metadata(reader, f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and int(token_id) not in eos:
+            eos.append(int(token_id))
+    if len(eos) > 1:
+        config["eos_token_id"] = eos
     return config
 
 

@@ -27,12 +27,34 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def load_hf_config(model_dir: str) -> dict[str, Any]:
-    """The parsed config.json of a Hugging Face model directory."""
+    """The parsed config.json of a Hugging Face model directory, its eos_token_id a list that
+    also holds generation_config.json's (as transformers' generate stops: Llama 3 Instruct's
+    config names <|end_of_text|>, its generation config <|eot_id|> too, which ends each
+    chat reply)."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        cfg = json.load(f)
+    eos = _token_ids(cfg.get("eos_token_id"))
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        try:
+            with open(gen_path, encoding="utf-8") as f:
+                gen = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{gen_path} is not valid JSON: {e}") from None
+        if isinstance(gen, dict):
+            eos += [t for t in _token_ids(gen.get("eos_token_id")) if t not in eos]
+    if eos:
+        cfg["eos_token_id"] = eos
+    return cfg
+
+
+def _token_ids(value: Any) -> list[int]:
+    """A config's token id field (an id, a list of them, or null) as a list."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,6 +24,7 @@ from radixserve.model_loader.gguf_loader import (
     load_gguf_tokenizer,
     open_gguf,
 )
+from radixserve.model_loader.model_config import ModelConfig
 
 HIDDEN, HEADS, KV_HEADS, INTER, VOCAB, LAYERS = 64, 4, 2, 128, 320, 2
 # Per layer, the quant type of each projection: every type gguf-py can quantize appears.
@@ -88,7 +89,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(
-    path: Path, arch: str, tie: bool, head_dim: int = HIDDEN // HEADS, yarn: bool = False
+    path: Path,
+    arch: str,
+    tie: bool,
+    head_dim: int = HIDDEN // HEADS,
+    yarn: bool = False,
+    eot: int | None = None,
 ) -> dict[str, tuple[np.ndarray, QT]]:
     """Write a random tiny model; return {HF name: (original HF-layout weight, stored type)}."""
     rng = np.random.default_rng(0)
@@ -148,6 +154,9 @@ def write_tiny_gguf(
     writer.add_vocab_size(VOCAB)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if eot is not None:
+        writer.add_eot_token_id(eot)
+        writer.add_eom_token_id(2)  # the same as eos: once
     if yarn:
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(4.0)
@@ -229,6 +238,14 @@ def test_tiny_gguf_weights_round_trip(tmp_path: Path, arch: str, tie: bool, head
     model = load_hf_reference(str(path))
     assert_config_matches_transformers(config, model.config)
     assert_weights_match_transformers(ours, model)
+
+
+def test_end_of_turn_tokens_end_generation_too(tmp_path: Path) -> None:
+    """Llama 3's <|eot_id|> (tokenizer.ggml.eot_token_id) ends a chat reply; only eos did."""
+    path = tmp_path / "tiny-eot.gguf"
+    write_tiny_gguf(path, "llama", tie=True, eot=7)
+    assert gguf_to_hf_config(str(path))["eos_token_id"] == [2, 7]
+    assert ModelConfig.from_hf_config(gguf_to_hf_config(str(path))).eos_token_ids == (2, 7)
 
 
 def test_tiny_gguf_config_fields(tmp_path: Path) -> None:

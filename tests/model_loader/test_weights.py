@@ -68,6 +68,25 @@ def test_load_hf_config(tmp_path: Path) -> None:
     assert load_hf_config(str(tmp_path)) == config
 
 
+@pytest.mark.parametrize(
+    "config_eos,generation_eos,eos",
+    [
+        (128001, [128001, 128009], [128001, 128009]),
+        ([2], 7, [2, 7]),
+        (None, 5, [5]),
+        (3, None, [3]),
+    ],
+)
+def test_the_generation_configs_eos_tokens_end_generation_too(
+    tmp_path: Path, config_eos: Any, generation_eos: Any, eos: list[int]
+) -> None:
+    """Llama 3 Instruct's config.json names <|end_of_text|>; its generation_config.json adds
+    <|eot_id|>, which ends each chat reply (transformers' generate stops there; we did not)."""
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": config_eos}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    assert load_hf_config(str(tmp_path))["eos_token_id"] == eos
+
+
 def test_load_tokenizer_sends_gguf_paths_to_the_gguf_loader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
