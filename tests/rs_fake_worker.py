@@ -256,6 +256,9 @@ class PackedMaskBackend:
     def __init__(self, vocab_size: int = VOCAB) -> None:
         self.vocab_size = vocab_size
 
+    def close(self) -> None:
+        pass
+
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
         return torch.full((batch_size, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -127,7 +128,7 @@ class XGrammarBackend:
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, self.eos_token_ids)
         # Our cache replaces xgrammar's (unbounded by default), so each grammar is held once.
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="grammar")
+        self._pool = _CompilePool(num_workers)
         self._cache: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar | InvalidGrammar]] = (
             OrderedDict()
         )
@@ -211,7 +212,9 @@ class XGrammarBackend:
         return Grammar(xgr.GrammarMatcher(compiled), self.eos_token_ids)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Fail the compiles not yet done (their waiters wake at once) and stop the workers
+        (one compiling in C++ ends when its compile does)."""
+        self._pool.close()
 
     # -- masks ---------------------------------------------------------------------------------
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
@@ -235,6 +238,71 @@ class XGrammarBackend:
         shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
         bits = (mask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift; & 1 keeps one bit
         return bits.view(mask.shape[0], -1)[:, :vocab_size] == 0
+
+
+class _CompilePool:
+    """Compile threads whose close() fails every compile not yet done, the one running
+    included: whoever waits on it (a request's grammar check, a stopping server's last
+    requests) is answered at once. (A ThreadPoolExecutor cancels only those not started.) A
+    compile running in C++ cannot be stopped: its thread ends when it does, and the
+    interpreter's exit waits for it (a daemon thread still inside xgrammar at exit crashed
+    the process)."""
+
+    def __init__(self, num_workers: int) -> None:
+        self._num_workers = num_workers
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._pending: set[Future] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                future.set_exception(RuntimeError("the grammar backend is closed"))
+                return future
+            self._pending.add(future)
+            if len(self._threads) < self._num_workers:
+                thread = threading.Thread(target=self._work, name=f"grammar_{len(self._threads)}")
+                self._threads.append(thread)
+                thread.start()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            with self._lock:
+                if future not in self._pending or not future.set_running_or_notify_cancel():
+                    self._pending.discard(future)
+                    continue  # failed by close(), or cancelled
+            try:
+                result = fn(*args)
+            except BaseException as e:  # (fn returns its errors; this is a bug's traceback)
+                self._settle(future, exception=e)
+            else:
+                self._settle(future, result=result)
+
+    def _settle(self, future: Future, result: Any = None, exception: Any = None) -> None:
+        with self._lock:
+            if future not in self._pending:
+                return  # failed by close() meanwhile
+            self._pending.discard(future)
+            if exception is not None:
+                future.set_exception(exception)
+            else:
+                future.set_result(result)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pending, self._pending = self._pending, set()
+            for future in pending:
+                if not future.done():  # (a cancelled one is done)
+                    future.set_exception(RuntimeError("the grammar backend is closed"))
+            for _ in self._threads:
+                self._jobs.put(None)
 
 
 def build_tokenizer_info(

@@ -274,13 +274,17 @@ class Engine:
         self._closed = threading.Event()
         self.procs = None
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread = threading.Thread(target=_run_loop, args=(self.loop,), daemon=True)
         self._thread.start()
-        # The children start from the loop's thread, which lives as long as the engine: they
-        # die with the thread that started them (PR_SET_PDEATHSIG), and an Engine made in a
-        # worker thread lost them when that thread ended.
-        self._run(self._start_children())
-        self.tokenizer_manager: TokenizerManager = self._run(self._init_tm())
+        try:
+            # The children start from the loop's thread, which lives as long as the engine:
+            # they die with the thread that started them (PR_SET_PDEATHSIG), and an Engine made
+            # in a worker thread lost them when that thread ended.
+            self._run(self._start_children())
+            self.tokenizer_manager: TokenizerManager = self._run(self._init_tm())
+        except BaseException:  # (a failed start left its loop's thread running forever)
+            self.shutdown()
+            raise
         self.tokenizer = self.tokenizer_manager.tokenizer
         # Neither thread nor the exit hook holds the engine: one dropped without shutdown()
         # is collected, and __del__ stops its processes.
@@ -430,22 +434,36 @@ class Engine:
         return self._run(self.tokenizer_manager.get_server_info())
 
     def shutdown(self) -> None:
+        """Stop the processes, cancel what runs on the loop, stop the loop (its thread closes
+        it). Safe to call twice, from a failed __init__, and from the loop's own thread (an
+        engine dropped by a stream's last reference is collected there)."""
         if hasattr(self, "_closed"):
             self._closed.set()
         if getattr(self, "procs", None) is not None:
             self.procs.shutdown()
             self.procs = None  # type: ignore[assignment]
-        if self.loop.is_running():
-            asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self.loop).result(5)
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        loop = getattr(self, "loop", None)
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return
+        if threading.current_thread() is self._thread:  # waiting here would wait for itself
+            loop.create_task(self._cancel_tasks(stop=True))
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._cancel_tasks(), loop).result(5)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
             self._thread.join(5)
 
-    async def _cancel_tasks(self) -> None:
+    async def _cancel_tasks(self, stop: bool = False) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self.tokenizer_manager.close()
+        tm = getattr(self, "tokenizer_manager", None)
+        if tm is not None:
+            tm.close()
+        if stop:
+            asyncio.get_running_loop().stop()
 
     def __enter__(self) -> Engine:
         return self
@@ -458,6 +476,15 @@ class Engine:
             self.shutdown()
         except Exception:
             pass
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The engine's loop thread: run until shutdown() stops the loop, then close it (its
+    selector's file descriptors and its executor's threads went only with the Engine)."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
 
 
 def _watch_children(ref: weakref.ref, closed: threading.Event) -> None:

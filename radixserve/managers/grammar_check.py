@@ -40,3 +40,9 @@ class GrammarCheck:
         message = self._backend.validate(*key)
         if message is not None:
             raise RequestError(message)
+
+    def close(self) -> None:
+        """Stop the compiles in flight: a check waiting on one returns at once."""
+        with self._lock:
+            if self._backend is not None:
+                self._backend.close()

@@ -43,6 +43,10 @@ class GrammarManager:
             )
         return self._backend
 
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+
     def key_of(self, req: Req) -> tuple[str, str] | None:
         sp = req.sampling_params
         if sp.json_schema is None and sp.regex is None and sp.ebnf is None:

@@ -736,6 +736,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.disagg is not None:
             self.disagg.close()
             self.disagg = None
+        self.grammar_manager.close()
 
     # -- control (LoRA adapters loaded and unloaded while serving, the cache, info) --------------
     def load_lora_adapter(self, req: LoadLoRAAdapterReq) -> LoRAUpdateReqOutput:

@@ -175,6 +175,7 @@ class TokenizerManager:
         """Stop receiving and close both sockets and their context (call on the loop's thread);
         a context left to the garbage collector blocks whichever thread collects it."""
         self.closed = True
+        self._grammar_check.close()  # a check waiting on a compile returns now
         if self._reader is not None:
             loop, fd = self._reader
             loop.remove_reader(fd)
@@ -329,6 +330,7 @@ class TokenizerManager:
         if self.dp_controller is not None:
             self.dp_controller.fail_calls(RequestError(message, status_code))
         self.dead = message
+        self._grammar_check.close()  # requests still in their grammar check get the 503 now
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
@@ -366,15 +368,12 @@ class TokenizerManager:
                 f"{len(input_ids)} tokens"
             )
         lora_id = obj.lora_path
-        # The client's key has a namespace of its own: it could name an adapter's ("lora:...")
-        # and read, or write base-model KV into, that adapter's cache.
-        extra_key = None if obj.extra_key is None else f"user:{obj.extra_key}"
         if lora_id is not None:
-            if lora_id not in self.lora_keys:
-                loaded = ", ".join(sorted(self.lora_keys)) or "none (start with --lora-paths)"
-                raise RequestError(f"unknown LoRA adapter {lora_id!r}; loaded: {loaded}")
-            # Its KV is the adapter's own: the caches namespace it by the adapter's contents.
-            extra_key = self.lora_keys[lora_id] + ("" if extra_key is None else f"|{extra_key}")
+            self._adapter_key(lora_id)  # an unknown one is refused before the grammar check
+        # The client's key has a namespace of its own: it could name an adapter's ("lora:...")
+        # and read, or write base-model KV into, that adapter's cache. The adapter's part is
+        # added by _bind_adapters.
+        extra_key = None if obj.extra_key is None else f"user:{obj.extra_key}"
         return TokenizedGenerateReqInput(
             rid=obj.rid if isinstance(obj.rid, str) else new_rid(),
             input_text=text,
@@ -395,6 +394,22 @@ class TokenizerManager:
             data_parallel_rank=obj.data_parallel_rank,
         )
 
+    def _adapter_key(self, lora_id: str) -> str:
+        if lora_id not in self.lora_keys:
+            loaded = ", ".join(sorted(self.lora_keys)) or "none (start with --lora-paths)"
+            raise RequestError(f"unknown LoRA adapter {lora_id!r}; loaded: {loaded}")
+        return self.lora_keys[lora_id]
+
+    def _bind_adapters(self, tokenized_list: list[TokenizedGenerateReqInput]) -> None:
+        """Namespace each request's KV by its adapter's contents, as loaded now: called with no
+        await before the request is registered (an unload waits for registered requests). Bound
+        before the grammar check, an adapter unloaded and loaded from other files meanwhile
+        served the new weights from the old files' cached KV."""
+        for t in tokenized_list:
+            if t.lora_id is not None:
+                key = self._adapter_key(t.lora_id)
+                t.extra_key = key + ("" if t.extra_key is None else f"|{t.extra_key}")
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
@@ -413,7 +428,14 @@ class TokenizerManager:
         tokenized = self.tokenize_one(obj)
         sp = tokenized.sampling_params
         if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._grammar_check.check, sp)
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self._grammar_check.check, sp
+                )
+            except RuntimeError:  # closed under it (fail_all, close): the server is stopping
+                if self.dead is None and not self.closed:
+                    raise
+                raise RequestError(self.dead or "the server is shutting down", 503) from None
         return tokenized
 
     async def generate_request(
@@ -437,6 +459,9 @@ class TokenizerManager:
                     setattr(sub, name, value)
             tokenized_list += subs
             parents += [None] if n == 1 else [base.rid] * n
+        if self.dead is not None:  # it died during the checks: nobody would answer
+            raise RequestError(self.dead, 503)
+        self._bind_adapters(tokenized_list)
         self._admit(tokenized_list)
         states = [self._register(t) for t in tokenized_list]
         # (the prefill server's copy reaches the client through the router: see the field)

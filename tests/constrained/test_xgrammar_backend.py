@@ -443,6 +443,24 @@ def test_a_slow_compile_is_refused_after_the_timeout_and_does_not_hold_up_others
         b.close()
 
 
+def test_closing_fails_the_compiles_in_flight_at_once(tokenizer):
+    """A check waiting on a compile still running when its backend closed (a stopping server:
+    the grammar check of a request in flight) waited until the compile ended, tens of
+    seconds for a large schema."""
+    b = XGrammarBackend(tokenizer, vocab_size=len(tokenizer))
+    slow = {"type": "integer"}
+    for _ in range(300):
+        slow = {"type": "array", "items": slow}
+    future = b.get_future(("json", json.dumps(slow)))
+    queued = [b.get_future(("regex", f"[0-9]{{{n}}}x")) for n in range(1, 9)]
+    b.close()
+    for f in [future, *queued]:
+        with pytest.raises(RuntimeError, match="closed"):
+            f.result(1)
+    with pytest.raises(RuntimeError, match="closed"):
+        b.get_future(("regex", "[a-z]")).result(1)
+
+
 def test_cache_returns_same_compiled_object(backend):
     key = ("regex", r"[a-c]{2}")
     f1, f2 = backend.get_future(key), backend.get_future(key)

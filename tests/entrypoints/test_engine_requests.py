@@ -196,6 +196,51 @@ def test_an_engine_dropped_without_shutdown_is_collected_and_stops_its_processes
     assert not alive and not os.path.exists(ipc_dir)
 
 
+def test_an_engine_that_fails_to_start_leaves_no_thread_behind(tmp_path):
+    """Its shutdown, run by __del__, raised on the tokenizer manager it never made, and the
+    loop's thread (with three file descriptors) stayed for good, one more per failed start."""
+    import threading
+
+    from radixserve import Engine
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    weights = os.path.join(model, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="scheduler failed to start"):
+        Engine(model_path=model, dtype="float32", max_total_tokens=1024)
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert left == []
+
+
+def test_shutdown_closes_the_loop_and_an_engine_dropped_mid_stream_is_stopped(tmp_path):
+    """shutdown() left the loop open (its thread pool and file descriptors stayed while the
+    Engine was referenced). An engine whose last reference was a stream's, dropped, was
+    collected on its own loop's thread: shutdown() waited 5 s there for itself and the loop
+    never stopped."""
+    import gc
+    import weakref
+
+    from radixserve import Engine
+
+    model = make_tiny_served_model(str(tmp_path / "m"), context=CONTEXT)
+    e = Engine(model_path=model, dtype="float32", max_total_tokens=CONTEXT + 512)
+    loop = e.loop
+    e.shutdown()
+    assert loop.is_closed()
+    e = Engine(model_path=model, dtype="float32", max_total_tokens=CONTEXT + 512)
+    stream = e.generate("hi", LONG, stream=True)
+    next(stream)
+    thread, ref = e._thread, weakref.ref(e)
+    del e
+    stream.close()
+    del stream
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive() and ref() is None
+
+
 def test_an_engine_made_in_a_thread_that_ends_keeps_its_processes(tmp_path):
     """The children die with the thread that started them (PR_SET_PDEATHSIG): an Engine made
     in a worker thread answered every request with a 503 once that thread ended."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
+import threading
 from typing import Any
 
 import pytest
@@ -594,3 +595,62 @@ def test_a_detokenizer_that_cannot_start_says_why_on_its_ready_pipe(tmp_path):
     finally:
         proc.kill()
         shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+
+
+class _CheckThat:
+    """A grammar check that runs `during` on its thread, then waits until closed (or not)."""
+
+    def __init__(self, during: Any = None, block: bool = False) -> None:
+        self.during, self.block = during, block
+        self.entered, self.closed = threading.Event(), threading.Event()
+
+    def check(self, sp: Any) -> None:
+        self.entered.set()
+        if self.during is not None:
+            self.during()
+        if self.block:
+            self.closed.wait(15)
+            raise RuntimeError("the grammar backend is closed")
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_a_request_in_its_grammar_check_when_the_scheduler_dies_gets_a_503():
+    """fail_all answered only registered requests: one still in its grammar check waited for
+    the compile (tens of seconds for a large schema), then was sent to a dead scheduler."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        tm._grammar_check = check = _CheckThat(block=True)
+        task = asyncio.create_task(_collect(tm, _req(json_schema='{"type": "string"}')))
+        assert await asyncio.to_thread(check.entered.wait, 5)
+        tm.fail_all("radixserve-scheduler exited with code -9")
+        with pytest.raises(RequestError) as e:
+            await asyncio.wait_for(task, 5)
+        assert e.value.status_code == 503 and "exited" in str(e.value)
+        assert sockets.requests() == []
+
+    run(body())
+
+
+@pytest.mark.parametrize("user_key", [None, "tenant"])
+def test_an_adapter_reloaded_during_the_grammar_check_namespaces_its_new_files(user_key):
+    """The adapter's cache namespace (a hash of its files) was taken before the grammar check;
+    an unload and a load from other files meanwhile served the new weights from the KV the
+    old files' requests had cached."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        tm.lora_keys = {"a": "lora:a:old"}
+        tm._grammar_check = _CheckThat(during=lambda: tm.lora_keys.update(a="lora:a:new"))
+        obj = _req(json_schema='{"type": "string"}')
+        obj.lora_path, obj.extra_key = "a", user_key
+        task = asyncio.create_task(_collect(tm, obj))
+        while not sockets.requests():
+            await asyncio.sleep(0.01)
+        sent = sockets.requests()[0]
+        assert sent.extra_key == "lora:a:new" + ("" if user_key is None else "|user:tenant")
+        task.cancel()
+
+    run(body())
