@@ -60,7 +60,9 @@ class HostKVPool:
         """host[host_indices] = device[device_indices], every buffer."""
         for host, dev in zip(self.buffers, self.device_buffers, strict=True):
             idx = device_indices.to(dev.device, non_blocking=True)
-            host[host_indices] = dev.index_select(0, idx).to("cpu", non_blocking=True)
+            # Blocking (on the copy thread): a non-blocking device-to-host copy returns before
+            # its data is there, and the index-assign read it at once (garbage on a GPU).
+            host[host_indices] = dev.index_select(0, idx).to("cpu")
 
     def load_to_device(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
         """device[device_indices] = host[host_indices], every buffer."""
