@@ -58,6 +58,8 @@ from radixserve.utils import torch_threads
 logger = logging.getLogger(__name__)
 
 ABORTED_BY_CLIENT = "aborted by the client"
+# The served loop's wait for input while only grammar compiles or cache copies are pending.
+WAIT_POLL_MS = 5
 # How long /flush_cache waits for the hierarchical cache's copies of finished requests' KV.
 FLUSH_WAIT_S = 30.0
 
@@ -487,19 +489,28 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
 
     def poll_timeout_ms(self, idle_ms: int) -> int:
         """How long the served loop may wait for input before the next step: 0 with compute
-        to do; with only a P/D peer to wait for, until its message (the channel's socket is
-        polled too) or the peer's own interval; else idle_ms."""
-        disagg = self.disagg
-        if disagg is None or not disagg.has_work():
-            return 0 if self.has_work() else idle_ms
+        to do; waiting only for grammar compiles or the hierarchical cache's copies, which
+        end on other threads without waking the loop, WAIT_POLL_MS (it polled them flat out,
+        a core's worth of CPU beside the compile); with a P/D peer to wait for, until its
+        message (the channel's socket is polled too) or the peer's own interval; else idle_ms."""
+        in_last = self.last_batch is not None and any(
+            not r.finished() for r in self.last_batch.reqs
+        )
         busy = (
             self.waiting_queue
             or (self.running_batch.reqs and not self.decode_waits_for_reservations)
             or self.chunked_req
             or self.result_queue
-            or self.grammar_manager.queue
+            or in_last
         )
-        return 0 if busy else min(idle_ms, disagg.poll_interval_ms())
+        if busy:
+            return 0
+        timeout = idle_ms
+        if self.grammar_manager.queue or (self.hicache is not None and self.hicache.has_pending()):
+            timeout = min(timeout, WAIT_POLL_MS)
+        if self.disagg is not None and self.disagg.has_work():
+            timeout = min(timeout, self.disagg.poll_interval_ms())
+        return timeout
 
     def poll_sockets(self) -> list[Any]:
         """Sockets whose messages should wake the served loop besides its input."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from rs_fake_worker import FakeRun, expected_output
+from rs_fake_worker import FakeRun, PackedMaskBackend, expected_output
 
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.schedule_policy import PrefillAdder
@@ -255,3 +255,28 @@ def test_a_decode_crowded_by_reservations_waits_instead_of_aborting(overlap):
     r.s.disagg = None
     r.drain()
     r.check_complete()
+
+
+def test_the_served_loop_does_not_spin_while_only_a_grammar_compiles():
+    """A request waiting for its grammar's compile made the loop poll with no timeout: the
+    scheduler burned a core beside the compile. It waits a few milliseconds per poll now,
+    and still none while other requests run."""
+    from concurrent.futures import Future
+
+    r = Run()
+    assert r.s.poll_timeout_ms(50) == 50  # idle
+    r.submit("plain", [3, 4, 5], max_new=30)
+    r.step()
+    compiling: Future = Future()
+    gm = r.s.grammar_manager
+    gm.tokenizer, gm._backend = object(), PackedMaskBackend()  # (no tokenizer: "disabled")
+    gm._backend.get_future = lambda key: compiling  # type: ignore[attr-defined]
+    r.submit("constrained", [3, 4, 6], max_new=4, regex="a+")
+    assert gm.queue
+    assert r.s.poll_timeout_ms(50) == 0  # "plain" decodes
+    r.abort("plain")
+    while "plain" not in r.reasons():
+        r.step()
+    assert 0 < r.s.poll_timeout_ms(50) <= 10  # a compile's end is seen within milliseconds
+    compiling.set_exception(RuntimeError("closed"))
+    r.drain()
