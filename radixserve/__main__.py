@@ -67,20 +67,13 @@ def _serve(argv: list[str]) -> int:
 def _server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
     """The flags as ServerArgs; a bad value (or a model path that holds no model) ends the
     command as argparse does, with its usage, one line and exit status 2."""
-    from radixserve.model_loader.loader import (
-        check_context_length,
-        check_model_path,
-        detect_load_format,
-        load_model_config,
-    )
+    from radixserve.model_loader.loader import check_model_config, check_model_path
 
     try:
         server_args = ServerArgs.from_cli_args(ns)
         path, load_format = server_args.model_path, server_args.load_format
         check_model_path(path, load_format=load_format)
-        if path is not None and server_args.context_length is not None:
-            cfg = load_model_config(path, detect_load_format(path, load_format))
-            check_context_length(cfg, server_args.context_length, warn=False)
+        check_model_config(path, load_format, server_args.context_length)
         check_model_path(server_args.tokenizer_path, "--tokenizer-path")
         draft = server_args.speculative_draft_model_path
         check_model_path(draft, "--speculative-draft-model-path", load_format)

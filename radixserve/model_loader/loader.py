@@ -87,6 +87,22 @@ def _require_exists(path: str, flag: str) -> None:
         )
 
 
+def check_model_config(
+    model_path: str | None, load_format: str, context_length: int | None
+) -> None:
+    """Refuse, before any process starts, a model config that cannot be served (an unknown
+    architecture, a missing field) or a --context-length past its positions: found by the
+    scheduler instead, it was a traceback after seconds of start-up. A GGUF's metadata takes
+    seconds to read, so it is read here only when --context-length needs it."""
+    if model_path is None:
+        return
+    fmt = detect_load_format(model_path, load_format)
+    if fmt == "gguf" and context_length is None:
+        return
+    cfg = load_model_config(model_path, fmt)
+    check_context_length(cfg, context_length, warn=False)
+
+
 def detect_load_format(model_path: str, load_format: str) -> str:
     if load_format != "auto":
         return load_format

@@ -37,6 +37,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        try:
+            return cls._from_hf_config(cfg)
+        except KeyError as e:  # (a bare KeyError: 'num_attention_heads' named nothing else)
+            raise ValueError(f"the model's config lacks {e.args[0]!r}") from None
+        except (TypeError, ZeroDivisionError) as e:  # a field of the wrong type, a zero
+            raise ValueError(f"the model's config is invalid: {e}") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

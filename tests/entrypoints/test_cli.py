@@ -141,6 +141,41 @@ def test_a_model_path_without_a_model_is_refused_before_anything_starts(tmp_path
     check_model_path(str(tmp_path / "notes.txt"), load_format="gguf")
 
 
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {"architectures": ["MistralForCausalLM"]},
+            "unsupported architecture 'MistralForCausalLM'",
+        ),
+        ({"num_attention_heads": None}, "the model's config lacks 'num_attention_heads'"),
+    ],
+)
+def test_a_config_that_cannot_be_served_is_refused_before_anything_starts(
+    tmp_path, capsys, change, message
+):
+    """Only with --context-length was the config read up front: else the scheduler found it,
+    a traceback after the start-up's seconds (and a bare KeyError for a missing field)."""
+    import json
+
+    from rs_testing import make_tiny_model_dir
+
+    model = make_tiny_model_dir(str(tmp_path / "m"))
+    config_path = tmp_path / "m" / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(change)
+    config = {k: v for k, v in config.items() if v is not None}
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model-path", model])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    from radixserve import Engine
+
+    with pytest.raises(ValueError, match=message):
+        Engine(model_path=model)
+
+
 def test_a_chat_template_that_cannot_render_is_refused_before_anything_starts(tmp_path, capsys):
     """Not UTF-8: a UnicodeDecodeError traceback after the model had loaded (exit 3); a Jinja
     syntax error: the server started and every chat request got a 400 blaming the client."""
