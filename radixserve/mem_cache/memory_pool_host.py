@@ -105,16 +105,38 @@ def device_kv_buffers(kv_pool: Any) -> list[torch.Tensor]:
 def host_pool_tokens(
     device_tokens: int, bytes_per_token: int, ratio: float, size_gb: float, page_size: int
 ) -> int:
-    """--hicache-size GB when > 0, else --hicache-ratio × the device pool; whole pages, and at
-    least the device pool (every device node may need its host copy)."""
+    """--hicache-size GB when > 0, else --hicache-ratio × the device pool; whole pages, at
+    least the device pool (every device node may need its host copy), and within the host's
+    available memory (as SGLang checks: an absurd value failed as a raw allocation error, or
+    a size past the RAM was zero-filled until the OOM killer came)."""
     if size_gb > 0:
         n = int(size_gb * 2**30) // bytes_per_token
+        flag = f"--hicache-size {size_gb:g}"
     else:
-        n = int(device_tokens * ratio)
+        n = int(min(device_tokens * ratio, 2**62))
+        flag = f"--hicache-ratio {ratio:g}"
     n = n // page_size * page_size
     if n < device_tokens:
         raise ValueError(
             f"the hierarchical cache's host tier ({n} tokens) must hold at least the device KV "
             f"pool ({device_tokens} tokens): raise --hicache-ratio (>= 1) or --hicache-size"
         )
+    available = available_host_bytes()
+    if available is not None and n * bytes_per_token > available:
+        raise ValueError(
+            f"{flag} asks for a {n * bytes_per_token / 2**30:.1f} GiB host tier; this machine "
+            f"has {available / 2**30:.1f} GiB available: lower it"
+        )
     return n
+
+
+def available_host_bytes() -> int | None:
+    """Memory the host can still give (MemAvailable), or None where it is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

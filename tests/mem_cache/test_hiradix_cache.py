@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 
 import pytest
@@ -36,6 +37,16 @@ from radixserve.mem_cache.memory_pool_host import HostKVPool, host_pool_tokens
 def test_invalid_combinations_are_rejected(flags, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(**flags)
+
+
+@pytest.mark.parametrize(
+    "ratio,size_gb,flag", [(1e30, 0, "--hicache-ratio 1e+30"), (2.0, 1e9, "--hicache-size 1e+09")]
+)
+def test_a_host_tier_past_the_hosts_memory_is_refused_naming_the_flag(ratio, size_gb, flag):
+    """Such a value failed as a raw torch error (an overflow, "can't allocate"), or one just
+    past the free RAM was zero-filled until the OOM killer came."""
+    with pytest.raises(ValueError, match=re.escape(flag) + " asks for .* GiB available: lower it"):
+        host_pool_tokens(1000, 64, ratio=ratio, size_gb=size_gb, page_size=1)
 
 
 def test_host_tier_smaller_than_the_device_pool_is_rejected():
