@@ -88,7 +88,12 @@ def open_gguf(path: str) -> GGUFReader:
 
 @functools.lru_cache(maxsize=2)
 def _cached_reader(path: str, mtime_ns: int, size: int, inode: int) -> GGUFReader:
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as e:  # (numpy's "cannot reshape", "GGUF magic invalid")
+        raise ValueError(
+            f"{path} is not a readable GGUF file (a truncated or corrupt download?): {e}"
+        ) from None
 
 
 def gguf_to_hf_config(path: str | GGUFReader) -> dict[str, Any]:

@@ -283,6 +283,20 @@ def test_tiny_gguf_config_fields(tmp_path: Path) -> None:
     assert q_proj.shape == (HEADS * 32, HIDDEN)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not_gguf", "empty"])
+def test_a_damaged_gguf_file_is_named_as_such(tmp_path: Path, damage: str) -> None:
+    """A half-downloaded file failed with numpy's "cannot reshape array of size 1392", with
+    neither the path nor a hint."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", tie=True)
+    data = path.read_bytes()
+    path.write_bytes(
+        {"truncated": data[: len(data) // 2], "not_gguf": b"<html>" * 100, "empty": b""}[damage]
+    )
+    with pytest.raises(ValueError, match="tiny.gguf is not a readable GGUF file"):
+        gguf_to_hf_config(str(path))
+
+
 def test_unsupported_architecture_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "gpt2.gguf"
     writer = GGUFWriter(str(path), "gpt2")
