@@ -471,16 +471,16 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         """Called when nothing ran; the served loop sleeps on its socket instead of spinning."""
         time.sleep(0.001)
 
+    def _last_batch_unfinished(self) -> bool:
+        return self.last_batch is not None and any(not r.finished() for r in self.last_batch.reqs)
+
     def has_work(self, cache_copies: bool = True) -> bool:
         """Requests to serve, or (`cache_copies`) the hierarchical cache's copies in flight."""
-        in_last = self.last_batch is not None and any(
-            not r.finished() for r in self.last_batch.reqs
-        )
         return bool(
             self.waiting_queue
             or self.running_batch.reqs
             or self.chunked_req
-            or in_last
+            or self._last_batch_unfinished()
             or self.grammar_manager.queue
             or self.result_queue
             or (cache_copies and self.hicache is not None and self.hicache.has_pending())
@@ -493,15 +493,12 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         end on other threads without waking the loop, WAIT_POLL_MS (it polled them flat out,
         a core's worth of CPU beside the compile); with a P/D peer to wait for, until its
         message (the channel's socket is polled too) or the peer's own interval; else idle_ms."""
-        in_last = self.last_batch is not None and any(
-            not r.finished() for r in self.last_batch.reqs
-        )
         busy = (
             self.waiting_queue
             or (self.running_batch.reqs and not self.decode_waits_for_reservations)
             or self.chunked_req
             or self.result_queue
-            or in_last
+            or self._last_batch_unfinished()
         )
         if busy:
             return 0
