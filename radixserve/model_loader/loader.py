@@ -57,8 +57,10 @@ def check_model_path(
     if path is None:
         return
     _require_exists(path, flag)
-    if flag == "--tokenizer-path":  # a tokenizer's directory, or the .gguf that holds one
-        if not os.path.isdir(path) and not path.endswith(".gguf"):
+    if flag == "--tokenizer-path":  # a tokenizer's directory, or the GGUF file that holds one
+        from radixserve.model_loader.weights import is_gguf_file
+
+        if not os.path.isdir(path) and not path.endswith(".gguf") and not is_gguf_file(path):
             raise FileNotFoundError(f"{flag} {path!r} is neither a .gguf file nor a directory")
         return
     if os.path.isdir(path):

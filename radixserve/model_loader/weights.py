@@ -78,16 +78,26 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
 
 
 def load_tokenizer(path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
-    """Load the tokenizer of a HF directory, a ``.gguf`` file, or ``gguf_file`` inside ``path``."""
+    """Load the tokenizer of a HF directory, a GGUF file (by its name or, named otherwise, its
+    magic: --load-format gguf serves such a file), or ``gguf_file`` inside ``path``."""
     if gguf_file is not None:
         path = os.path.join(path, gguf_file)
-    if path.endswith(".gguf"):
+    if path.endswith(".gguf") or is_gguf_file(path):
         return load_gguf_tokenizer(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer path not found (expected a directory or .gguf): {path}")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def is_gguf_file(path: str) -> bool:
+    """A file that starts with GGUF's magic, whatever its name."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # a directory, or not there
+        return False
 
 
 def _safetensors_shards(model_dir: str) -> list[str]:

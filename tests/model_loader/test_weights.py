@@ -95,6 +95,17 @@ def test_load_tokenizer_sends_gguf_paths_to_the_gguf_loader(
     load_tokenizer(str(tmp_path / "m.gguf"))
     load_tokenizer(str(tmp_path), gguf_file="m.gguf")
     assert calls == [str(tmp_path / "m.gguf")] * 2
+    # Named otherwise (--load-format gguf serves it): found by its magic; the server died
+    # after loading the weights ("expected a directory or .gguf"), --tokenizer-path refused it.
+    (tmp_path / "model.bin").write_bytes(b"GGUF" + bytes(60))
+    load_tokenizer(str(tmp_path / "model.bin"))
+    assert calls[-1] == str(tmp_path / "model.bin")
+    from radixserve.model_loader.loader import check_model_path
+
+    check_model_path(str(tmp_path / "model.bin"), "--tokenizer-path")
+    (tmp_path / "other.bin").write_bytes(b"PK\x03\x04")
+    with pytest.raises(FileNotFoundError, match="neither a .gguf file nor a directory"):
+        check_model_path(str(tmp_path / "other.bin"), "--tokenizer-path")
 
 
 @pytest.mark.real_model
