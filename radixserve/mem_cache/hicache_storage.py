@@ -16,13 +16,16 @@ temporary files of a server killed in the middle of a write are removed at the n
 
 The cache controller's storage thread calls get/set; the scheduler thread only asks `exists`,
 which is answered from an in-memory index (the directory listing at start-up plus what this
-process wrote), so a lookup never touches the disk on the scheduling path.
+process wrote) and, for a key it lacks, one stat of the block's file, at most once per
+MISS_RECHECK_S: blocks another process writes (a --dp-size replica, a second server on the
+directory) are found, and a key asked again and again costs no disk access.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -47,6 +50,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 # A temporary block file this old was left by a process killed in the middle of a write (a
 # write takes milliseconds); younger ones may be another live server's, sharing the directory.
 STALE_TMP_S = 600.0
+# How long a key found missing is taken as missing before its file is looked for again.
+MISS_RECHECK_S = 1.0
 
 
 def block_hashes(
@@ -102,6 +107,7 @@ class HiCacheFile(HiCacheStorage):
         self._write_failed = False
         names = os.listdir(self.dir)
         self._index = {name[: -len(".kv")] for name in names if name.endswith(".kv")}
+        self._misses: dict[str, float] = {}  # key -> when its file was last found missing
         self._remove_stale_temporaries(name for name in names if name.endswith(".tmp"))
 
     def _remove_stale_temporaries(self, names: Any) -> None:
@@ -155,6 +161,7 @@ class HiCacheFile(HiCacheStorage):
     def delete(self, key: str) -> None:
         with self._lock:
             self._index.discard(key)
+            self._misses[key] = time.monotonic()
         _unlink(self._path(key))
 
     def _warn_write_failed(self, error: OSError) -> None:
@@ -164,8 +171,25 @@ class HiCacheFile(HiCacheStorage):
             logger.warning("hierarchical cache: storage write to %s failed: %s", self.dir, error)
 
     def exists(self, key: str) -> bool:
+        """In the index, or written since by another process (found by a stat of its file,
+        at most once per MISS_RECHECK_S per key)."""
+        now = time.monotonic()
         with self._lock:
-            return key in self._index
+            if key in self._index:
+                return True
+            if now - self._misses.get(key, -math.inf) < MISS_RECHECK_S:
+                return False
+        found = os.path.isfile(self._path(key))
+        with self._lock:
+            if found:
+                self._index.add(key)
+                self._misses.pop(key, None)
+            else:
+                if len(self._misses) >= 65536:  # (bounded: the oldest half goes)
+                    for k in list(self._misses)[: len(self._misses) // 2]:
+                        del self._misses[k]
+                self._misses[key] = now
+        return found
 
     def num_blocks(self) -> int:
         with self._lock:

@@ -192,3 +192,20 @@ def test_random_workload_keeps_every_tier_accounted(seed, overlap, tmp_path):
     hc.check_integrity()
     hc.check_drained()
     assert hc.host_pool.available_size() + hc.host_evictable_size() == hc.host_pool.size
+
+
+def test_storage_finds_blocks_another_process_wrote(tmp_path, monkeypatch):
+    """The index was the directory at start-up plus this process's own writes: a --dp-size
+    replica (or a second server on the directory) never read the blocks another wrote, and
+    wrote them again. A miss is looked for on disk again after MISS_RECHECK_S."""
+    from radixserve.mem_cache import hicache_storage
+
+    a, b = HiCacheFile(str(tmp_path), "ns"), HiCacheFile(str(tmp_path), "ns")
+    assert not b.exists("k1")
+    assert a.set("k1", b"kv") and a.set("k2", b"kv")
+    assert b.exists("k2")  # never asked before: looked for at once
+    assert not b.exists("k1")  # found missing a moment ago: not looked for again yet
+    monkeypatch.setattr(hicache_storage, "MISS_RECHECK_S", 0.0)
+    assert b.exists("k1") and b.get("k1") == b"kv"
+    b.delete("k1")
+    assert not b.exists("k1") and not os.path.exists(b._path("k1"))
