@@ -704,15 +704,24 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.stats.num_retractions += 1
         logger.info("retracted the chunked request; KV pool is full")
 
-    def _await_cache_copies(self, fits: Callable[[], bool], limit_s: float = 30.0) -> None:
+    def _await_cache_copies(
+        self,
+        fits: Callable[[], bool],
+        limit_s: float = 30.0,
+        pending: Callable[[], bool] | None = None,
+    ) -> None:
         """Slots held by the hierarchical cache's copies in flight (write-through backups of
         finished requests' KV, loads) come back when the copies land: wait for them, a bounded
-        time, before retracting or aborting a request for want of room."""
-        assert self.hicache is not None
+        time, before retracting or aborting a request for want of room. `pending`: what is
+        waited for (default: the copies that hold device slots; a storage write past its
+        device read frees none)."""
+        hicache = self.hicache
+        assert hicache is not None
+        pending = pending or hicache.holds_device_slots
         deadline = time.monotonic() + limit_s
-        while not fits() and self.hicache.has_pending() and time.monotonic() < deadline:
-            self.hicache.wait_idle(0.05)
-            self.hicache.poll()
+        while not fits() and pending() and time.monotonic() < deadline:
+            hicache.wait_idle(0.05)
+            hicache.poll()
 
     def _decode_fits(self, batch: ScheduleBatch) -> bool:
         need = batch.decode_slots_needed()
@@ -796,7 +805,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.hicache is not None and self.hicache.has_pending():
             # The last requests' KV is still being backed up (host, storage): a flush right
             # after a run waits for it, a bounded time (it was refused as "requests running").
-            self._await_cache_copies(lambda: not self.hicache.has_pending(), FLUSH_WAIT_S)
+            pending = self.hicache.has_pending
+            self._await_cache_copies(lambda: not pending(), FLUSH_WAIT_S, pending)
             if self.hicache.has_pending():
                 return FlushCacheReqOutput(
                     False,

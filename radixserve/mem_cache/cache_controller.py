@@ -3,7 +3,10 @@
 Two worker threads, each with an urgent queue served before its background queue:
 * the copy thread: loads (host → device, a request waits for them) before backups
   (device → host, write-through);
-* the storage thread: reads (storage → host) before writes (device → storage).
+* the storage thread: reads (storage → host) before writes (to storage).
+A storage write reads its blocks off the device on the copy thread first (a memory copy), sets
+`device_read` (the scheduler then lets go of those device slots) and hands the bytes to the
+storage thread: the device pool never waits for the disk.
 The scheduler thread never waits for a copy: it issues an operation, keeps scheduling, and
 picks up finished operations with `HiRadixCache.poll` (HiRadixCache applies their effect on
 the tree there, on the scheduler thread, so the tree has one writer).
@@ -52,12 +55,17 @@ class CacheOperation:
     blocks: int = 0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    # storage write: the blocks' bytes, read off the device (then `device_read` is set)
+    payload: list[bytes] | None = None
+    device_read: threading.Event = field(default_factory=threading.Event)
 
 
 class _Worker:
     """One thread draining an urgent and a background queue of operations."""
 
-    def __init__(self, name: str, run: Callable[[CacheOperation], None], cond: Any) -> None:
+    def __init__(
+        self, name: str, run: Callable[[CacheOperation], _Worker | None], cond: Any
+    ) -> None:
         self.urgent: deque[CacheOperation] = deque()
         self.background: deque[CacheOperation] = deque()
         self.run = run
@@ -83,13 +91,17 @@ class _Worker:
 
     def _loop(self) -> None:
         while (op := self._next()) is not None:
+            then = None
             try:
                 if op.fence is not None:
                     op.fence.wait()
-                self.run(op)
+                then = self.run(op)
             except BaseException as e:  # reported to the scheduler by HiRadixCache.poll
                 logger.exception("hierarchical cache %s failed", op.kind)
                 op.error = e
+            if then is not None:  # its next stage runs on that worker, which finishes it
+                then.put(op, urgent=False)
+                continue
             with self.cond:
                 op.done.set()
                 self.cond.notify_all()
@@ -129,8 +141,9 @@ class HiCacheController:
         return op
 
     def storage_write(self, op: CacheOperation) -> CacheOperation:
+        """Read the blocks off the device (copy thread), then write them (storage thread)."""
         assert self.storer is not None
-        self.storer.put(op, urgent=False)
+        self.copier.put(op, urgent=False)
         return op
 
     def backup_now(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
@@ -150,7 +163,9 @@ class HiCacheController:
 
     # ---- running (worker threads) --------------------------------------------------------------
 
-    def _copy(self, op: CacheOperation) -> None:
+    def _copy(self, op: CacheOperation) -> _Worker | None:
+        if op.kind == STORAGE_WRITE:
+            return self._read_for_storage(op)
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with torch.inference_mode(), ctx:
             if op.kind == LOAD:
@@ -159,6 +174,22 @@ class HiCacheController:
                 self.host_pool.backup_from_device(op.host_indices, op.device_indices)
         if self.stream is not None:
             self.stream.synchronize()
+        return None
+
+    def _read_for_storage(self, op: CacheOperation) -> _Worker:
+        """A storage write's first stage: its blocks' bytes; the storage thread does the rest."""
+        assert self.storer is not None
+        b = op.block_size
+        with torch.inference_mode():
+            op.payload = [
+                self.host_pool.read_device_bytes(op.device_indices[i * b : (i + 1) * b])
+                for i in range(len(op.keys))
+            ]
+        with self.cond:
+            op.device_read.set()
+            self.cond.notify_all()  # a scheduler waiting for room: these slots are free to go
+        op.fence = None
+        return self.storer
 
     def _store(self, op: CacheOperation) -> None:
         """A read stops at the first block that is missing or fails its checks (deleted: a
@@ -179,10 +210,11 @@ class HiCacheController:
                         break
                     op.blocks = i + 1
                 return
-            for i, key in enumerate(op.keys):
+            assert op.payload is not None  # (read off the device by the copy thread)
+            for key, data in zip(op.keys, op.payload, strict=True):
                 if not self.storage.exists(key):
-                    data = self.host_pool.read_device_bytes(op.device_indices[i * b : (i + 1) * b])
                     op.blocks += self.storage.set(key, data)
+            op.payload = None
 
     def _purge(self, keys: list[str]) -> None:
         """After a failed read: check the blocks the read will not use, so that damaged ones

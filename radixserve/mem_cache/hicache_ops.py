@@ -77,6 +77,11 @@ class HiCacheRequestOps:
     def has_pending(self) -> bool:
         return bool(self.ops)
 
+    def holds_device_slots(self) -> bool:
+        """Copies in flight that hold device slots (a storage write lets go of them once its
+        bytes are read off the device): waiting for the others frees no room."""
+        return any(not (op.kind == STORAGE_WRITE and op.device_read.is_set()) for op in self.ops)
+
     def wait_idle(self, timeout: float) -> None:
         if self.ops:
             self.controller.wait_any(timeout)
@@ -211,8 +216,9 @@ class HiCacheRequestOps:
         tokens = tokens[: len(tokens) // b * b]
         keys = block_hashes(tokens, b, req.extra_key)
         missing = [i for i, k in enumerate(keys) if not self.storage.exists(k)]
-        if not missing:
-            return
+        queued = sum(len(op.device_indices) for op in self.ops if op.kind == STORAGE_WRITE)
+        if not missing or queued + len(missing) * b > self.token_to_kv_pool_allocator.size:
+            return  # (a disk this far behind: the bytes waiting for it stay within a pool's)
         match = self.match_prefix(RadixKey(tokens, req.extra_key))
         if len(match.device_indices) < len(tokens):
             return
@@ -228,7 +234,12 @@ class HiCacheRequestOps:
     # ---- completion (scheduler thread) ---------------------------------------------------------
 
     def poll(self) -> None:
-        """Apply every finished operation; forget requests whose copies are all done."""
+        """Apply every finished operation; forget requests whose copies are all done. A storage
+        write whose bytes are off the device unlocks its device slots now, not when the disk
+        is done (a slow disk held the device pool: requests waited with nothing running)."""
+        for op in self.ops:
+            if op.kind == STORAGE_WRITE and op.device_read.is_set():
+                self._unlock(op)
         for op in [op for op in self.ops if op.done.is_set()]:
             self._finish(op)
         for req in [r for r, ops in self._waiting.items() if all(o.done.is_set() for o in ops)]:
@@ -267,5 +278,10 @@ class HiCacheRequestOps:
             self.stats.storage_hit_tokens += added
         else:
             self.stats.storage_write_tokens += op.blocks * op.block_size
+        self._unlock(op)
+
+    def _unlock(self, op: CacheOperation) -> None:
+        """Let go of the tree path the operation locked (once)."""
         if op.node is not self.root_node:
             self.dec_lock_ref(op.node)
+            op.node = self.root_node
