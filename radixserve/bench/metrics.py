@@ -80,9 +80,17 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if self.output_len <= 1:
+        """None with one token, or no timing after the first chunk (a response not streamed
+        arrives whole: its TPOT was reported as 0.00 ms, infinitely fast decoding)."""
+        if self.output_len <= 1 or len(self.chunk_times) < 2:
             return None
         return (self.latency - self.ttft) / (self.output_len - 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), interpolated between ranks as numpy's (SGLang's and vLLM's
+    benchmarks'); every bench tool reports with it."""
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
 def _stats_ms(name: str, values: list[float]) -> dict[str, float | None]:

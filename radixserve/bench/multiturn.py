@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.bench import NON_NEGATIVE, POSITIVE, json_object
+from radixserve.bench.metrics import percentile
 
 
 @dataclass
@@ -51,8 +52,8 @@ class RunResult:
             "cached_tokens": self.cached_tokens,
             "cache_hit_ratio": round(self.cached_tokens / max(1, self.prompt_tokens), 4),
             "mean_ttft_ms": round(1000 * statistics.fmean(t), 1) if t else None,
-            "p50_ttft_ms": round(1000 * t[len(t) // 2], 1) if t else None,
-            "p90_ttft_ms": round(1000 * t[int(len(t) * 0.9)], 1) if t else None,
+            "p50_ttft_ms": round(1000 * percentile(t, 50), 1) if t else None,
+            "p90_ttft_ms": round(1000 * percentile(t, 90), 1) if t else None,
             "wall_s": round(self.wall_s, 2),
             **{k: v for k, v in self.server_info.items() if k.startswith("hicache_")},
         }

@@ -106,6 +106,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         args = dataclasses.replace(args, max_running_requests=max(ns.batch_size))
     runner = ModelRunner(args)
+    longest = max(ns.input_len) + ns.output_len
+    if longest > runner.context_len:  # (past it: a RuntimeError deep in the KV pool)
+        raise ValueError(
+            f"--input-len {max(ns.input_len)} + --output-len {ns.output_len} = {longest} "
+            f"tokens exceeds the model's context length {runner.context_len}"
+        )
     for _ in range(ns.warmup):
         run_case(runner, ns.batch_size[0], ns.input_len[0], min(ns.output_len, 4))
     results = []

@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
     if len(token_ids) < 2:
         raise ValueError(f"{source} has {len(token_ids)} token(s); perplexity needs at least 2")
     runner = ModelRunner(args, tokenizer=tokenizer)
+    if ns.window > runner.context_len:  # (past it: a RuntimeError deep in the KV pool)
+        raise ValueError(
+            f"--window {ns.window} exceeds the model's context length {runner.context_len}"
+        )
     t0 = time.perf_counter()
     total, count = score(runner, token_ids, ns.window)
     mean = total / count

@@ -33,6 +33,7 @@ import httpx
 
 from radixserve.bench import NON_NEGATIVE, PORT, POSITIVE, SECONDS, float_in
 from radixserve.bench.client import ClientConfig, discover_model, make_client
+from radixserve.bench.metrics import percentile
 from radixserve.bench.soak_actions import (
     ACTIONS,
     DEFAULT_MIX,
@@ -72,10 +73,6 @@ class SoakConfig:
     progress_interval: float = 30.0
 
 
-def _quantile(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 class Tally:
     """Outcome counts per kind, and the first failures with what was sent."""
 
@@ -97,7 +94,7 @@ class Tally:
         for kind, values in self.latencies.items():
             if values:
                 v = sorted(values)
-                out[kind] = {"p50": _quantile(v, 0.5), "p99": _quantile(v, 0.99), "max": v[-1]}
+                out[kind] = {"p50": percentile(v, 50), "p99": percentile(v, 99), "max": v[-1]}
         return out
 
     def totals(self) -> Counter[str]:

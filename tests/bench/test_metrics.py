@@ -96,8 +96,19 @@ def test_cached_token_ratio_uses_only_reporting_requests(records):
 def test_non_streamed_response_has_ttft_equal_to_latency():
     rec = _record(0.0, [(2.0, 5)], 2.0, 5, 8)
     assert rec.ttft == rec.latency == 2.0
-    # The 4 tokens after the first arrived with it: TPOT 0, and no ITL sample.
-    assert rec.tpot == 0.0 and rec.itl == []
+    # The 4 tokens after the first arrived with it: no TPOT (it was reported as 0.00 ms,
+    # infinitely fast decoding, where the report's own docs say n/a) and no ITL sample.
+    assert rec.tpot is None and rec.itl == []
+    assert compute_metrics([rec], duration=2.0)["mean_tpot_ms"] is None
+
+
+def test_every_tool_reports_percentiles_interpolated_between_ranks():
+    """multiturn and soak took the rank above (p90 of ten values was the maximum, and soak's
+    p99 of up to 100 values always was)."""
+    from radixserve.bench.multiturn import RunResult
+
+    run = RunResult("x", ttft_s=[k / 1000 for k in range(1, 11)])
+    assert (run.summary()["p50_ttft_ms"], run.summary()["p90_ttft_ms"]) == (5.5, 9.1)
 
 
 def test_all_failed_gives_zeros_not_nan(records):

@@ -256,3 +256,25 @@ def test_bench_against_a_server_that_is_not_there_is_one_line(capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "radixserve bench soak: error: ConnectError" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["perplexity", "--window", "2000"], "--window 2000 exceeds the model's context length"),
+        (
+            ["one-batch", "--input-len", "1000", "--output-len", "100", "--batch-size", "1"],
+            "= 1100 tokens exceeds the model's context length",
+        ),
+    ],
+)
+def test_a_bench_longer_than_the_models_context_is_one_line(tmp_path, capsys, argv, message):
+    """A RuntimeError traceback from the KV pool ("the expanded size of the tensor (1032)
+    must match the existing size (2000)")."""
+    from rs_testing import make_tiny_served_model
+
+    model = make_tiny_served_model(str(tmp_path / "m"), context=1024)
+    code = main(["bench", *argv, "--model-path", model, "--dtype", "float32"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
