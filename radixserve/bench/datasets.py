@@ -350,18 +350,25 @@ def build_dataset(args: Any, tokenizer: Any) -> list[BenchRequest]:
             shuffle=not args.gsp_no_shuffle,
             return_text=return_text,
         )
-    if args.dataset_name == "rewrite":
-        return sample_rewrite_requests(
-            tokenizer,
-            args.num_prompts,
-            args.rewrite_passage_len,
-            args.random_output_len,
-            seed=args.seed,
-        )
-    if args.dataset_name == "natural":
-        return sample_natural_requests(
-            tokenizer, args.num_prompts, args.random_output_len, seed=args.seed
-        )
+    if args.dataset_name in ("rewrite", "natural"):
+        if args.dataset_name == "rewrite":
+            reqs = sample_rewrite_requests(
+                tokenizer,
+                args.num_prompts,
+                args.rewrite_passage_len,
+                args.random_output_len,
+                seed=args.seed,
+            )
+        else:
+            reqs = sample_natural_requests(
+                tokenizer, args.num_prompts, args.random_output_len, seed=args.seed
+            )
+        if return_text:
+            return reqs
+        # Token ids, as asked (bench offline's Engine takes only those: each prompt went in as
+        # a list of its characters and every run failed).
+        ids = [tokenizer.encode(r.prompt) for r in reqs]
+        return [BenchRequest(p, len(p), r.output_len) for p, r in zip(ids, reqs, strict=True)]
     if not args.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
     return sample_sharegpt_requests(

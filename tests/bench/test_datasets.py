@@ -204,3 +204,22 @@ def test_natural_prompts_ask_about_a_topic(bpe_tokenizer):
     reqs = sample_natural_requests(bpe_tokenizer, 20, 32, seed=1)
     assert len({r.prompt for r in reqs}) > 10
     assert all("Python" in r.prompt and r.output_len == 32 for r in reqs)
+
+
+@pytest.mark.parametrize("name", ["natural", "rewrite"])
+def test_chat_datasets_give_token_ids_when_asked(bpe_tokenizer, name):
+    """--tokenize-prompt (and bench offline, whose Engine takes only ids) got text for these
+    two: offline sent each prompt as a list of its characters and every run failed."""
+    import argparse
+
+    from radixserve.bench.datasets import add_dataset_args, build_dataset
+
+    parser = argparse.ArgumentParser()
+    add_dataset_args(parser)
+    args = parser.parse_args(["--dataset-name", name, "--num-prompts", "3", "--tokenize-prompt"])
+    args.seed = 1  # (a flag of each tool's own)
+    reqs = build_dataset(args, bpe_tokenizer)
+    assert len(reqs) == 3
+    for r in reqs:
+        assert isinstance(r.prompt, list) and all(isinstance(t, int) for t in r.prompt)
+        assert r.prompt_len == len(r.prompt) > 0
