@@ -219,16 +219,24 @@ def sample_natural_requests(
     return requests
 
 
-def _first_exchange(entry: dict[str, Any]) -> tuple[str, str] | None:
-    """The first human turn and the reply that follows it, or None."""
+def _first_exchange(entry: Any) -> tuple[str, str] | None:
+    """The first human turn and the reply that follows it, or None (also for an entry or
+    turns of another shape: skipped, as entries without such a pair are)."""
+    if not isinstance(entry, dict):
+        return None
     turns = entry.get("conversations", entry.get("conversation", []))
-    for i in range(len(turns) - 1):
-        if turns[i].get("from") in ("human", "user") and turns[i + 1].get("from") in (
-            "gpt",
-            "assistant",
-            "chatgpt",
+    if not isinstance(turns, list):
+        return None
+    for ask, answer in zip(turns, turns[1:], strict=False):
+        if not (isinstance(ask, dict) and isinstance(answer, dict)):
+            continue
+        if (
+            ask.get("from") in ("human", "user")
+            and answer.get("from") in ("gpt", "assistant", "chatgpt")
+            and ask.get("value") is not None
+            and answer.get("value") is not None
         ):
-            return str(turns[i]["value"]), str(turns[i + 1]["value"])
+            return str(ask["value"]), str(answer["value"])
     return None
 
 
@@ -251,6 +259,11 @@ def sample_sharegpt_requests(
         raise ValueError(f"fixed output length must be >= {SHAREGPT_MIN_LEN}")
     with open(dataset_path, encoding="utf-8") as f:
         dataset = json.load(f)
+    if not isinstance(dataset, list):  # (an AttributeError traceback)
+        raise ValueError(
+            f"{dataset_path} is not a ShareGPT file: a JSON list of conversations, each "
+            '{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}'
+        )
     pairs = [p for p in map(_first_exchange, dataset) if p is not None]
     random.Random(seed).shuffle(pairs)
     requests: list[BenchRequest] = []

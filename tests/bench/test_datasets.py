@@ -148,6 +148,24 @@ def test_sharegpt_parses_and_filters(word_tokenizer, sharegpt_file):
         assert r.prompt_len == len(word_tokenizer.encode(r.prompt))
 
 
+def test_sharegpt_entries_of_another_shape_are_skipped_or_named(word_tokenizer, tmp_path):
+    """A turn without "value" was a KeyError traceback, a list of numbers or a top-level
+    object an AttributeError."""
+    data = [
+        1,
+        {"conversations": "none"},
+        _conv(("human", _words(6)), ("gpt", _words(10))),
+        {"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}, 3]},
+    ]
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(data))
+    reqs = sample_sharegpt_requests(word_tokenizer, str(path), 100, seed=0)
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(6, 10)]
+    path.write_text(json.dumps({"conversations": []}))
+    with pytest.raises(ValueError, match="is not a ShareGPT file: a JSON list"):
+        sample_sharegpt_requests(word_tokenizer, str(path), 100, seed=0)
+
+
 def test_sharegpt_fixed_output_len_context_len_and_limit(word_tokenizer, sharegpt_file):
     fixed = sample_sharegpt_requests(word_tokenizer, sharegpt_file, 100, fixed_output_len=5)
     # The 2-token reply no longer disqualifies its prompt once the output length is fixed.
