@@ -364,9 +364,16 @@ def run_replica_process(
     cpus: list[int] | None,
 ) -> None:
     """A replica's scheduler process: its CPUs (CPU) or its GPU (CUDA), then the scheduler.
-    Replicas that must share a GPU (fewer GPUs than replicas) share its memory fraction too."""
+    Replicas that share a memory share its fraction: on a CPU all of them share the host's
+    (each took the whole --mem-fraction-static of the memory available: 20% per replica, and
+    --dp-size 5 asked for all of it); on CUDA those that share a GPU (fewer GPUs than
+    replicas)."""
     if cpus is not None:
         os.sched_setaffinity(0, cpus)  # physical_core_count() then sizes the threads to them
+    if server_args.device == "cpu" and server_args.mem_fraction_static is not None:
+        server_args = dataclasses.replace(
+            server_args, mem_fraction_static=server_args.mem_fraction_static / server_args.dp_size
+        )
     if server_args.device == "cuda":
         import torch
 

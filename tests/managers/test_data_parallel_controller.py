@@ -323,3 +323,19 @@ def test_the_dashboard_views_of_the_replicas_are_merged():
     tree = merged["tree"]
     assert (tree["nodes"], tree["leaves"], tree["depth"], tree["truncated"]) == (10, 6, 3, True)
     assert [(p["replica"], p["head_ids"]) for p in tree["top_prefixes"]] == [(0, [0]), (1, [1])]
+
+
+def test_cpu_replicas_share_the_hosts_memory_fraction(monkeypatch):
+    """Each CPU replica sized its KV pool to the whole --mem-fraction-static of the memory
+    available (about 3.4 GiB each here): --dp-size 5 asked for all of it."""
+    from radixserve.args import ServerArgs
+    from radixserve.managers import data_parallel_controller, scheduler_process
+
+    seen = []
+    monkeypatch.setattr(
+        scheduler_process, "run_scheduler_process", lambda args, *a, **k: seen.append(args)
+    )
+    args = ServerArgs(device="cpu", dp_size=4, mem_fraction_static=0.2)
+    for rank in range(4):
+        data_parallel_controller.run_replica_process(args, None, None, None, rank, None)
+    assert [a.mem_fraction_static for a in seen] == [pytest.approx(0.05)] * 4
