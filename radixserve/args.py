@@ -513,6 +513,11 @@ class ServerArgs:
                 )
             if (self.speculative_eagle_topk or 1) != 1:
                 raise ValueError("STANDALONE drafts one chain: --speculative-eagle-topk must be 1")
+            if self.enable_mixed_chunk:  # (SGLang turns it off for its draft models too)
+                raise ValueError(
+                    "--enable-mixed-chunk does not run with STANDALONE: the draft model's KV of "
+                    "the decoding requests mixed into a prefill would be left behind"
+                )
             steps = self.speculative_num_steps or 4
             if (
                 self.speculative_num_draft_tokens is not None

@@ -357,6 +357,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             req.finished_reason = finish_abort(req.to_abort)
             if self.disagg is not None:
                 self.disagg.on_aborted(req)
+            self.cap_to_draft_kv(req)
             self.tree_cache.cache_finished_req(req)
             self.stats.num_aborted += 1
         if aborted:

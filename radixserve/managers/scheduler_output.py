@@ -110,6 +110,7 @@ class SchedulerOutputMixin:
         req.check_finished(self.tokenizer)
 
     def _on_finished(self, req: Req) -> None:
+        self.cap_to_draft_kv(req)
         # A P/D prefill request keeps its KV until the transfer to the decode server is done.
         if self.disagg is None or not self.disagg.on_finished(req):
             self.tree_cache.cache_finished_req(req)

@@ -121,6 +121,14 @@ class SpecSchedulerMixin:
         r.ngram.sync(r.origin_input_ids, r.output_ids)
         return r.ngram.propose(budget)
 
+    def cap_to_draft_kv(self, req: Any) -> None:
+        """Before a finished or aborted request's KV goes into the cache: only the tokens with
+        both models' KV (a request ending in a plain step, or aborted, had the target's KV of
+        its last tokens and not the draft's: a later request drafting from them was
+        rejected)."""
+        if self.spec_algorithm.has_draft_model():
+            req.kv_committed_len = min(req.kv_committed_len, req.draft_kv_len)
+
     def process_verify_result(
         self, snap: BatchSnapshot, spec: SpecVerifyInput, result: SpecVerifyOutput
     ) -> None:
@@ -154,9 +162,6 @@ class SpecSchedulerMixin:
                 req.draft_kv_len = min(s + max(tree.num_drafts, 1), committed)
             req.kv_committed_len = committed
             if req.finished():
-                if self.spec_algorithm.has_draft_model():
-                    # Only tokens with both models' KV go to the cache.
-                    req.kv_committed_len = min(committed, req.draft_kv_len)
                 self._on_finished(req)
             else:
                 keep = -(-committed // ps) * ps  # the last page stays whole
