@@ -156,15 +156,18 @@ class AbortReq:
     abort_all: bool = False
 
 
+# Control requests carry a call id that their replies echo: with --dp-size, the N replies of
+# one broadcast are told from a late reply to an earlier one that timed out.
 @dataclass
 class FlushCacheReq:
-    pass
+    call_id: int = 0
 
 
 @dataclass
 class FlushCacheReqOutput:
     success: bool
     message: str = ""
+    call_id: int = 0
 
 
 @dataclass
@@ -173,22 +176,25 @@ class LoadLoRAAdapterReq:
 
     lora_name: str
     lora_path: str
+    call_id: int = 0
 
 
 @dataclass
 class UnloadLoRAAdapterReq:
     lora_name: str
+    call_id: int = 0
 
 
 @dataclass
 class LoRAUpdateReqOutput:
     success: bool
     message: str = ""
+    call_id: int = 0
 
 
 @dataclass
 class GetServerInfoReq:
-    pass
+    call_id: int = 0
 
 
 @dataclass
@@ -196,11 +202,12 @@ class GetServerInfoReqOutput:
     """Scheduler statistics and gauges (counters since start)."""
 
     info: dict[str, Any]
+    call_id: int = 0
 
 
 @dataclass
 class DashboardSnapshotReq:
-    pass
+    call_id: int = 0
 
 
 @dataclass
@@ -208,6 +215,7 @@ class DashboardSnapshotReqOutput:
     """get_server_info plus the dashboard's live view (Scheduler.dashboard_snapshot)."""
 
     info: dict[str, Any]
+    call_id: int = 0
 
 
 @dataclass

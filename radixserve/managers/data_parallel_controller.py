@@ -37,7 +37,10 @@ from radixserve.io_struct import (
     AbortReq,
     BatchStrOutput,
     BatchTokenizedGenerateReqInput,
+    DashboardSnapshotReq,
+    FlushCacheReq,
     FlushCacheReqOutput,
+    GetServerInfoReq,
     LoRAUpdateReqOutput,
     TokenizedGenerateReqInput,
 )
@@ -113,7 +116,15 @@ class _FanIn:
     """One control request broadcast to every replica, waiting for their replies."""
 
     future: asyncio.Future
+    reply_type: type
+    shared: type | None = None  # the request type whose later calls join this one
     replies: list[Any] = field(default_factory=list)
+    waiters: int = 0
+
+
+# Control requests that ask the same of every caller: one made while another is in flight
+# shares its answer. (A LoRA load or unload is each caller's own.)
+_SHARED_CALLS = (FlushCacheReq, GetServerInfoReq, DashboardSnapshotReq)
 
 
 class DataParallelController:
@@ -141,7 +152,9 @@ class DataParallelController:
         self.loads = [0] * self.dp_size  # requests dispatched and not finished, per replica
         self.dispatched = [0] * self.dp_size  # since start, per replica
         self._next = 0  # round_robin
-        self._calls: dict[type, _FanIn] = {}  # control requests in flight, by reply type
+        self._calls: dict[int, _FanIn] = {}  # control requests in flight, by call id
+        self._shared: dict[type, int] = {}  # a shared request type -> its call in flight
+        self._next_call_id = 0
 
     # -- the TokenizerManager's socket ----------------------------------------------------------
     def send_pyobj(self, msg: Any) -> None:
@@ -218,19 +231,37 @@ class DataParallelController:
 
     # -- control requests -----------------------------------------------------------------------
     async def control(self, req: Any, reply_type: type, timeout: float) -> Any:
-        """Broadcast `req` and return the merge of the N replies. A call made while one of the
-        same kind is in flight shares its answer (as one reply serves every waiter of its type
-        with one replica), so the N replies of one broadcast are never mixed with another's."""
-        call = self._calls.get(reply_type)
+        """Broadcast `req` and return the merge of the N replies of that broadcast (its call
+        id, which the replies echo: a late reply to a call that timed out was counted as an
+        answer to the next one). A flush or info request made while one of its kind is in
+        flight shares that call's answer."""
+        call_id = self._shared.get(type(req)) if isinstance(req, _SHARED_CALLS) else None
+        call = self._calls.get(call_id) if call_id is not None else None
         if call is None:
-            call = self._calls[reply_type] = _FanIn(asyncio.get_running_loop().create_future())
+            self._next_call_id += 1
+            call_id = req.call_id = self._next_call_id
+            shared = type(req) if isinstance(req, _SHARED_CALLS) else None
+            call = _FanIn(asyncio.get_running_loop().create_future(), reply_type, shared)
+            self._calls[call_id] = call
+            if shared is not None:
+                self._shared[shared] = call_id
             self.broadcast(req)
+        call.waiters += 1
         try:
             return await asyncio.wait_for(asyncio.shield(call.future), timeout)
-        except asyncio.TimeoutError:
-            if self._calls.get(reply_type) is call:  # later replies must not fill a new call
-                del self._calls[reply_type]
-            raise
+        finally:
+            call.waiters -= 1
+            if call.waiters == 0 and not call.future.done():  # the last waiter gave up
+                self._forget(call_id)
+
+    def _forget(self, call_id: int) -> None:
+        call = self._calls.pop(call_id, None)
+        if (
+            call is not None
+            and call.shared is not None
+            and self._shared.get(call.shared) == call_id
+        ):
+            del self._shared[call.shared]
 
     def fail_calls(self, error: BaseException) -> None:
         """A replica is gone: no call in flight can get its N replies; each fails now."""
@@ -238,15 +269,16 @@ class DataParallelController:
             if not call.future.done():
                 call.future.set_exception(error)
         self._calls.clear()
+        self._shared.clear()
 
     def on_reply(self, msg: Any) -> None:
-        call = self._calls.get(type(msg))
-        if call is None:  # the answer to a call that timed out
-            return
+        call = self._calls.get(msg.call_id)
+        if call is None or not isinstance(msg, call.reply_type):
+            return  # the answer to a call that timed out
         call.replies.append(msg)
         if len(call.replies) < self.dp_size:
             return
-        del self._calls[type(msg)]
+        self._forget(msg.call_id)
         merged = merge_replies(call.replies)
         if isinstance(merged, FlushCacheReqOutput) and merged.success:
             for index in self.indexes:  # every replica's cache is empty now

@@ -214,17 +214,22 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg)
             elif isinstance(msg, FlushCacheReq):
-                self.send_output(self.flush_cache())
+                self._reply(msg, self.flush_cache())
             elif isinstance(msg, LoadLoRAAdapterReq):
-                self.send_output(self.load_lora_adapter(msg))
+                self._reply(msg, self.load_lora_adapter(msg))
             elif isinstance(msg, UnloadLoRAAdapterReq):
-                self.send_output(self.unload_lora_adapter(msg))
+                self._reply(msg, self.unload_lora_adapter(msg))
             elif isinstance(msg, GetServerInfoReq):
-                self.send_output(GetServerInfoReqOutput(self.get_server_info()))
+                self._reply(msg, GetServerInfoReqOutput(self.get_server_info()))
             elif isinstance(msg, DashboardSnapshotReq):
-                self.send_output(DashboardSnapshotReqOutput(self.dashboard_snapshot()))
+                self._reply(msg, DashboardSnapshotReqOutput(self.dashboard_snapshot()))
             else:
                 logger.error("scheduler got an unknown message %r", type(msg))
+
+    def _reply(self, req: Any, reply: Any) -> None:
+        """A control request's answer, with its call id (see io_struct)."""
+        reply.call_id = req.call_id
+        self.send_output(reply)
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         req = Req(

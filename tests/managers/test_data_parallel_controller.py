@@ -15,7 +15,10 @@ from radixserve.io_struct import (
     FlushCacheReqOutput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    LoadLoRAAdapterReq,
+    LoRAUpdateReqOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
 )
 from radixserve.managers.data_parallel_controller import (
     BLOCK_TOKENS,
@@ -167,6 +170,12 @@ def test_merge_server_infos_sums_and_lists_the_replicas():
     assert [r["dp_rank"] for r in merged["replicas"]] == [0, 1]
 
 
+def _reply(socks, reply):
+    """`reply` to the last control request broadcast (its call id echoed, as a scheduler's)."""
+    reply.call_id = socks[0].sent[-1].call_id
+    return reply
+
+
 def test_control_fans_out_merges_and_shares_one_broadcast():
     async def run() -> None:
         ctl, socks = _controller("round_robin")
@@ -176,41 +185,89 @@ def test_control_fans_out_merges_and_shares_one_broadcast():
         ]
         await asyncio.sleep(0)
         assert [len(s.sent) for s in socks] == [1, 1]  # one broadcast for the three calls
-        ctl.on_reply(GetServerInfoReqOutput(_info(1)))
+        ctl.on_reply(_reply(socks, GetServerInfoReqOutput(_info(1))))
         assert not any(c.done() for c in calls)
-        ctl.on_reply(GetServerInfoReqOutput(_info(0)))
+        ctl.on_reply(_reply(socks, GetServerInfoReqOutput(_info(0))))
         outs = await asyncio.gather(*calls)
         assert all(o.info["running"] == 2 for o in outs)
 
         flush = asyncio.ensure_future(ctl.control(FlushCacheReq(), FlushCacheReqOutput, 5))
         await asyncio.sleep(0)
-        ctl.on_reply(FlushCacheReqOutput(True))
-        ctl.on_reply(FlushCacheReqOutput(False, "requests are running"))
+        ctl.on_reply(_reply(socks, FlushCacheReqOutput(True)))
+        ctl.on_reply(_reply(socks, FlushCacheReqOutput(False, "requests are running")))
         out = await flush
         assert not out.success and out.message == "requests are running"
 
-        # A call that times out leaves nothing behind: its late replies are dropped.
+    asyncio.run(run())
+
+
+def test_a_late_reply_to_a_call_that_timed_out_answers_no_later_call():
+    """A replica that answered a timed-out call late had its reply counted for the next call
+    of that kind: a flush reported done while another replica had neither flushed nor
+    answered, /get_load listed one rank twice. And the first of two callers sharing a call to
+    give up took the call away from the other, whose replies then arrived for nobody."""
+
+    async def run() -> None:
+        ctl, socks = _controller("round_robin")
         with pytest.raises(asyncio.TimeoutError):
-            await ctl.control(GetServerInfoReq(), GetServerInfoReqOutput, 0.01)
-        ctl.on_reply(GetServerInfoReqOutput(_info(0)))
-        late = asyncio.ensure_future(ctl.control(GetServerInfoReq(), GetServerInfoReqOutput, 5))
+            await ctl.control(FlushCacheReq(), FlushCacheReqOutput, 0.01)
+        stale = _reply(socks, FlushCacheReqOutput(True))  # replica 0 answers, too late
+        flush = asyncio.ensure_future(ctl.control(FlushCacheReq(), FlushCacheReqOutput, 5))
         await asyncio.sleep(0)
-        ctl.on_reply(GetServerInfoReqOutput(_info(0)))
-        ctl.on_reply(GetServerInfoReqOutput(_info(1)))
-        assert [r["dp_rank"] for r in (await late).info["replicas"]] == [0, 1]
+        ctl.on_reply(stale)
+        ctl.on_reply(_reply(socks, FlushCacheReqOutput(True)))  # replica 1's to the new call
+        await asyncio.sleep(0)
+        assert not flush.done()  # replica 0 has not answered this call
+        ctl.on_reply(_reply(socks, FlushCacheReqOutput(True)))
+        assert (await flush).success
+
+        short = asyncio.ensure_future(ctl.control(GetServerInfoReq(), GetServerInfoReqOutput, 0.05))
+        long = asyncio.ensure_future(ctl.control(GetServerInfoReq(), GetServerInfoReqOutput, 5))
+        with pytest.raises(asyncio.TimeoutError):
+            await short
+        ctl.on_reply(_reply(socks, GetServerInfoReqOutput(_info(0))))
+        ctl.on_reply(_reply(socks, GetServerInfoReqOutput(_info(1))))
+        assert [r["dp_rank"] for r in (await long).info["replicas"]] == [0, 1]
+
+    asyncio.run(run())
+
+
+def test_lora_loads_and_unloads_are_each_their_own_call():
+    """They share a reply type: an unload made while a load was in flight took the load's
+    answer and was never sent."""
+
+    async def run() -> None:
+        ctl, socks = _controller("round_robin")
+        load = asyncio.ensure_future(
+            ctl.control(LoadLoRAAdapterReq("a", "/a"), LoRAUpdateReqOutput, 5)
+        )
+        await asyncio.sleep(0)
+        load_id = socks[0].sent[-1].call_id
+        unload = asyncio.ensure_future(
+            ctl.control(UnloadLoRAAdapterReq("b"), LoRAUpdateReqOutput, 5)
+        )
+        await asyncio.sleep(0)
+        assert [type(m).__name__ for m in socks[0].sent] == [
+            "LoadLoRAAdapterReq",
+            "UnloadLoRAAdapterReq",
+        ]
+        for _ in range(2):
+            ctl.on_reply(_reply(socks, LoRAUpdateReqOutput(False, "no adapter named 'b'")))
+            ctl.on_reply(LoRAUpdateReqOutput(True, call_id=load_id))
+        assert (await load).success and not (await unload).success
 
     asyncio.run(run())
 
 
 def test_a_successful_flush_empties_the_prefix_indexes():
     async def run() -> None:
-        ctl, _ = _controller("prefix_affinity")
+        ctl, socks = _controller("prefix_affinity")
         ctl.dispatch(_req("a", _prefix(0)))
         assert ctl.indexes[0].blocks
         flush = asyncio.ensure_future(ctl.control(FlushCacheReq(), FlushCacheReqOutput, 5))
         await asyncio.sleep(0)
-        ctl.on_reply(FlushCacheReqOutput(True))
-        ctl.on_reply(FlushCacheReqOutput(True))
+        ctl.on_reply(_reply(socks, FlushCacheReqOutput(True)))
+        ctl.on_reply(_reply(socks, FlushCacheReqOutput(True)))
         assert (await flush).success
         assert not ctl.indexes[0].blocks
 
