@@ -83,6 +83,13 @@ def compute_inv_freq(
         return inv_freq / scaling["factor"], 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "freq_factors":  # a GGUF's rope_freqs tensor: llama.cpp divides by them
+        factors = torch.tensor(scaling["factors"], dtype=inv_freq.dtype)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope frequency factors: {factors.numel()} for {inv_freq.numel()} frequencies"
+            )
+        return inv_freq / factors, 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, base, scaling, max_pos)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported")

@@ -60,8 +60,8 @@ _LAYER_MODULES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Llama-3 rope frequency factors. HF recomputes them from rope_scaling, which llama.cpp does not
-# store, so they cannot be used here (a warning is logged).
+# Llama-3 rope scaling, as llama.cpp stores it: a factor per rotary frequency (it divides each
+# frequency by its factor), read into rope_scaling {"rope_type": "freq_factors"}.
 _ROPE_FREQS = "rope_freqs.weight"
 
 # llama.cpp rope-scaling metadata suffix -> HF rope_scaling key
@@ -131,6 +131,9 @@ def gguf_to_hf_config(path: str | GGUFReader) -> dict[str, Any]:
         "hidden_act": "silu",
     }
     rope_scaling = _rope_scaling(reader, arch)
+    if _ROPE_FREQS in tensors:  # (Llama 3.1/3.2: their outputs differed from the model's)
+        factors = _dequantize(tensors[_ROPE_FREQS]).reshape(-1)
+        rope_scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     for key in ("bos", "eos", "padding"):
@@ -178,13 +181,7 @@ def iter_gguf_weights(
     )
     for tensor in bar:
         if tensor.name == _ROPE_FREQS:
-            logger.warning(
-                "GGUF contains %s (Llama-3 rope scaling factors), which radixserve does not "
-                "apply; outputs will differ from the original model. Prefer the Hugging Face "
-                "checkpoint.",
-                _ROPE_FREQS,
-            )
-            continue
+            continue  # read into the config's rope_scaling
         hf_name = gguf_to_hf_name(tensor.name)
         array = _dequantize(tensor)
         blocks = q4_block_params(tensor) if q4_blocks is not None else None

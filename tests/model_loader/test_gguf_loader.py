@@ -7,6 +7,7 @@ the real default model.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,7 @@ def write_tiny_gguf(
     head_dim: int = HIDDEN // HEADS,
     yarn: bool = False,
     eot: int | None = None,
+    rope_freqs: np.ndarray | None = None,
 ) -> dict[str, tuple[np.ndarray, QT]]:
     """Write a random tiny model; return {HF name: (original HF-layout weight, stored type)}."""
     rng = np.random.default_rng(0)
@@ -161,6 +163,8 @@ def write_tiny_gguf(
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(4.0)
         writer.add_rope_scaling_orig_ctx_len(64)
+    if rope_freqs is not None:  # (llama.cpp's form of Llama 3's rope scaling)
+        gguf_tensors.append(("rope_freqs.weight", rope_freqs.astype(np.float32), QT.F32))
     for name, w, qtype in gguf_tensors:
         raw_dtype = None if qtype in (QT.F32, QT.F16) else qtype
         writer.add_tensor(name, quantize(w, qtype), raw_dtype=raw_dtype)
@@ -238,6 +242,42 @@ def test_tiny_gguf_weights_round_trip(tmp_path: Path, arch: str, tie: bool, head
     model = load_hf_reference(str(path))
     assert_config_matches_transformers(config, model.config)
     assert_weights_match_transformers(ours, model)
+
+
+def test_llama3_rope_frequency_factors_are_applied(tmp_path: Path) -> None:
+    """llama.cpp stores Llama 3.1/3.2's rope scaling as rope_freqs.weight, a factor per
+    frequency; it was skipped with a warning, and outputs differed from the original model.
+    The factors convert_hf_to_gguf computes from a llama3 rope_scaling give the frequencies
+    of that rope_scaling (ours for llama3 is checked against transformers elsewhere)."""
+    from radixserve.layers.rotary_embedding import compute_inv_freq
+
+    head_dim, theta = HIDDEN // HEADS, 50000.0
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factors = []
+    for f in freqs:  # llama.cpp's convert_hf_to_gguf (LlamaModel.generate_extra_tensors)
+        wavelen = 2 * math.pi / f
+        if wavelen < 64 / 4.0:
+            factors.append(1.0)
+        elif wavelen > 64 / 1.0:
+            factors.append(8.0)
+        else:
+            smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+    path = tmp_path / "tiny-llama3.gguf"
+    write_tiny_gguf(path, "llama", tie=True, rope_freqs=np.array(factors))
+    config = ModelConfig.from_hf_config(gguf_to_hf_config(str(path)))
+    assert config.rope_scaling["rope_type"] == "freq_factors"
+    ours, _ = compute_inv_freq(head_dim, theta, config.rope_scaling, 256)
+    want, _ = compute_inv_freq(head_dim, theta, llama3, 256)
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=0)
+    assert "rope_freqs.weight" not in dict(iter_gguf_weights(str(path), show_progress=False))
 
 
 def test_end_of_turn_tokens_end_generation_too(tmp_path: Path) -> None:
