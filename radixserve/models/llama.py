@@ -255,29 +255,33 @@ class LlamaForCausalLM(nn.Module):
     def weight_location(self, name: str) -> tuple[str, int | None]:
         """Our parameter for HF tensor `name`, and its first row there (None: the whole);
         rows are this rank's (at tp 1, all of them)."""
+        fused = self._fused_part(name)
+        return (name, None) if fused is None else fused[:2]
+
+    def _shard_rows(self, name: str) -> int:
+        """The rows of fused part `name` (q, k, v, gate or up) in its parameter on this rank."""
+        fused = self._fused_part(name)
+        if fused is None:
+            raise KeyError(name)
+        return fused[2]
+
+    def _fused_part(self, name: str) -> tuple[str, int, int] | None:
+        """(our fused parameter, first row, rows) of HF tensor `name` where it is one part of
+        a fused parameter (q/k/v of qkv_proj, gate/up of gate_up_proj), else None."""
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
         for fused, part, shard in _STACKED:
             if f".{part}." not in name:
                 continue
             target = name.replace(f".{part}.", f".{fused}.")
             if shard == "q":
-                return target, 0
-            attn = self.model.layers[0].self_attn
+                return target, 0, attn.q_size
             if shard == "k":
-                return target, attn.q_size
+                return target, attn.q_size, attn.kv_size
             if shard == "v":
-                return target, attn.q_size + attn.kv_size
-            return target, shard * self.model.layers[0].mlp.local_intermediate_size
-        return name, None
-
-    def _shard_rows(self, name: str) -> int:
-        """The rows of fused part `name` (q, k, v, gate or up) in its parameter on this rank."""
-        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
-        for _, part, shard in _STACKED:
-            if f".{part}." in name:
-                if shard == "q":
-                    return attn.q_size
-                return attn.kv_size if shard in ("k", "v") else mlp.local_intermediate_size
-        raise KeyError(name)
+                return target, attn.q_size + attn.kv_size, attn.kv_size
+            rows = mlp.local_intermediate_size
+            return target, shard * rows, rows
+        return None
 
     def shard_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full checkpoint tensor `name` (replicated ones whole)."""
