@@ -235,12 +235,12 @@ class DataParallelController:
         id, which the replies echo: a late reply to a call that timed out was counted as an
         answer to the next one). A flush or info request made while one of its kind is in
         flight shares that call's answer."""
-        call_id = self._shared.get(type(req)) if isinstance(req, _SHARED_CALLS) else None
+        shared = type(req) if isinstance(req, _SHARED_CALLS) else None
+        call_id = self._shared.get(shared) if shared is not None else None
         call = self._calls.get(call_id) if call_id is not None else None
         if call is None:
             self._next_call_id += 1
             call_id = req.call_id = self._next_call_id
-            shared = type(req) if isinstance(req, _SHARED_CALLS) else None
             call = _FanIn(asyncio.get_running_loop().create_future(), reply_type, shared)
             self._calls[call_id] = call
             if shared is not None:
