@@ -81,6 +81,28 @@ def check_model_path(
         raise FileNotFoundError(f"{flag} {path!r} is neither a .gguf file nor a directory")
 
 
+# Files one of which a Hugging Face tokenizer directory holds (fast, SentencePiece, byte-level
+# BPE, WordPiece, tiktoken): AutoTokenizer without any of them fails with a message about
+# converting slow tokenizers, after the weights have loaded.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_tokenizer_path(model_path: str | None, tokenizer_path: str | None) -> None:
+    """Refuse, before any process starts, a tokenizer directory (--tokenizer-path, or the
+    model's directory without it) that holds no tokenizer files."""
+    path, flag = (tokenizer_path, "--tokenizer-path") if tokenizer_path else (model_path, None)
+    if path is None or not os.path.isdir(path):
+        return
+    names = os.listdir(path)
+    if any(n in _TOKENIZER_FILES or n.endswith(".tiktoken") for n in names):
+        return
+    where = f"{flag} {path!r}" if flag else f"the model directory {path!r}"
+    hint = "" if flag else "; pass --tokenizer-path with a tokenizer's directory or .gguf file"
+    raise FileNotFoundError(
+        f"{where} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)} or *.tiktoken){hint}"
+    )
+
+
 def _require_exists(path: str, flag: str) -> None:
     if not os.path.exists(path):
         raise FileNotFoundError(

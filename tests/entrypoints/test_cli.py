@@ -176,6 +176,37 @@ def test_a_config_that_cannot_be_served_is_refused_before_anything_starts(
         Engine(model_path=model)
 
 
+def test_a_model_directory_without_tokenizer_files_is_refused_before_anything_starts(
+    tmp_path, capsys
+):
+    """Weights and config.json only: the scheduler loaded the weights and then died with a
+    transformers traceback about converting slow tokenizers; now one line names the directory
+    and --tokenizer-path, which serves it."""
+    from rs_testing import make_tiny_model_dir, save_byte_tokenizer
+
+    model = make_tiny_model_dir(str(tmp_path / "m"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model-path", model])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"the model directory '{model}' holds no tokenizer files" in err
+    assert "pass --tokenizer-path" in err
+    from radixserve import Engine
+
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer files"):
+        Engine(model_path=model)
+    empty = tmp_path / "tok"
+    empty.mkdir()
+    with pytest.raises(SystemExit):
+        main(["serve", "--model-path", model, "--tokenizer-path", str(empty)])
+    assert f"--tokenizer-path '{empty}' holds no tokenizer files" in capsys.readouterr().err
+    save_byte_tokenizer(str(empty), 320)
+    from radixserve.model_loader.loader import check_tokenizer_path
+
+    check_tokenizer_path(model, str(empty))  # a tokenizer elsewhere serves the model
+
+
 def test_a_chat_template_that_cannot_render_is_refused_before_anything_starts(tmp_path, capsys):
     """Not UTF-8: a UnicodeDecodeError traceback after the model had loaded (exit 3); a Jinja
     syntax error: the server started and every chat request got a 400 blaming the client."""
