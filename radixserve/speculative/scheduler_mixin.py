@@ -152,7 +152,9 @@ class SpecSchedulerMixin:
                     break
             committed = s + appended  # the root and the accepted drafts before the last token
             if tree.num_drafts:
-                accepted = len(result.accepted_nodes[i])
+                # Drafts after the token that finished the request were dropped: not accepted
+                # (as SGLang counts them; the stats' accept length and rate stay honest).
+                accepted = min(len(result.accepted_nodes[i]), appended)
                 req.spec.on_verify(max(tree.depths), accepted, appended, tree.num_drafts)
                 self.stats.on_verify(tree.num_drafts, accepted, appended)
             elif appended:

@@ -132,6 +132,28 @@ def test_the_cache_gets_only_tokens_with_the_draft_models_kv(tiny_llama_dir, end
     assert cached > len(prompt) and stale == 0
 
 
+def test_drafts_past_a_stop_token_are_not_counted_as_accepted(tiny_llama_dir, plain):
+    """A stop token inside an accepted run drops the drafts after it; they were counted as
+    accepted, so a verify step could "accept" more drafts than it committed tokens."""
+    h = _harness(tiny_llama_dir, **_spec("STANDALONE", tiny_llama_dir))
+    calls = []
+    on_verify = h.scheduler.stats.on_verify
+    h.scheduler.stats.on_verify = lambda *a: (calls.append(a), on_verify(*a))
+    prompt, want = _prompts()[0], plain[0]
+    rids = []
+    for p in range(4, 12):  # the stop lands at every place in a run of 3 drafts + 1
+        if want[p] in want[:p]:
+            continue
+        rids.append((h.submit(prompt, **{**GREEDY, "stop_token_ids": [want[p]]}), p))
+    h.run_until_idle()
+    h.scheduler.assert_drained()
+    res = h.results()
+    assert [len(res[r]) for r, _ in rids] == [p + 1 for _, p in rids] and len(rids) >= 4
+    assert calls and all(accepted <= committed for _, accepted, committed in calls), calls
+    st = h.scheduler.stats
+    assert st.spec_accepted_tokens <= st.spec_committed_tokens
+
+
 def test_a_random_draft_model_changes_nothing(tiny_llama_dir, other_draft_dir, plain):
     got, h = _run(tiny_llama_dir, _prompts(), **_spec("STANDALONE", "", other_draft_dir))
     assert got == plain
