@@ -68,7 +68,7 @@ class GenerateReqInput:
             text=self.text[i] if self.text is not None else None,  # type: ignore[index]
             input_ids=self.input_ids[i] if self.input_ids is not None else None,  # type: ignore[index]
             sampling_params=sp[i] if isinstance(sp, list) else sp,
-            rid=rid[i] if isinstance(rid, list) else None,
+            rid=rid[i] if isinstance(rid, list) else None if rid is None else f"{rid}_{i}",
             stream=self.stream,
             return_logprob=self.return_logprob,
             top_logprobs_num=self.top_logprobs_num,

@@ -129,8 +129,15 @@ def json_schema_of(req: SamplingFields) -> str | None:
     return json.dumps(fmt.json_schema.schema_)
 
 
-def _rid(req: SamplingFields, single: bool) -> str | None:
-    return req.rid if single and req.n == 1 else None
+def _rid(req: SamplingFields, prompts: int | None) -> str | list[str] | None:
+    """The client's rid (`/abort_request` finds the request by it, n > 1 choices and a batch's
+    prompts too: SGLang's): one for a single prompt (`prompts` None), one rid or one per
+    prompt for a batch."""
+    rid = req.rid
+    if isinstance(rid, list) and (prompts is None or len(rid) != prompts):
+        n = 1 if prompts is None else prompts
+        raise RequestError(f"rid is a list of {len(rid)} for {n} prompt(s)")
+    return rid
 
 
 @dataclass
@@ -172,7 +179,7 @@ def completion_to_generate(req: CompletionRequest) -> GenerateReqInput:
         text=text,
         input_ids=ids,
         sampling_params=sampling_params(req, req.max_tokens),
-        rid=_rid(req, single),
+        rid=_rid(req, None if single else len(prompts)),
         stream=req.stream,
         return_logprob=req.logprobs is not None,
         top_logprobs_num=req.logprobs or 0,
@@ -264,7 +271,7 @@ def chat_to_generate(
     return GenerateReqInput(
         input_ids=input_ids,
         sampling_params=params,
-        rid=_rid(req, True),
+        rid=_rid(req, None),
         stream=req.stream,
         return_logprob=req.logprobs,
         top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,

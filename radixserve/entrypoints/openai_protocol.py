@@ -210,7 +210,7 @@ class SamplingFields(RoutingFields):
     ebnf: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    rid: str | None = None
+    rid: str | list[str] | None = None  # a list: one per prompt of a completions batch
     # Metadata that changes nothing about the answer.
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -139,9 +139,10 @@ def _verify_prompt_and_rid(obj: GenerateReqInput) -> None:
     rid = obj.rid
     if obj.is_single:
         _expect("rid", rid, rid is None or isinstance(rid, str), "a string")
-    elif rid is not None:
+    elif rid is not None and not isinstance(rid, str):  # one rid: the prompts get `<rid>_<i>`
         ok = isinstance(rid, list) and len(rid) == obj.batch_size
-        _expect("rid", rid, ok and all(isinstance(r, str) for r in rid), "one string per prompt")
+        ok = ok and all(isinstance(r, str) for r in rid)
+        _expect("rid", rid, ok, "a string, or one string per prompt")
     sp = obj.sampling_params
     if isinstance(sp, list) and (obj.is_single or len(sp) != obj.batch_size):
         raise RequestError("sampling_params must be one dict, or one dict per prompt")

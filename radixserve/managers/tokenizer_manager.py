@@ -68,7 +68,8 @@ class ReqState:
     error: dict[str, Any] | None = None  # {"message", "status_code"}: the request was refused
     finished: bool = False
     lora_id: str | None = None
-    parent_rid: str | None = None  # a choice of an n > 1 request: that request's rid
+    # A choice of an n > 1 request, or a prompt of a batch with one rid: that request's rid.
+    parent_rid: str | None = None
     omit_input_logprobs: bool = False  # GenerateReqInput.router_merges_prompt_logprobs
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
@@ -458,7 +459,10 @@ class TokenizerManager:
                 for name, value in obj.pairing(j * len(singles) + i).items():
                     setattr(sub, name, value)
             tokenized_list += subs
-            parents += [None] if n == 1 else [base.rid] * n
+            # The rid of a batch (its prompts got `<rid>_<i>`) or of an n > 1 request finds
+            # all its sub-requests (request_abort).
+            group = obj.rid if not obj.is_single and isinstance(obj.rid, str) else None
+            parents += [group] if n == 1 else [group or base.rid] * n
         if self.dead is not None:  # it died during the checks: nobody would answer
             raise RequestError(self.dead, 503)
         self._bind_adapters(tokenized_list)

@@ -118,6 +118,20 @@ def test_response_format_becomes_json_schema():
     assert obj.sampling_params["regex"] == "[ab]+"
 
 
+def test_the_clients_rid_reaches_the_engine_for_n_choices_and_batches(fake_tm):
+    """With n > 1 or a list prompt the rid was dropped: /abort_request by it did nothing."""
+    assert _completion(prompt="a", n=2, rid="r").rid == "r"
+    assert _completion(prompt=["a", "b"], rid="r").rid == "r"  # the prompts: r_0, r_1
+    assert _completion(prompt=["a", "b"], rid=["x", "y"]).rid == ["x", "y"]
+    for prompt, rid in (("a", ["x"]), (["a", "b"], ["x"]), ([[5], [6]], ["x", "y", "z"])):
+        with pytest.raises(RequestError, match="rid is a list of"):
+            _completion(prompt=prompt, rid=rid)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "rid": "c"}
+    assert chat_to_generate(ChatCompletionRequest(**chat, n=3), fake_tm).rid == "c"
+    with pytest.raises(RequestError, match="rid is a list of 2 for 1 prompt"):
+        chat_to_generate(ChatCompletionRequest(**{**chat, "rid": ["c", "d"]}), fake_tm)
+
+
 def test_chat_request_mapping(fake_tm):
     req = ChatCompletionRequest(
         messages=[

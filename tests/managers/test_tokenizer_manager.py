@@ -251,6 +251,31 @@ def test_the_rid_of_an_n_request_names_and_aborts_its_choices():
     run(body())
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_one_rid_of_a_batch_names_and_aborts_its_prompts(n):
+    """A batch with one rid: its prompts are `<rid>_<i>` (SGLang's) and /abort_request with
+    that rid aborts them all; the rid was dropped and nothing could abort the batch."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        obj = GenerateReqInput(input_ids=[[5], [6]], rid="b", sampling_params={"n": n})
+        task = asyncio.create_task(_collect(tm, obj))
+        await _settle()
+        rids = [t.rid for t in sockets.requests()]
+        want = ["b_0", "b_1"] if n == 1 else ["b_0_0", "b_1_0", "b_0_1", "b_1_1"]
+        assert sorted(rids) == sorted(want)
+        assert tm.request_abort("b")
+        assert sorted(sockets.aborts()) == sorted(rids)
+        aborted = {"type": "abort", "message": "aborted by request"}
+        for rid in rids:
+            await sockets.inbox.put(_output(rid, "", [], aborted))
+        outs = await task
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * len(rids)
+        assert tm.rid_to_state == {}
+
+    run(body())
+
+
 def test_cancelling_a_batch_aborts_every_sub_request():
     async def body():
         tm, sockets = _make_tm()
