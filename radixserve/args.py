@@ -155,6 +155,14 @@ class ServerArgs:
     chat_template: str | None = _f(
         None, "A Jinja chat template file that replaces the tokenizer's own template."
     )
+    sampling_defaults: str = _f(
+        "model",
+        "Sampling fields an OpenAI request leaves unset (temperature, top_p, top_k, min_p, "
+        "repetition_penalty): model = the model's recommended values from its "
+        "generation_config.json, where it has one (SGLang's and vLLM's default); openai = "
+        "OpenAI's (temperature 1, no top-k/top-p). The native /generate keeps its own.",
+        ("model", "openai"),
+    )
     tool_call_parser: str | None = _f(
         None,
         "How the model writes tool calls, to turn them into tool_calls with tool_choice auto: "

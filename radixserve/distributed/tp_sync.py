@@ -37,6 +37,7 @@ NODE_LOCAL_ARGS = frozenset(
         "tokenizer_path",
         "speculative_draft_model_path",
         "chat_template",
+        "sampling_defaults",
         "served_model_name",
         "tool_call_parser",
         "reasoning_parser",

@@ -54,7 +54,7 @@ from radixserve.entrypoints.openai_protocol import (
     TokenId,
     error_body,
 )
-from radixserve.entrypoints.openai_serving import OpenAIServing
+from radixserve.entrypoints.openai_serving import OpenAIServing, model_sampling_defaults
 from radixserve.io_struct import GenerateReqInput
 from radixserve.managers.metrics import CONTENT_TYPE, ServerMetrics
 from radixserve.managers.tokenizer_manager import RequestError
@@ -574,6 +574,7 @@ def build_app(
             tm,
             served_model_name(server_args),
             model_aliases(server_args),
+            sampling_defaults=model_sampling_defaults(server_args),
         )
         watchdog = asyncio.create_task(_watchdog(state))
         try:

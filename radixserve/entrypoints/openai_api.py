@@ -85,8 +85,11 @@ def adapter_name_shadows_the_model(name: str, aliases: set[str]) -> bool:
 
 
 # -- request → GenerateReqInput ------------------------------------------------------------------
-def sampling_params(req: SamplingFields, max_new_tokens: int | None) -> dict[str, Any]:
-    """OpenAI field names → SGLang sampling params; unset optional fields keep SGLang defaults."""
+def sampling_params(
+    req: SamplingFields, max_new_tokens: int | None, defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """OpenAI field names → SGLang sampling params; unset optional fields take `defaults` (the
+    model's, --sampling-defaults model) or else keep SGLang's."""
     sp: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": req.min_tokens,
@@ -112,6 +115,9 @@ def sampling_params(req: SamplingFields, max_new_tokens: int | None) -> dict[str
         "regex": req.regex,
         "ebnf": req.ebnf,
     }
+    for name, value in (defaults or {}).items():
+        if optional.get(name) is None:
+            optional[name] = value
     sp.update({k: v for k, v in optional.items() if v is not None})
     return sp
 
@@ -168,7 +174,9 @@ def normalize_prompt(prompt: Any) -> tuple[Prompts, bool]:
     return Prompts(texts=None, ids=[list(p) for p in prompt]), single
 
 
-def completion_to_generate(req: CompletionRequest) -> GenerateReqInput:
+def completion_to_generate(
+    req: CompletionRequest, defaults: dict[str, Any] | None = None
+) -> GenerateReqInput:
     prompts, single = normalize_prompt(req.prompt)
     if prompts.texts is not None:
         text: Any = prompts.texts[0] if single else prompts.texts
@@ -178,7 +186,7 @@ def completion_to_generate(req: CompletionRequest) -> GenerateReqInput:
     return GenerateReqInput(
         text=text,
         input_ids=ids,
-        sampling_params=sampling_params(req, req.max_tokens),
+        sampling_params=sampling_params(req, req.max_tokens, defaults),
         rid=_rid(req, None if single else len(prompts)),
         stream=req.stream,
         return_logprob=req.logprobs is not None,
@@ -250,10 +258,14 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def chat_to_generate(
-    req: ChatCompletionRequest, tokenizer_manager: Any, chat_template: str | None = None
+    req: ChatCompletionRequest,
+    tokenizer_manager: Any,
+    chat_template: str | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> GenerateReqInput:
     """`chat_template` (--chat-template's text) replaces the tokenizer's; tools reach the
-    template, and tool_choice required / named becomes the output's JSON schema."""
+    template, and tool_choice required / named becomes the output's JSON schema; `defaults`:
+    the sampling fields the request leaves unset."""
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true")
     kwargs = dict(template_kwargs(req))
@@ -264,7 +276,7 @@ def chat_to_generate(
         kwargs["chat_template"] = chat_template
     input_ids = tokenizer_manager.apply_chat_template(chat_messages(req), **kwargs)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_new)
+    params = sampling_params(req, max_new, defaults)
     schema = tool_call_schema(req)
     if schema is not None:
         params["json_schema"] = schema

@@ -95,6 +95,23 @@ class ChoiceCursor:
 
 
 # -- the endpoints -------------------------------------------------------------------------------
+def model_sampling_defaults(server_args: Any) -> dict[str, Any]:
+    """The model's recommended sampling values for OpenAI requests (--sampling-defaults model),
+    logged once, as users should know why an unset temperature is not 1."""
+    if server_args is None or getattr(server_args, "sampling_defaults", "model") != "model":
+        return {}
+    from radixserve.model_loader.weights import load_sampling_defaults
+
+    defaults = load_sampling_defaults(getattr(server_args, "model_path", None))
+    if defaults:
+        logger.info(
+            "OpenAI requests take the model's generation_config.json sampling values where "
+            "they leave a field unset: %s (--sampling-defaults openai turns this off)",
+            ", ".join(f"{k}={v}" for k, v in defaults.items()),
+        )
+    return defaults
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -102,6 +119,7 @@ class OpenAIServing:
         served_model_name: str,
         model_names: set[str],
         model_root: str | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.tm = tokenizer_manager
         self.served_model_name = served_model_name
@@ -112,6 +130,7 @@ class OpenAIServing:
         args = getattr(tokenizer_manager, "server_args", None)
         self.tool_call_parser: str | None = getattr(args, "tool_call_parser", None)
         self.reasoning_parser: str | None = getattr(args, "reasoning_parser", None)
+        self.sampling_defaults = dict(sampling_defaults or {})  # model_sampling_defaults
         self.chat_template: str | None = None
         if getattr(args, "chat_template", None):
             with open(args.chat_template, encoding="utf-8") as f:  # type: ignore[union-attr]
@@ -174,7 +193,7 @@ class OpenAIServing:
         # Named now: the adapter may be unloaded once the request has ended, before its
         # response is written (a served request was answered 404 "does not exist").
         model = self._model_name(req)
-        obj = completion_to_generate(req)
+        obj = completion_to_generate(req, self.sampling_defaults)
         obj.lora_path = lora
         prompts, _ = normalize_prompt(req.prompt)
         rid, created = "cmpl-" + new_rid(), int(time.time())
@@ -272,7 +291,7 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, request: Request | None
     ) -> Response:
         lora = self._lora_of(req)
-        obj = chat_to_generate(req, self.tm, self.chat_template)
+        obj = chat_to_generate(req, self.tm, self.chat_template, self.sampling_defaults)
         obj.lora_path = lora
         parsing = ChatParsing.for_request(req, self.tool_call_parser, self.reasoning_parser)
         rid, created = "chatcmpl-" + new_rid(), int(time.time())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,41 @@ def load_hf_config(model_dir: str) -> dict[str, Any]:
     if eos:
         cfg["eos_token_id"] = eos
     return cfg
+
+
+# generation_config.json's sampling fields that OpenAI requests take as their defaults, with the
+# values each may hold (as the API's own ranges; HF's top_k 0 means no top-k and is skipped).
+SAMPLING_DEFAULT_FIELDS: dict[str, Any] = {
+    "temperature": lambda v: 0 <= v,
+    "top_p": lambda v: 0 < v <= 1,
+    "top_k": lambda v: isinstance(v, int) and v >= 1,
+    "min_p": lambda v: 0 <= v <= 1,
+    "repetition_penalty": lambda v: 0 < v <= 2,
+}
+
+
+def load_sampling_defaults(model_path: str | None) -> dict[str, Any]:
+    """The sampling fields a Hugging Face model directory's generation_config.json sets (the
+    values its authors recommend), those in range; {} for a GGUF file or no such file."""
+    if model_path is None or not os.path.isdir(model_path):
+        return {}
+    path = os.path.join(model_path, "generation_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            gen = json.load(f)
+    except (OSError, ValueError):  # none (a bad one is refused at start by load_hf_config)
+        return {}
+    out: dict[str, Any] = {}
+    for name, ok in SAMPLING_DEFAULT_FIELDS.items():
+        value = gen.get(name) if isinstance(gen, dict) else None
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and math.isfinite(value) and ok(value):
+            out[name] = value
+        elif not (name == "top_k" and value == 0):
+            logger.warning("generation_config.json: %s %r is out of range; ignored", name, value)
+    return out
 
 
 def _token_ids(value: Any) -> list[int]:

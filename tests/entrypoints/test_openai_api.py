@@ -193,6 +193,59 @@ def test_model_names():
     assert served_model_name(ServerArgs(served_model_name="mine")) == "mine"
 
 
+def test_the_models_generation_config_fills_the_sampling_fields_a_request_leaves_unset(
+    fake_tm, make_client, tmp_path, caplog
+):
+    """--sampling-defaults model (SGLang's and vLLM's default): an HF Instruct model's
+    recommended temperature / top_p / top_k / min_p / repetition_penalty apply where an OpenAI
+    request sets none (they were ignored: temperature 1 and no top-k); a request's own value
+    wins; values out of range (and HF's top_k 0, no top-k) are skipped; /generate keeps its
+    own defaults; --sampling-defaults openai turns it off."""
+    gen = {
+        "do_sample": True,
+        "temperature": 0.05,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 5.0,  # out of range: skipped with a warning
+        "min_p": float("nan"),
+        "eos_token_id": 2,
+    }
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    from radixserve.model_loader.weights import load_sampling_defaults
+
+    with caplog.at_level("WARNING"):
+        assert load_sampling_defaults(str(tmp_path)) == {
+            "temperature": 0.05,
+            "top_p": 0.8,
+            "top_k": 20,
+        }
+    assert "repetition_penalty 5.0 is out of range" in caplog.text
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0, "top_p": True}))
+    assert load_sampling_defaults(str(tmp_path)) == {}
+    assert load_sampling_defaults(str(tmp_path / "model.gguf")) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with make_client(fake_tm, model_path=str(tmp_path)) as client:
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        own = {**chat, "temperature": 0.7}
+        assert client.post("/v1/chat/completions", json=own).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": "a", "top_k": 3}).status_code == 200
+        body = {"text": "a", "sampling_params": {"max_new_tokens": 2}}
+        assert client.post("/generate", json=body).status_code == 200
+    sps = [r.sampling_params for r in fake_tm.requests]
+    assert [(sp["temperature"], sp["top_p"], sp["top_k"]) for sp in sps[:3]] == [
+        (0.05, 0.8, 20),
+        (0.7, 0.8, 20),
+        (0.05, 0.8, 3),
+    ]
+    assert "repetition_penalty" not in sps[0] and "min_p" not in sps[0]
+    assert "temperature" not in sps[3]
+    fake_tm.requests.clear()
+    with make_client(fake_tm, model_path=str(tmp_path), sampling_defaults="openai") as client:
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert "temperature" not in fake_tm.requests[0].sampling_params
+
+
 # -- the app around a fake TokenizerManager ------------------------------------------------------
 def test_completion_response_shape(fake_tm, make_client):
     with make_client(fake_tm) as client:
