@@ -421,9 +421,10 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     for _, container, key in _subschema_slots(out):
         container[key] = bounded_strings_as_patterns(container[key])
     bounds = (out.get("minLength"), out.get("maxLength"))
+    kind = out.get("type")
     if (
-        out.get("type") == "string"
-        and bounds != (None, None)
+        (kind == "string" or (isinstance(kind, list) and "string" in kind))  # (a pattern
+        and bounds != (None, None)  # bounds only the strings of a type list)
         and "pattern" not in out
         and "format" not in out
         and all(b is None or (type(b) is int and b >= 0) for b in bounds)

@@ -262,13 +262,15 @@ def test_rejected_token_leaves_state_unchanged(backend, tokenizer):
     assert allowed_ids(backend, grammar) == before
 
 
+@pytest.mark.parametrize("kind", ["string", ["string", "null"]], ids=["string", "nullable"])
 @pytest.mark.parametrize(
     "bounds", [{"maxLength": 6}, {"minLength": 2}, {"minLength": 1, "maxLength": 3}]
 )
-def test_length_bounded_strings_admit_no_raw_control_character(backend, tokenizer, bounds):
+def test_length_bounded_strings_admit_no_raw_control_character(backend, tokenizer, bounds, kind):
     """xgrammar 0.2.9 compiles a string with minLength / maxLength as any characters but
-    quote, backslash, CR and LF: a raw tab or \\x02 made the output invalid JSON."""
-    schema = {"type": "object", "properties": {"c": {"type": "string", **bounds}}}
+    quote, backslash, CR and LF: a raw tab or \\x02 made the output invalid JSON (a nullable
+    string, type ["string", "null"], was missed by the first fix)."""
+    schema = {"type": "object", "properties": {"c": {"type": kind, **bounds}}}
     grammar = backend.new_matcher(backend.get_future(("json", json.dumps(schema))).result())
     for t in tokenizer.encode('{"c": "a', add_special_tokens=False):
         assert grammar.accept_token(t)
