@@ -152,7 +152,7 @@ def history_tool_calls(calls: list[Any], where: str) -> list[dict[str, Any]]:
     for k, call in enumerate(calls):
         try:
             arguments = json.loads(call.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the interpreter's depth)
             raise RequestError(
                 f"{where}.tool_calls.{k}.function.arguments is not valid JSON"
             ) from None

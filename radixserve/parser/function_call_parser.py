@@ -28,6 +28,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.parser.json_scan import INCOMPLETE, JsonScanner, ScanError, skip_ws
 
@@ -135,18 +136,38 @@ class FormatDetector(ABC):
             return dict(pairs)
 
         try:
-            obj, end = json.JSONDecoder(object_pairs_hook=pairs_hook).raw_decode(text, i)
+            decoder = json.JSONDecoder(object_pairs_hook=pairs_hook, parse_constant=not_json)
+            obj, end = decoder.raw_decode(text, i)
         except (ValueError, RecursionError):
             raise NotACall(text[i : i + 20]) from None
         if isinstance(obj, dict) and len(obj) != len(top[0]):  # a key twice: which counts?
             raise NotACall(text[i : i + 20])  # (streaming would have taken the first)
         if not isinstance(obj, dict) or not self._known(obj.get("name")):
             raise NotACall(text[i : i + 20])
-        key = next((k for k in arg_keys if k in obj), None)
+        # The first argument key written (streaming sends that one's value).
+        key = next((k for k, _ in top[0] if k in arg_keys), None)
         args = obj[key] if key else {}
         if not isinstance(args, dict):
             raise NotACall(text[i : i + 20])
-        return ToolCallItem(obj["name"], json.dumps(args, ensure_ascii=False)), end
+        return ToolCallItem(obj["name"], dump_arguments(args)), end
+
+
+def not_json(constant: str) -> Any:
+    """json's parse_constant: NaN and Infinity, which Python reads and JSON has not (a call
+    holding one is no call, as streaming reads it: JSON.parse would refuse its arguments)."""
+    raise ValueError(f"{constant} is not JSON")
+
+
+def dump_arguments(args: dict[str, Any]) -> str:
+    """A call's arguments as JSON text, characters as they are; a lone surrogate (the escape
+    \\ud83d, which JSON allows and UTF-8 cannot hold: the response failed to serialise, a
+    500) stays escaped."""
+    text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(args, allow_nan=False)
+    return text
 
 
 class ObjectCall:

@@ -16,6 +16,8 @@ from radixserve.parser.function_call_parser import (
     ParseResult,
     Piece,
     ToolCallItem,
+    dump_arguments,
+    not_json,
     partial_suffix,
 )
 from radixserve.parser.json_scan import skip_ws
@@ -213,10 +215,10 @@ class JsonArrayDetector(FormatDetector):
         calls = []
         for index, name in names.items():
             try:
-                body = json.loads(args[index])
-            except ValueError:
+                body = json.loads(args[index], parse_constant=not_json)
+            except (ValueError, RecursionError):
                 return ParseResult(text, [])
-            calls.append(ToolCallItem(name, json.dumps(body, ensure_ascii=False)))
+            calls.append(ToolCallItem(name, dump_arguments(body)))
         normal = "".join(p for p in pieces if isinstance(p, str))
         return ParseResult(normal, calls)
 

@@ -7,7 +7,6 @@ its name and then its arguments in one piece."""
 from __future__ import annotations
 
 import ast
-import json
 import re
 from collections.abc import Collection
 
@@ -17,6 +16,7 @@ from radixserve.parser.function_call_parser import (
     ParseResult,
     Piece,
     ToolCallItem,
+    dump_arguments,
 )
 
 _LIST_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
@@ -112,7 +112,7 @@ class PythonicDetector(FormatDetector):
             args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
             if len(args) != len(node.keywords):
                 return None  # **kwargs
-            return ToolCallItem(name, json.dumps(args, ensure_ascii=False, allow_nan=False))
+            return ToolCallItem(name, dump_arguments(args))
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return None
 

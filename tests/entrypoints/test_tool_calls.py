@@ -272,6 +272,11 @@ def test_history_with_calls_and_results_reaches_the_template(tools_client):
 
 
 BAD_CALL = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}}
+DEEP_CALL = {
+    "id": "c",
+    "type": "function",
+    "function": {"name": "get_time", "arguments": "[" * 100_000 + "]" * 100_000},
+}
 
 
 @pytest.mark.parametrize(
@@ -313,6 +318,10 @@ BAD_CALL = {"id": "c", "type": "function", "function": {"name": "get_time", "arg
             "arguments is not valid JSON",
         ),
         ({"messages": [{**USER, "tool_calls": [BAD_CALL]}]}, "only an assistant message"),
+        (  # nested past Python's recursion limit inside the string (a 500 RecursionError)
+            {"messages": [USER, {"role": "assistant", "tool_calls": [DEEP_CALL]}]},
+            "arguments is not valid JSON",
+        ),
     ],
 )
 def test_malformed_tool_requests_are_400(tools_client, extra, message):

@@ -116,7 +116,54 @@ CASES = [
         '{"parameters": {"a": 1}, "parameters": {"b": 2}, "name": "get_time"}',
         [],
     ),
+    # both argument keys: the first written counts, streamed or not
+    (
+        "hermes",
+        '<tool_call>{"name": "get_time", "parameters": {"a": 1}, "arguments": {}}</tool_call>',
+        "",
+        [("get_time", '{"a": 1}')],
+    ),
+    (
+        "llama3",
+        '{"name": "get_time", "arguments": {"a": 1}, "parameters": {"b": 2}}',
+        "",
+        [("get_time", '{"a": 1}')],
+    ),
 ]
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("hermes", '<tool_call>{"name": "get_time", "arguments": {"a": "\\ud83d"}}</tool_call>'),
+        ("llama3", '{"name": "get_time", "parameters": {"a": "\\ud83d"}}'),
+        ("pythonic", '[get_time(a="\\ud83d")]'),
+        ("json_array", '[{"name": "get_time", "parameters": {"a": "\\ud83d"}}]'),
+    ],
+)
+def test_a_lone_surrogate_escape_stays_escaped_in_the_arguments(parser, text):
+    """JSON allows the escape \\ud83d alone, UTF-8 cannot hold the character: re-serialised
+    raw, the response failed to encode (a 500)."""
+    detector = JsonArrayDetector(TOOLS) if parser == "json_array" else make_detector(parser, TOOLS)
+    (call,) = detector.parse(text).calls
+    call.arguments.encode("utf-8")
+    assert json.loads(call.arguments) == {"a": "\ud83d"}
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("hermes", '<tool_call>{"name": "get_time", "arguments": {"a": NaN}}</tool_call>'),
+        ("llama3", '{"name": "get_time", "parameters": {"b": -Infinity}}'),
+        ("json_array", '[{"name": "get_time", "parameters": {"a": Infinity}}]'),
+    ],
+)
+def test_nan_and_infinity_arguments_are_no_call(parser, text):
+    """Python's json reads NaN / Infinity, JSON does not: the call's arguments were not JSON
+    (JSON.parse refused them), and streaming had read the text as no call."""
+    detector = JsonArrayDetector(TOOLS) if parser == "json_array" else make_detector(parser, TOOLS)
+    result = detector.parse(text)
+    assert result.calls == [] and result.normal_text == text
 
 
 def _join(pieces: list) -> tuple[str, list[tuple[str, object]]]:
