@@ -12,9 +12,11 @@ A request arrives with the prefill server's bootstrap host, port and room. Its l
                first token is streamed, the next step decodes from it
 
 A `failed` message, no `done` within --disaggregation-timeout, or a prefill server that stops
-answering pings fails the request with an error (HTTP 503 before any token) and frees its row
-and slots at once; a client abort here frees them too and tells the prefill server, as does
-any end of a request before it reserved (an abort while queued, a refusal, a timeout).
+answering pings (PEER_SILENT_S) fails the request with an error (HTTP 503 before any token)
+and frees its row; its slots are free at once unless the prefill server writes into this pool
+itself (Mooncake) and may still do so: then they wait in quarantine until it answers for the
+room. A client abort here tells the prefill server too, as does any end of a request before
+it reserved (an abort while queued, a refusal, a timeout).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class DecodePrealloc(DisaggSide):
         self.default_port = scheduler.server_args.disaggregation_bootstrap_port
         self.prealloc: deque[Req] = deque()
         self.waiting_kv: dict[int, Req] = {}  # room → request whose KV is on its way
-        self.peers: dict[str, dict[str, float]] = {}  # prefill address → last ping / pong
+        # prefill address → last ping, last pong, the instance that answered
+        self.peers: dict[str, dict[str, Any]] = {}
         # Slots of requests dropped while the prefill server may still be writing into them
         # (room → slots, its address, since when): free only once it answers for the room
         # or is gone, never handed to another request while a late write can land.
@@ -150,9 +153,7 @@ class DecodePrealloc(DisaggSide):
                             req, f"the prefill server failed: {msg['error']}", status_code=503
                         )
             elif kind == "pong":
-                peer = self.peers.get(msg.get("from"))
-                if peer is not None:
-                    peer["pong"] = time.monotonic()
+                self._on_pong(msg)
         self._reserve()
         self._watch_peers()
         return ready
@@ -245,6 +246,20 @@ class DecodePrealloc(DisaggSide):
         self.s._append_token(req, int(msg["token"]), logprob)
         return req
 
+    def _on_pong(self, msg: dict[str, Any]) -> None:
+        address = msg.get("from")
+        peer = self.peers.get(address)
+        if peer is None:
+            return
+        peer["pong"] = time.monotonic()
+        instance = msg.get("instance")
+        if peer.get("instance") not in (None, instance):
+            # Another process answers there now: the one that held these rooms is gone and
+            # writes no more.
+            for room in [r for r, q in self.quarantine.items() if q[1] == address]:
+                self._release_quarantine(room)
+        peer["instance"] = instance
+
     def _watch_peers(self) -> None:
         now = time.monotonic()
         busy = {self.peer_address(r) for r in self.waiting_kv.values()}
@@ -254,22 +269,24 @@ class DecodePrealloc(DisaggSide):
                 del self.peers[address]
                 continue
             if now - peer["pong"] > PEER_SILENT_S:
+                # Silent is not gone (a stopped or starved process wakes up and writes what it
+                # was asked to): its rooms are aborted there and, where it writes into this
+                # pool itself, their slots wait in quarantine until it answers for them, comes
+                # back as another process, or 2 × the timeout passes; handed to another request,
+                # a late write corrupted that request's KV.
                 for room, req in list(self.waiting_kv.items()):
                     if self.peer_address(req) == address:
                         self._drop(
                             room,
                             f"the prefill server at {address} stopped answering while its "
                             "KV was on the way",
+                            tell_peer=True,
                         )
                 # Those still queued for slots would each reserve and wait out the pings again.
                 self._fail_queued(
                     lambda r, a=address: self.peer_address(r) == a,
                     f"the prefill server at {address} stopped answering",
                 )
-                for room in [r for r, q in self.quarantine.items() if q[1] == address]:
-                    self._release_quarantine(room)  # it writes no more
-                del self.peers[address]
-                continue
             if now - peer["ping"] >= PING_INTERVAL_S:
                 peer["ping"] = now
                 self.channel.send(

@@ -36,6 +36,8 @@ class SilentPeer(RuntimeError):
 
 
 class PrefillBootstrap(DisaggSide):
+    ANSWERS_PINGS = True
+
     def __init__(self, scheduler: Any) -> None:
         super().__init__(scheduler, scheduler.server_args.disaggregation_bootstrap_port)
         self.waiting: dict[int, Req] = {}  # room → request waiting for its reservation
@@ -187,7 +189,8 @@ class PrefillBootstrap(DisaggSide):
                 self._on_decode_abort(msg)
             elif kind == "ping":
                 self.pinged[msg["reply_to"]] = time.monotonic()
-                self.channel.send(msg["reply_to"], {"type": "pong", "from": msg.get("to")})
+                if not msg.get("answered"):  # (the channel's ping thread answers them)
+                    self.channel.send(msg["reply_to"], self.channel.pong(msg))
         self._finish_transfers()
         self._expire()
 

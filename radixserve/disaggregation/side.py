@@ -10,6 +10,8 @@ from radixserve.disaggregation.transfer import KVLayout, create_transfer, transf
 
 
 class DisaggSide:
+    ANSWERS_PINGS = False
+
     def __init__(self, scheduler: Any, port: int) -> None:
         self.s = scheduler
         args = scheduler.server_args
@@ -17,7 +19,10 @@ class DisaggSide:
         self.timeout = args.disaggregation_timeout
         self.layout = KVLayout.of(kv_pool, scheduler.page_size)
         self.transfer = create_transfer(args.disaggregation_transfer_backend, kv_pool, args.host)
-        self.channel = ControlChannel(args.host, port, transfer_host(args.host))
+        # (the prefill side answers pings on a thread of its own, never late: see channel)
+        self.channel = ControlChannel(
+            args.host, port, transfer_host(args.host), answer_pings=self.ANSWERS_PINGS
+        )
         self.num_transferred = 0
         self.num_failed = 0
 

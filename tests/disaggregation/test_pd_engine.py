@@ -406,3 +406,109 @@ def test_no_more_tries_to_a_decode_server_that_went_silent_after_a_failed_transf
     side.pinged["tcp://dead:1"] = time.monotonic()  # it was alive after all
     side._send("e", [1], [2], "tcp://dead:1")
     assert sent == ["a", "d", "e"]
+
+
+def test_the_prefill_side_answers_pings_while_its_loop_is_busy():
+    """A ping was answered by the prefill scheduler's loop, between forwards: one long forward
+    (or a starved CPU) left the decode side 5 s without a pong, and it failed every request
+    on a live prefill server. Its channel's own thread answers now, the loop still sees each
+    ping; a pong names the answering process."""
+    from radixserve.disaggregation.channel import ControlChannel
+
+    prefill = ControlChannel("127.0.0.1", 0, "127.0.0.1", answer_pings=True)
+    decode = ControlChannel("127.0.0.1", 0, "127.0.0.1")
+    try:
+        decode.send(prefill.address, {"type": "ping", "reply_to": decode.address, "to": "p"})
+        got: list = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:  # the prefill loop never polls here
+            got = decode.recv_all()
+            time.sleep(0.01)
+        assert got == [{"type": "pong", "from": "p", "instance": prefill.instance}]
+        assert decode.inbound.poll(0) == 0
+        deadline = time.monotonic() + 10
+        while not (seen := prefill.recv_all()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [{"type": "ping", "reply_to": decode.address, "to": "p", "answered": True}]
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_silent_prefill_server_that_writes_here_keeps_its_slots_until_it_is_known_gone(
+    model, monkeypatch
+):
+    """A prefill server that writes into the decode pool itself (Mooncake) and stops answering
+    pings is not known to be gone: a stopped process wakes up and writes what it was asked
+    to. Its request fails (503) and the prefill server is told to abort, but the slots wait in
+    quarantine (they were freed at once and handed to another request, whose KV a late write
+    then corrupted) until it answers for the room or another process answers at its address."""
+    from rs_testing import SchedulerHarness
+
+    from radixserve.disaggregation import decode as decode_side
+    from radixserve.disaggregation.channel import ControlChannel
+    from radixserve.io_struct import TokenizedGenerateReqInput
+    from radixserve.sampling_params import SamplingParams
+
+    monkeypatch.setattr(decode_side, "PEER_SILENT_S", 0.5)
+    monkeypatch.setattr(decode_side, "PING_INTERVAL_S", 0.05)
+    prefill = ControlChannel("127.0.0.1", 0, "127.0.0.1")  # answered by hand below
+    h = SchedulerHarness(
+        model_path=model,
+        max_total_tokens=512,
+        disable_overlap_schedule=True,
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="fake",
+    )
+    try:
+        s = h.scheduler
+        s.disagg.transfer.remote_writes = True  # as Mooncake's
+        free = s.allocator.available_size()
+        prompt = list(range(5, 45))
+        req = TokenizedGenerateReqInput(
+            "a",
+            None,
+            prompt,
+            SamplingParams(max_new_tokens=4),
+            bootstrap_host="127.0.0.1",
+            bootstrap_port=prefill.port,
+            bootstrap_room=7,
+        )
+        s.process_input_requests([req])
+        seen: list = []
+
+        def step_until(done, what: str) -> None:
+            deadline = time.monotonic() + 20
+            while not done():
+                assert time.monotonic() < deadline, f"no {what}: {seen}"
+                h.step()
+                seen.extend(prefill.recv_all())
+                time.sleep(0.01)
+
+        step_until(lambda: any(m["type"] == "ping" for m in seen), "ping")
+        ping = next(m for m in seen if m["type"] == "ping")
+        prefill.send(ping["reply_to"], {"type": "pong", "from": ping["to"], "instance": "first"})
+        step_until(lambda: "a" in h.finish_reasons(), "failure")  # then silence
+        reason = h.finish_reasons()["a"]
+        assert reason["status_code"] == 503 and "stopped answering" in reason["message"]
+        assert any(m["type"] == "abort" and m["room"] == 7 for m in seen)
+        assert s.disagg.stats()["quarantined_slots"] == len(prompt)
+        assert s.allocator.available_size() + s.tree_cache.evictable_size() == free - len(prompt)
+        # It keeps pinging the address; the same process answering frees nothing ...
+        seen.clear()
+        step_until(lambda: any(m["type"] == "ping" for m in seen), "ping")
+        ping = next(m for m in seen if m["type"] == "ping")
+        prefill.send(ping["reply_to"], {"type": "pong", "from": ping["to"], "instance": "first"})
+        for _ in range(5):
+            h.step()
+            time.sleep(0.01)
+        assert s.disagg.stats()["quarantined_slots"] == len(prompt)
+        # ... another process there (a restart) writes nothing for the old rooms.
+        prefill.send(ping["reply_to"], {"type": "pong", "from": ping["to"], "instance": "second"})
+        step_until(lambda: not s.disagg.quarantine, "release")
+        h.run_until_idle()
+        s.assert_drained()
+        assert s.allocator.available_size() + s.tree_cache.evictable_size() == free
+    finally:
+        prefill.close()
+        h.scheduler.disagg.close()
