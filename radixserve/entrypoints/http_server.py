@@ -403,12 +403,13 @@ async def get_load(request: Request) -> Response:
 
 
 def _load(info: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's load report: requests in flight and queued; tokens in use plus those queued."""
     used = info["max_total_num_tokens"] - info["available_tokens"] - info["evictable_tokens"]
     return {
         "dp_rank": info.get("dp_rank", 0),
         "num_reqs": info["running"] + info["queued"],
         "num_waiting_reqs": info["queued"],
-        "num_tokens": used,
+        "num_tokens": used + info.get("queued_tokens", 0),
     }
 
 

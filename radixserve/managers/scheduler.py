@@ -83,6 +83,17 @@ def cpus_for_overlap(device: str) -> bool:
     return cpus >= 2 * torch.get_num_threads()
 
 
+def overlap_on_every_rank(tp_sync: Any, mine: bool) -> bool:
+    """Whether the TP ranks run the overlap loop: only where every rank would. The overlap
+    loop frees a finished request a step later than the normal one, so ranks on machines of
+    other core counts (or started with other --num-threads, a node's own flag) scheduled
+    different batches and a collective failed (or the integrity check stopped the server)."""
+    chosen = [c for (c,) in tp_sync.group.all_gather_ints([int(mine)])]
+    if mine and not all(chosen):
+        logger.info("the normal loop on every rank: TP rank %d runs it", chosen.index(0))
+    return all(chosen)
+
+
 class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
     def __init__(
         self,
@@ -181,6 +192,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             and cpus_for_overlap(self.tp_worker.device)
             and self.spec_worker is None
         )
+        if self.tp_sync is not None:
+            self.enable_overlap = overlap_on_every_rank(self.tp_sync, self.enable_overlap)
         self.result_queue: deque[tuple[BatchSnapshot, InFlightStep]] = deque()
         self.forward_thread: ForwardThread | None = None
         # P/D disaggregation: the prefill side's bootstrap server and transfers, or the decode
@@ -850,8 +863,14 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             - self.tree_cache.evictable_size()
         )
         info = self.stats.snapshot(
-            running=sum(not r.finished() for r in self.running_batch.reqs),
+            # The running batch, the request prefilling in chunks, those that just prefilled.
+            running=sum(not r.finished() for r in self._in_flight_reqs()),
             queued=len(self.waiting_queue),
+            # What the queue will add to the KV (SGLang's /get_load counts it: its router
+            # balances on it; a long queue looked like an idle server).
+            queued_tokens=sum(
+                len(r.origin_input_ids) + len(r.output_ids) for r in self.waiting_queue
+            ),
             token_usage=used / self.max_total_num_tokens,
             new_token_ratio=self.ratio.value,
             available_tokens=self.allocator.available_size(),

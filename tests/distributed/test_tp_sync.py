@@ -153,3 +153,15 @@ def test_ranks_that_run_other_flags_or_weights_are_refused_at_start(tmp_path):
     with pytest.raises(ValueError, match="model files differ from rank 0's: model.safetensors"):
         check(args, b)
     assert mine == rank_fingerprint(args, a)  # deterministic
+
+
+@pytest.mark.parametrize(
+    "mine, theirs, runs", [(True, 1, True), (True, 0, False), (False, 1, False)]
+)
+def test_every_rank_runs_the_loop_all_can_run(mine, theirs, runs):
+    """Each rank chose its loop from its own machine's CPUs and --num-threads: a node that
+    chose the normal loop beside one running the overlap loop freed finished requests a step
+    earlier, their schedules diverged and a collective failed (gloo's "preamble" abort)."""
+    from radixserve.managers.scheduler import overlap_on_every_rank
+
+    assert overlap_on_every_rank(TpSync(EchoGroup([theirs])), mine) is runs

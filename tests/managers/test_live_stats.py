@@ -139,6 +139,29 @@ def test_scheduler_snapshot_under_load_and_after_it_drains():
     assert snap["running"] == snap["queued"] == snap["chunked"] == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_request_prefilling_in_chunks_counts_as_running_and_the_queue_as_load(overlap):
+    """For all the steps of a chunked prefill the server said it ran nothing (running 0 and
+    nothing queued: /get_load's num_reqs 0), and the queue's prompts were not in /get_load's
+    num_tokens, which SGLang's router balances on (a long queue looked like an idle server)."""
+    from radixserve.entrypoints.http_server import _load
+
+    run = FakeRun(total_tokens=4096, overlap=overlap, chunked_prefill_size=16, max_running=1)
+    run.submit("long", _prompt(1, 100), max_new=4)
+    run.submit("next", _prompt(2, 30), max_new=4)
+    for _ in range(3):
+        run.step()
+        info = run.s.get_server_info()
+        assert (info["running"], info["queued"], info["queued_tokens"]) == (1, 1, 30)
+        load = _load(info)
+        assert load["num_reqs"] == 2 and load["num_waiting_reqs"] == 1
+        used = info["max_total_num_tokens"] - info["available_tokens"] - info["evictable_tokens"]
+        assert load["num_tokens"] == used + 30 and used > 0
+    run.drain()
+    info = run.s.get_server_info()
+    assert (info["running"], info["queued"], info["queued_tokens"]) == (0, 0, 0)
+
+
 def test_the_step_ring_stays_bounded_over_a_long_run():
     run = FakeRun(total_tokens=4096, overlap=False)
     run.submit("long", _prompt(3, 8), max_new=STEP_RING + 50)
