@@ -101,7 +101,9 @@ class DetokenizerManager:
             text = st.decoded
             matched = finished.get("matched")
             if isinstance(matched, str) and not out.no_stop_trim[i]:
-                pos = text.find(matched, max(0, st.sent - len(matched)))
+                # The occurrence that ended the request is the last (it ends in the newest
+                # token's text): one written before min_new_tokens was reached stays.
+                pos = text.rfind(matched, max(0, st.sent - len(matched)))
                 if pos >= 0:
                     text = text[:pos]
             return text[st.sent :]

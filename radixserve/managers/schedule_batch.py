@@ -226,15 +226,23 @@ class Req:
             self.finished_reason = finish_length(len(self.output_ids))
 
     def _match_stop_str(self, tokenizer: Any) -> str | None:
+        """The stop string that ends in the text the newest token added, if any (vLLM's
+        rule): one written before min_new_tokens was reached does not count later (it ended
+        the request at min_new_tokens and the text was cut back before it)."""
         # The tail decoded spans as many tokens as the longest stop string has UTF-8 bytes (a
         # token holds at least one: an emoji can take four of a byte-level vocabulary), plus
         # one for a token that straddles its start.
         max_len = max(
             len(s.encode("utf-8", "surrogatepass")) for s in self.sampling_params.stop_strs
         )
-        tail = tokenizer.decode(self.output_ids[-(max_len + 1) :], skip_special_tokens=False)
+        ids = self.output_ids[-(max_len + 1) :]
+        tail = tokenizer.decode(ids, skip_special_tokens=False)
+        before = tokenizer.decode(ids[:-1], skip_special_tokens=False)
+        new = 0  # where the newest token's text starts (it may complete a character before)
+        while new < min(len(tail), len(before)) and tail[new] == before[new]:
+            new += 1
         for s in self.sampling_params.stop_strs:
-            if s in tail:
+            if tail.find(s, max(0, new - len(s) + 1)) >= 0:
                 return s
         return None
 

@@ -33,3 +33,39 @@ def test_a_stop_string_ends_the_request_at_its_last_token(byte_tokenizer, stop):
             break
     assert req.finished_reason == finish_stop(first)
     assert n == len(ids)
+
+
+def _detokenize(tokenizer, ids: list[int], stop: str, per_step: bool) -> str:
+    """The text the detokenizer gives for `ids` ending with a stop on `stop`: fed a token a
+    step (streamed) or all at the end."""
+    from radixserve.io_struct import BatchTokenIDOutput
+    from radixserve.managers.detokenizer_manager import DetokenizerManager
+
+    detok = DetokenizerManager(tokenizer)
+    chunks = [[t] for t in ids] if per_step else [ids]
+    text = ""
+    for k, chunk in enumerate(chunks):
+        reason = finish_stop(stop) if k == len(chunks) - 1 else None
+        out = BatchTokenIDOutput(
+            ["r"], [reason], [chunk], [True], [True], [False], [[stop]], [1], [1], [0]
+        )
+        text += detok.handle_batch_token_id_out(out).output_strs[0]
+    return text
+
+
+def test_a_stop_string_written_before_min_new_tokens_does_not_count_later(byte_tokenizer):
+    """One written before min_new_tokens was reached stayed in the decoded tail: it ended the
+    request at min_new_tokens, and the text was cut back before it (non-streamed: fewer
+    characters than min_new_tokens tokens) or not at all (streamed, where it had been sent).
+    Now the next one ends it (vLLM's rule), the text cut there either way."""
+    ids = byte_tokenizer.encode("ab STOP cd STOP ef", add_special_tokens=False)
+    req = Req("r", [5], SamplingParams(stop="STOP", min_new_tokens=9, max_new_tokens=100))
+    for n in range(1, len(ids) + 1):
+        req.output_ids = ids[:n]
+        req.check_finished(byte_tokenizer)
+        if req.finished():
+            break
+    assert req.finished_reason == finish_stop("STOP")
+    assert n == len("ab STOP cd STOP")  # the second one, not at min_new_tokens (9)
+    for per_step in (True, False):
+        assert _detokenize(byte_tokenizer, ids[:n], "STOP", per_step) == "ab STOP cd "
