@@ -146,11 +146,19 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise SamplingParamsError("logit_bias must be a map of token id to bias")
+            seen: dict[int, Any] = {}
             for k, v in self.logit_bias.items():
-                try:
-                    tid = int(k)
-                except (TypeError, ValueError):
-                    raise SamplingParamsError(f"logit_bias key {k!r} is not a token id") from None
+                # A token id as decimal digits (int() also reads " 5", "+5", "1_0", "٥": each
+                # spelling of one id added its bias again, past the ±100 bound).
+                plain = isinstance(k, str) and k.isascii() and k.isdigit()
+                if not plain and not (isinstance(k, int) and not isinstance(k, bool)):
+                    raise SamplingParamsError(f"logit_bias key {k!r} is not a token id")
+                tid = int(k)
+                if tid in seen:
+                    raise SamplingParamsError(
+                        f"logit_bias names token {tid} twice ({seen[tid]!r} and {k!r})"
+                    )
+                seen[tid] = k
                 if tid < 0 or (vocab_size and tid >= vocab_size):
                     raise SamplingParamsError(f"logit_bias token id {tid} is out of range")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:

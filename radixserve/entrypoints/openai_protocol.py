@@ -221,12 +221,15 @@ class SamplingFields(RoutingFields):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        ids: set[int] = set()
         for key in v or {}:
-            try:
-                int(key)
-            except ValueError:
+            if not (key.isascii() and key.isdigit()):  # (int() reads " 5", "+5", "1_0", "٥")
                 msg = f"logit_bias key {key!r} is not a token id"
-                raise PydanticCustomError("token_id", msg) from None
+                raise PydanticCustomError("token_id", msg)
+            if int(key) in ids:
+                msg = f"logit_bias names token {int(key)} twice"
+                raise PydanticCustomError("token_id", msg)
+            ids.add(int(key))
         return v
 
 

@@ -304,6 +304,8 @@ def test_temperature_above_two_is_accepted_as_sglang_does(client, fake_tm):
         (COMPLETIONS, {"stop_token_ids": ["a"]}, "stop_token_ids"),
         (COMPLETIONS, {"logit_bias": {"hello": 1}}, "logit_bias"),
         (COMPLETIONS, {"logit_bias": {"5": 101}}, "logit_bias"),
+        (COMPLETIONS, {"logit_bias": {"5": 100, "005": 100}}, "logit_bias"),
+        (COMPLETIONS, {"logit_bias": {"+5": 1}}, "logit_bias"),
         (COMPLETIONS, {"response_format": {"type": "grammar"}}, "response_format.type"),
         (GENERATE, {"sampling_params": {"top_k": "x"}}, "sampling_params.top_k"),
         (GENERATE, {"sampling_params": {"logit_bias": []}}, "sampling_params.logit_bias"),

@@ -385,6 +385,13 @@ def test_a_finish_that_arrives_while_the_reader_holds_an_item_is_still_yielded()
         ("ignore_eos", _req(ignore_eos="yes")),
         ("json_schema", _req(json_schema={"type": "object"})),
         ("logit_bias", _req(logit_bias=[1, 2])),
+        # One token spelled twice got both biases (400 past the ±100 bound); int() spellings.
+        ("logit_bias", _req(logit_bias={"5": 100, "05": 100})),
+        ("logit_bias", _req(logit_bias={"5": 1, 5: 1})),
+        ("logit_bias", _req(logit_bias={" 5": 1})),
+        ("logit_bias", _req(logit_bias={"1_0": 1})),
+        ("logit_bias", _req(logit_bias={"\u0665": 1})),
+        ("logit_bias", _req(logit_bias={True: 1})),
         ("stop", _req(stop=5)),
         ("stop", _req(stop={"x": 1})),
         ("stop", _req(stop=["x", 3])),
