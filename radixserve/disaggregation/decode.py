@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from radixserve.disaggregation.side import DisaggSide
+from radixserve.disaggregation.side import DisaggSide, prompt_fingerprint
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.schedule_policy import lora_fits
 
@@ -198,6 +198,7 @@ class DecodePrealloc(DisaggSide):
                     "type": "reserve",
                     "room": req.bootstrap_room,
                     "rid": req.rid,
+                    "prompt": prompt_fingerprint(req.origin_input_ids),
                     "reply_to": self.channel.address,
                     "slots": slots.tolist(),
                     "layout": self.layout.__dict__,

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any
 
-from radixserve.disaggregation.side import DisaggSide
+from radixserve.disaggregation.side import DisaggSide, prompt_fingerprint
 from radixserve.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
@@ -79,13 +79,25 @@ class PrefillBootstrap(DisaggSide):
             self.waiting[room] = req
 
     def _pair(self, req: Req, reservation: dict[str, Any]) -> None:
+        error = None
         if len(reservation["slots"]) != len(req.origin_input_ids):
-            self._fail_reservation(
-                reservation,
+            error = (
                 f"the decode server reserved {len(reservation['slots'])} slots for a prompt of "
-                f"{len(req.origin_input_ids)} tokens (do both servers use the same tokenizer?)",
+                f"{len(req.origin_input_ids)} tokens (do both servers use the same tokenizer?)"
             )
-            self.s._finish_queued_abort(req, "the decode server's reservation does not match")
+        elif reservation.get("prompt", None) not in (
+            None,
+            prompt_fingerprint(req.origin_input_ids),
+        ):
+            error = (
+                f"bootstrap_room {req.bootstrap_room} pairs two different prompts (each "
+                "request needs a room of its own; do both servers use the same tokenizer?)"
+            )
+        if error is not None:
+            self._fail_reservation(reservation, error)
+            self.s._finish_queued_abort(
+                req, f"the decode server's reservation does not match: {error}", status_code=400
+            )
             return
         req.disagg_target = reservation
         self.s.waiting_queue.append(req)

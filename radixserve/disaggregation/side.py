@@ -3,6 +3,7 @@ KV transfer backend, the control channel (bound on `port`; 0: a free one) and th
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from radixserve.disaggregation.channel import ControlChannel
@@ -33,3 +34,10 @@ class DisaggSide:
     def close(self) -> None:
         self.channel.close()
         self.transfer.close()
+
+
+def prompt_fingerprint(input_ids: list[int]) -> str:
+    """What both sides compare before a transfer: two requests that share a bootstrap room
+    (a client reusing rooms) paired with each other and swapped their outputs."""
+    data = b"".join(t.to_bytes(4, "little", signed=True) for t in input_ids)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()

@@ -137,6 +137,37 @@ def test_a_first_token_that_ends_the_request(engines, prompts, reference):
         _assert_drained(engine)
 
 
+def test_two_prompts_on_one_room_are_refused_not_swapped(engines):
+    """A client that reuses a bootstrap room sent prompt X to the prefill server and prompt Y
+    (the same length) to the decode server: they paired, and Y's answer continued X's KV."""
+    from radixserve.managers.request_checks import RequestError
+
+    prefill, decode, port = engines
+    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 777}
+    params = {"max_new_tokens": 4, "temperature": 0}
+    errors: dict[str, str] = {}
+
+    def run(name: str, engine: Any, prompt: list[int]) -> None:
+        try:
+            engine.generate(input_ids=prompt, sampling_params=params, **pd)
+        except RequestError as e:
+            errors[name] = f"{e.status_code} {e}"
+
+    threads = [
+        threading.Thread(target=run, args=("p", prefill, [7] * 20)),
+        threading.Thread(target=run, args=("d", decode, [9] * 20)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(errors) == {"p", "d"}, errors
+    assert errors["p"].startswith("400 ") and "pairs two different prompts" in errors["p"]
+    assert "pairs two different prompts" in errors["d"]
+    for engine in engines[:2]:
+        _assert_drained(engine)
+
+
 # -- the transfer backends ----------------------------------------------------------------------
 def test_contiguous_runs_coalesce_only_where_both_sides_advance_together():
     assert contiguous_runs([4, 5, 6, 9, 10], [1, 2, 3, 7, 9]) == [(4, 1, 3), (9, 7, 1), (10, 9, 1)]
