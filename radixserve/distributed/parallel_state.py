@@ -155,7 +155,8 @@ def init_tp_group(
         while not joined.wait(RENDEZVOUS_LOG_S):
             logger.warning(
                 "TP rank %d of %d: still waiting for the other ranks at %s:%d after %.0f s "
-                "(every node needs the same --dist-init-addr and --nnodes)",
+                "(every node needs the same --dist-init-addr, --nnodes and --tp-size, and a --node-rank "
+                "of its own)",
                 tp_rank,
                 tp_size,
                 host,

@@ -42,12 +42,20 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600
 CHILD_POLL_S = 0.5
+SHUTDOWN_WAIT_S = 10.0  # for the loop to cancel its tasks (after a start-up: its children stop)
+
+
+class StartupInterrupted(RuntimeError):
+    """The start-up was stopped (a signal, Ctrl-C, shutdown()) while the children started."""
 
 
 class Subprocesses:
-    """The scheduler and detokenizer processes and what the scheduler reported at start-up."""
+    """The scheduler and detokenizer processes and what the scheduler reported at start-up.
+    `stop`, once set, ends a start-up still waiting for them (StartupInterrupted; what started
+    is stopped): a model takes minutes to load, and Ctrl-C or SIGTERM waited for it."""
 
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(self, server_args: ServerArgs, stop: threading.Event | None = None) -> None:
+        self._stop = stop
         ctx = mp.get_context("spawn")
         self.port_args = PortArgs.new()
         sched_r, sched_w = ctx.Pipe(duplex=False)
@@ -117,6 +125,7 @@ class Subprocesses:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         infos: dict[int, dict[str, Any]] = {}
         while len(infos) < len(pipes):
+            self._check_stop()
             for rank, (pipe, proc) in enumerate(zip(pipes, self.schedulers, strict=True)):
                 if rank not in infos and (pipe.poll(0.1) or not proc.is_alive()):
                     infos[rank] = self._wait_ready(pipe, proc, proc.name)
@@ -125,10 +134,14 @@ class Subprocesses:
                 raise RuntimeError(f"the schedulers did not start within {STARTUP_TIMEOUT_S} s")
         return infos[0]
 
-    @staticmethod
-    def _wait_ready(pipe: Any, proc: mp.Process, name: str) -> dict[str, Any]:
+    def _check_stop(self) -> None:
+        if self._stop is not None and self._stop.is_set():
+            raise StartupInterrupted("the start-up was interrupted")
+
+    def _wait_ready(self, pipe: Any, proc: mp.Process, name: str) -> dict[str, Any]:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not pipe.poll(1.0):
+        while not pipe.poll(0.2):
+            self._check_stop()
             if not proc.is_alive():
                 raise RuntimeError(f"the {name} exited during start-up (code {proc.exitcode})")
             if time.monotonic() > deadline:
@@ -193,7 +206,7 @@ def run_worker_node(server_args: ServerArgs) -> int:
     }
     procs = None
     try:
-        procs = Subprocesses(server_args)
+        procs = Subprocesses(server_args, stop)  # (a signal ends its wait too)
         ranks = list(server_args.local_tp_ranks)
         logger.info(
             "node %d of %d ready: TP ranks %d-%d joined node 0 at %s",
@@ -208,6 +221,9 @@ def run_worker_node(server_args: ServerArgs) -> int:
                 logger.error("%s; node %d stops", reason, server_args.node_rank)
                 return 1
         logger.info("node %d: signal received; shutting down", server_args.node_rank)
+        return 0
+    except StartupInterrupted:
+        logger.info("node %d: signal received during start-up; stopped", server_args.node_rank)
         return 0
     except Exception as e:
         logger.error("node %d failed: %s: %s", server_args.node_rank, type(e).__name__, e)
@@ -303,7 +319,10 @@ class Engine:
         atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     async def _start_children(self) -> None:
-        self.procs = Subprocesses(self.server_args)  # (set here: shutdown() finds them)
+        # (set here: shutdown() finds them); shutdown() during the start (Ctrl-C in __init__)
+        # ends its wait through _closed: the loop's thread was blocked in it until the
+        # children had loaded the model, and shutdown() timed out waiting for the loop.
+        self.procs = Subprocesses(self.server_args, self._closed)
 
     async def _init_tm(self) -> TokenizerManager:
         tm = create_tokenizer_manager(self.server_args, self.procs)
@@ -457,7 +476,9 @@ class Engine:
             loop.create_task(self._cancel_tasks(stop=True))
             return
         try:
-            asyncio.run_coroutine_threadsafe(self._cancel_tasks(), loop).result(5)
+            asyncio.run_coroutine_threadsafe(self._cancel_tasks(), loop).result(SHUTDOWN_WAIT_S)
+        except TimeoutError:  # (never hides the exception shutdown() is called for)
+            logger.warning("the engine's loop did not stop its tasks in %g s", SHUTDOWN_WAIT_S)
         finally:
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(5)

@@ -647,6 +647,10 @@ def launch_server(server_args: ServerArgs) -> int:
     if clash:
         logger.error("--lora-paths: %s names the served model; give the adapter its own", clash)
         return 2
+    busy = _port_in_use(server_args.host, server_args.port)
+    if busy:  # found now, not after every rank has loaded the model (minutes)
+        logger.error("cannot listen on %s:%d: %s", server_args.host, server_args.port, busy)
+        return 1
     signals = _Signals()
     procs = None
     try:
@@ -665,6 +669,24 @@ def launch_server(server_args: ServerArgs) -> int:
         if procs is not None:
             procs.shutdown()
         signals.restore()
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why uvicorn could not bind host:port (as it binds: SO_REUSEADDR), or None."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"{e} (--host)"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            return f"{e.strerror or e} (is another server on it? pick another --port)"
+    return None
 
 
 def _serve(app: FastAPI, server_args: ServerArgs, signals: _Signals) -> int:

@@ -309,3 +309,22 @@ def test_a_bench_longer_than_the_models_context_is_one_line(tmp_path, capsys, ar
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """The bind error came from uvicorn once every rank had loaded the model (minutes)."""
+    import socket
+
+    from rs_testing import make_tiny_served_model
+
+    from radixserve.entrypoints import engine, http_server
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    monkeypatch.setattr(engine, "Subprocesses", lambda *a, **k: pytest.fail("children started"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert "pick another --port" in http_server._port_in_use("127.0.0.1", port)
+        assert main(["serve", "--model-path", model, "--port", str(port)]) == 1
+    assert http_server._port_in_use("127.0.0.1", port) is None

@@ -214,6 +214,44 @@ def test_an_engine_that_fails_to_start_leaves_no_thread_behind(tmp_path):
     assert left == []
 
 
+def test_ctrl_c_while_an_engine_starts_stops_it_at_once(tmp_path):
+    """KeyboardInterrupt in Engine(...) (the model loading for minutes): the loop's thread sat
+    in the start-up until the children were ready, so the interrupt became a bare TimeoutError
+    from shutdown() 10 s later and the children went on loading. A TP rank that waits for a
+    node that never comes stands in for a long load."""
+    import multiprocessing
+    import signal
+    import threading
+
+    from radixserve import Engine
+    from radixserve.utils import free_port
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = set(threading.enumerate())
+    children = set(multiprocessing.active_children())  # (the module's engine's)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 3.0)
+        with pytest.raises(KeyboardInterrupt):
+            Engine(
+                model_path=model,
+                dtype="float32",
+                tp_size=2,
+                nnodes=2,
+                dist_init_addr=f"127.0.0.1:{free_port()}",
+            )
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert set(multiprocessing.active_children()) == children
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert left == []
+
+
 def test_shutdown_closes_the_loop_and_an_engine_dropped_mid_stream_is_stopped(tmp_path):
     """shutdown() left the loop open (its thread pool and file descriptors stayed while the
     Engine was referenced). An engine whose last reference was a stream's, dropped, was

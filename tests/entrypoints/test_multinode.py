@@ -83,3 +83,35 @@ def test_a_node_started_with_other_flags_is_refused(tmp_path, tiny_model):
     finally:
         node0.stop()
         node1.stop()
+
+
+def test_a_worker_node_stops_at_a_signal_during_its_start_up(tmp_path, tiny_model):
+    """Node 1 waiting for node 0 (or loading the model): SIGTERM and Ctrl-C only set a flag
+    that was read once the start-up was over, so it ran on for up to 10 minutes."""
+    import os
+    import signal
+    import time
+
+    flags = ["--model-path", tiny_model, "--tp-size", "2", "--nnodes", "2"]
+    flags += ["--dist-init-addr", f"127.0.0.1:{free_port()}", "--node-rank", "1"]
+    node1 = ServerProcess(str(tmp_path), *flags)  # node 0 never comes
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting for the other ranks" not in node1.log():
+            assert node1.proc.poll() is None, node1.log()[-3000:]
+            assert time.monotonic() < deadline, node1.log()[-3000:]
+            time.sleep(0.2)
+        os.kill(node1.proc.pid, signal.SIGTERM)  # the main process only, as `kill` sends it
+        try:
+            code = node1.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node 1 ignored SIGTERM during start-up:\n{node1.log()[-3000:]}")
+        assert code == 0 and "signal received during start-up" in node1.log()
+        # ... and took its scheduler rank with it.
+        out = subprocess.run(
+            ["ps", "-o", "pid=,args=", "-s", str(node1.proc.pid)], capture_output=True, text=True
+        )
+        running = [line for line in out.stdout.splitlines() if "<defunct>" not in line]
+        assert running == [], out.stdout
+    finally:
+        node1.stop()
