@@ -296,6 +296,11 @@ class ServerArgs:
     disable_dashboard: bool = _f(
         False, "Turn off the live dashboard (GET /dashboard and its /dashboard/events stream)."
     )
+    enable_metrics: bool = _f(
+        True,
+        "Accepted as in SGLang's launch commands; GET /metrics (Prometheus, SGLang's names) "
+        "is always on.",
+    )
     stream_interval: int = _f(1, "Stream every N tokens.")
     max_queued_requests: int | None = _f(
         None,

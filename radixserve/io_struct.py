@@ -45,6 +45,8 @@ class GenerateReqInput:
     # the prefill server's prompt logprobs to the decode server's answer, so a decode server
     # leaves its copy out (the OpenAI endpoints get no such merge: there it gives them).
     router_merges_prompt_logprobs: bool = False
+    # False for the server's own probe (/health_generate): not a user request in the metrics.
+    log_metrics: bool = True
 
     @property
     def is_single(self) -> bool:

@@ -48,6 +48,7 @@ NODE_LOCAL_ARGS = frozenset(
         "port",
         "api_key",
         "disable_dashboard",
+        "enable_metrics",
         "max_queued_requests",
         "log_level",
         "num_threads",

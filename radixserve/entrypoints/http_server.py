@@ -277,10 +277,15 @@ async def health_generate(request: Request) -> Response:
     busy server is a healthy one."""
     tm = _tm(request)
     start = time.monotonic()
-    obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    obj = GenerateReqInput(
+        input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, log_metrics=False
+    )
     probe = asyncio.ensure_future(collect(tm.generate_request(obj, None), request))
     try:
         while getattr(tm, "last_output_time", 0.0) <= start:
+            dead = getattr(tm, "dead", None)
+            if dead:  # (its 503 is no full queue: waiting ended in a 500 at shutdown)
+                return error_response(f"the server cannot generate: {dead}", 503)
             if probe.done():
                 error = probe.exception()
                 if error is None:
@@ -391,7 +396,28 @@ async def server_info(request: Request) -> Response:
         "dp_size": args.dp_size,
         "disaggregation_mode": args.disaggregation_mode,
     }
-    return json_response({**dataclasses.asdict(args), **worker, **info, **pids})
+    return json_response(
+        {**dataclasses.asdict(args), **worker, **info, **pids, **_sglang_state(info)}
+    )
+
+
+def _sglang_state(info: dict[str, Any]) -> dict[str, Any]:
+    """What SGLang's tools read from /get_server_info besides the flat figures: its version
+    and, per data-parallel replica, `internal_states` (bench_serving and the router's mini
+    load balancer take the generation throughput and speculative accept length from them)."""
+    from radixserve import __version__
+
+    states = [
+        {
+            "dp_rank": r.get("dp_rank", 0),
+            "last_gen_throughput": r.get("gen_throughput", 0.0),
+            "avg_spec_accept_length": r.get("spec_accept_length")
+            if r.get("spec_verify_ct")
+            else None,
+        }
+        for r in info.get("replicas") or [info]
+    ]
+    return {"version": __version__, "internal_states": states}
 
 
 @router.get("/get_load")

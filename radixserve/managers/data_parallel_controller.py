@@ -59,6 +59,7 @@ BALANCE_REL_THRESHOLD = 1.5
 NON_ADDITIVE = (
     "dp_rank",
     "token_usage",
+    "cache_hit_rate",
     "new_token_ratio",
     "spec_accept_length",
     "spec_accept_rate",
@@ -317,8 +318,9 @@ def merge_server_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
     if total:
         free = out.get("available_tokens", 0) + out.get("evictable_tokens", 0)
         out["token_usage"] = (total - free) / total
-    if "new_token_ratio" in out:
-        out["new_token_ratio"] = sum(i["new_token_ratio"] for i in infos) / len(infos)
+    for key in ("new_token_ratio", "cache_hit_rate"):
+        if key in out:
+            out[key] = sum(i[key] for i in infos) / len(infos)
     if out.get("spec_verify_ct"):
         out["spec_accept_length"] = out["spec_committed_tokens"] / out["spec_verify_ct"]
     if out.get("spec_draft_tokens"):

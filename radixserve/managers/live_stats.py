@@ -96,6 +96,16 @@ class LiveStats:
             self.tokens.add(prompt=prompt, cached=cached, generation=generation)
             self._seen = now
 
+    def rates(self) -> dict[str, float]:
+        """SGLang's two rate gauges: tokens generated per second (the last RATE_WINDOW_S
+        seconds) and the prefix cache's hit rate over the window."""
+        recent = self.tokens.totals(RATE_WINDOW_S)
+        window = self.tokens.totals(self.tokens.seconds)
+        return {
+            "gen_throughput": recent["generation"] / RATE_WINDOW_S,
+            "cache_hit_rate": _ratio(window["cached"], window["prompt"]),
+        }
+
     def snapshot(self) -> dict[str, Any]:
         recent = self.tokens.totals(RATE_WINDOW_S)
         window = self.tokens.totals(self.tokens.seconds)

@@ -29,6 +29,13 @@ _GAUGES = {
     "evictable_tokens": ("evictable_tokens", "KV slots held only by the radix cache."),
     "max_total_num_tokens": ("max_total_num_tokens", "KV pool size in tokens."),
     "new_token_ratio": ("new_token_ratio", "Share of max_new_tokens reserved at admission."),
+    "num_used_tokens": ("num_used_tokens", "KV slots in use (not free, not evictable)."),
+    "num_grammar_queue_reqs": (
+        "num_grammar_queue_reqs",
+        "Requests waiting for their grammar to compile.",
+    ),
+    "gen_throughput": ("gen_throughput", "Tokens generated per second, recently."),
+    "cache_hit_rate": ("cache_hit_rate", "Share of recent prompt tokens from the prefix cache."),
     "spec_accept_length": (
         "spec_accept_length",
         "Speculative decoding: tokens committed per verify step (accepted drafts + 1).",
@@ -38,8 +45,8 @@ _GAUGES = {
 # Scheduler counters since start: key → (metric name without _total, help).
 _COUNTERS = {
     "cached_tokens": ("cached_tokens", "Prompt tokens served from the prefix cache."),
-    "num_retractions": ("num_retractions", "Requests retracted for lack of KV slots."),
-    "num_aborted": ("num_aborted_reqs", "Requests aborted."),
+    "num_retractions": ("num_retracted_requests", "Requests retracted for lack of KV slots."),
+    "num_aborted": ("num_aborted_requests", "Requests aborted."),
     "spec_verify_ct": ("spec_verify_steps", "Request-steps that verified draft tokens."),
     "spec_draft_tokens": ("spec_draft_tokens", "Draft tokens proposed."),
     "spec_accepted_tokens": ("spec_accepted_tokens", "Draft tokens accepted."),

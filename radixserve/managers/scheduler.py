@@ -872,6 +872,9 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 len(r.origin_input_ids) + len(r.output_ids) for r in self.waiting_queue
             ),
             token_usage=used / self.max_total_num_tokens,
+            num_used_tokens=used,
+            num_grammar_queue_reqs=len(self.grammar_manager.queue),
+            **self.live.rates(),
             new_token_ratio=self.ratio.value,
             available_tokens=self.allocator.available_size(),
             evictable_tokens=self.tree_cache.evictable_size(),

@@ -71,6 +71,7 @@ class ReqState:
     # A choice of an n > 1 request, or a prompt of a batch with one rid: that request's rid.
     parent_rid: str | None = None
     omit_input_logprobs: bool = False  # GenerateReqInput.router_merges_prompt_logprobs
+    log_metrics: bool = True  # GenerateReqInput.log_metrics
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     last_time: float = 0.0
@@ -311,9 +312,10 @@ class TokenizerManager:
     def _observe(
         self, state: ReqState, new_tokens: int, now: float, finished: dict[str, Any] | None
     ) -> None:
-        if self.metrics is not None:
-            self.metrics.on_output(state, new_tokens, now, finished)
-        self.latency_window.on_output(state, new_tokens, now, finished)
+        if state.log_metrics:
+            if self.metrics is not None:
+                self.metrics.on_output(state, new_tokens, now, finished)
+            self.latency_window.on_output(state, new_tokens, now, finished)
         state.last_time = now
 
     def fail_all(self, message: str, status_code: int = 503) -> None:
@@ -467,7 +469,7 @@ class TokenizerManager:
             raise RequestError(self.dead, 503)
         self._bind_adapters(tokenized_list)
         self._admit(tokenized_list)
-        states = [self._register(t) for t in tokenized_list]
+        states = [self._register(t, obj.log_metrics) for t in tokenized_list]
         # (the prefill server's copy reaches the client through the router: see the field)
         peer_logprobs = (
             obj.router_merges_prompt_logprobs and self.server_args.disaggregation_mode == "decode"
@@ -511,14 +513,15 @@ class TokenizerManager:
                 {"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    def _register(self, tokenized: TokenizedGenerateReqInput) -> ReqState:
+    def _register(self, tokenized: TokenizedGenerateReqInput, log_metrics: bool) -> ReqState:
         state = ReqState(tokenized.rid, tokenized.stream, len(tokenized.input_ids))
+        state.log_metrics = log_metrics
         state.lora_id = tokenized.lora_id
         state.return_logprob = tokenized.return_logprob
         if tokenized.return_logprob and tokenized.return_text_in_logprobs:
             state.token_text = self.token_strings
         self.rid_to_state[tokenized.rid] = state
-        if self.metrics is not None:
+        if self.metrics is not None and log_metrics:
             self.metrics.on_request(len(tokenized.input_ids))
         return state
 

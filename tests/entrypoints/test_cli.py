@@ -328,3 +328,14 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, monkeypatch):
         assert "pick another --port" in http_server._port_in_use("127.0.0.1", port)
         assert main(["serve", "--model-path", model, "--port", str(port)]) == 1
     assert http_server._port_in_use("127.0.0.1", port) is None
+
+
+def test_sglang_s_enable_metrics_flag_is_accepted():
+    """A launch command carried over from SGLang (--enable-metrics) failed: unrecognized."""
+    import argparse
+
+    from radixserve.args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert ServerArgs.from_cli_args(parser.parse_args(["--enable-metrics"])).enable_metrics

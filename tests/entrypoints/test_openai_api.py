@@ -490,6 +490,32 @@ def test_health_generate_fails_on_a_failed_generation(fake_tm, make_client, monk
     assert r.status_code == 503 and "the scheduler is gone" in r.json()["error"]["message"]
 
 
+def test_health_generate_is_503_at_once_when_the_scheduler_is_dead(
+    fake_tm, make_client, monkeypatch
+):
+    """The TokenizerManager's 503 for a dead scheduler was read as a full queue: the probe
+    waited for other output until the shutdown cancelled it, a 500 with a traceback. It is
+    marked as no user request (log_metrics): probes were counted in the request metrics."""
+    import radixserve.entrypoints.http_server as http_server
+
+    monkeypatch.setattr(http_server, "HEALTH_GENERATE_TIMEOUT_S", 30)
+    probes = []
+
+    async def dead(obj, request=None):
+        probes.append(obj)
+        fake_tm.dead = "radixserve-scheduler exited with code -9"
+        raise RequestError(fake_tm.dead, 503)
+        yield
+
+    monkeypatch.setattr(fake_tm, "generate_request", dead)
+    with make_client(fake_tm) as client:
+        start = time.monotonic()
+        r = client.get("/health_generate")
+    assert r.status_code == 503 and "exited with code -9" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 10
+    assert [p.log_metrics for p in probes] == [False]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_echo_of_token_ids_outside_the_vocabulary_is_400(fake_tm, make_client, monkeypatch, stream):
     """The echo decodes the prompt only after the TokenizerManager has checked its ids (found

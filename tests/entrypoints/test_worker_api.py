@@ -270,9 +270,28 @@ def test_metrics_use_sglang_names(server):
         "sglang:token_usage",
         "sglang:generation_tokens_total",
         "sglang:time_to_first_token_seconds_bucket",
+        # what SGLang's Grafana dashboard plots besides
+        "sglang:gen_throughput",
+        "sglang:cache_hit_rate",
+        "sglang:num_used_tokens",
+        "sglang:num_grammar_queue_reqs",
+        "sglang:num_aborted_requests_total",
+        "sglang:num_retracted_requests_total",
     ):
         assert name in text, name
     assert "radixserve:" not in text
+    # (SGLang's sglang:num_retractions is a histogram: a counter of that name clashed)
+    assert "sglang:num_retractions" not in text and "num_aborted_reqs" not in text
+
+
+def test_server_info_has_sglang_s_internal_states_and_version(server):
+    """SGLang's bench_serving and the router's mini load balancer read
+    internal_states[i]["avg_spec_accept_length"] / ["last_gen_throughput"] (a KeyError)."""
+    info = _get(server, "/get_server_info").json()
+    assert isinstance(info["version"], str)
+    (state,) = info["internal_states"]
+    assert state["dp_rank"] == 0 and state["avg_spec_accept_length"] is None
+    assert state["last_gen_throughput"] >= 0
 
 
 # -- the real router -----------------------------------------------------------------------------

@@ -183,6 +183,31 @@ def test_a_request_whose_client_went_away_still_counts_in_the_metrics():
     run(body())
 
 
+def test_the_servers_own_probe_is_not_counted_as_a_request():
+    """/health_generate's probe (log_metrics False) added to every request metric: a
+    Kubernetes probe every few seconds skewed the request rate and latencies of an idle
+    replica (SGLang's probe is not logged either)."""
+    from radixserve.managers.metrics import ServerMetrics
+
+    def value(metrics: ServerMetrics, name: str) -> float:
+        return metrics.registry.get_sample_value("sglang:" + name, {"model_name": "m"}) or 0.0
+
+    async def body():
+        tm, sockets = _make_tm()
+        tm.metrics = metrics = ServerMetrics("m")
+        probe = GenerateReqInput(input_ids=[0], rid="probe", log_metrics=False)
+        task = asyncio.create_task(_collect(tm, probe))
+        await _settle()
+        await sockets.inbox.put(_output("probe", "a", [1], LENGTH))
+        await task
+        for name in ("num_requests_total", "prompt_tokens_total", "generation_tokens_total"):
+            assert value(metrics, name) == 0, name
+        assert value(metrics, "time_to_first_token_seconds_count") == 0
+        assert tm.latency_window.snapshot()["finished_requests"] == 0
+
+    run(body())
+
+
 def test_duplicate_rids_inside_a_batch_send_nothing():
     async def body():
         tm, sockets = _make_tm()
