@@ -18,7 +18,7 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
@@ -388,28 +388,28 @@ class Engine:
             result = out
         return result
 
-    def _start_stream(self, obj: GenerateReqInput) -> tuple[queue.Queue, Future]:
-        """Run the request on the engine's loop, its outputs (then an exception or _DONE) put
-        on a queue; cancelling the returned future aborts the request (generate_request's
+    def _start_stream(self, obj: GenerateReqInput, put: Callable[[Any], None]) -> Future:
+        """Run the request on the engine's loop, its outputs (then an exception or _DONE) given
+        to `put`; cancelling the returned future aborts the request (generate_request's
         own clean-up), which is what a consumer that stops reading early must do."""
-        q: queue.Queue = queue.Queue()
 
         async def pump() -> None:
             try:
                 async for out in self.tokenizer_manager.generate_request(obj):
-                    q.put(detached(out))  # the caller keeps it; later outputs go on
+                    put(detached(out))  # the caller keeps it; later outputs go on
             except asyncio.CancelledError:  # the consumer stopped, or shutdown(): a reader
-                q.put(RuntimeError("the engine is shut down"))  # still waiting must wake
-                q.put(_DONE)
+                put(RuntimeError("the engine is shut down"))  # still waiting must wake
+                put(_DONE)
                 raise
             except Exception as e:
-                q.put(e)
-            q.put(_DONE)
+                put(e)
+            put(_DONE)
 
-        return q, self._submit(pump())
+        return self._submit(pump())
 
     def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
-        q, pump = self._start_stream(obj)
+        q: queue.Queue = queue.Queue()
+        pump = self._start_stream(obj, q.put)
         try:
             while (item := q.get()) is not _DONE:
                 if isinstance(item, Exception):
@@ -433,18 +433,39 @@ class Engine:
         return await asyncio.wrap_future(self._submit(self._collect(obj)))
 
     async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
-        q, pump = self._start_stream(obj)
+        """The outputs reach the caller's loop by call_soon_threadsafe, no thread waits for
+        them: each waiting stream held one of the caller's executor threads, and more open
+        streams than threads stalled one another and the caller's own to_thread calls."""
         loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed: nobody reads any more
+                pass
+
+        pump = self._start_stream(obj, put)
         try:
-            while (item := await loop.run_in_executor(None, q.get)) is not _DONE:
+            while (item := await items.get()) is not _DONE:
                 if isinstance(item, Exception):
                     raise item
                 yield item
         finally:  # (aclose, or the consumer's task cancelled while it waited)
             pump.cancel()
-            q.put(_DONE)  # frees an executor thread still waiting on the queue
 
     # -- control --------------------------------------------------------------------------------
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> bool:
+        """Abort the request `rid` (its n choices, a batch's prompts too), or every request
+        (abort_all), as SGLang's Engine does; whether any was running. Its caller gets
+        finish_reason abort."""
+        tm = self.tokenizer_manager
+
+        async def abort() -> bool:
+            return tm.request_abort_all() > 0 if abort_all else tm.request_abort(rid)
+
+        return self._run(abort())
+
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success
 

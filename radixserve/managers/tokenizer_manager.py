@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 DRAIN_BATCH = 256  # outputs handled per wake-up before other tasks get the loop
 
 RETRY_AFTER_S = 1  # what a 503 for overload tells the client to wait
+DISCONNECT_POLL_S = 2.0  # how often a waiting request checks that its client is still there
 __all__ = ["RequestError", "ReqState", "TokenizerManager"]
 Triple = tuple[float | None, int, str | None]
 
@@ -528,9 +529,7 @@ class TokenizerManager:
     async def _wait_one(self, state: ReqState, request: Any) -> AsyncIterator[dict[str, Any]]:
         try:
             while True:
-                try:
-                    await asyncio.wait_for(state.event.wait(), timeout=2.0)
-                except asyncio.TimeoutError:
+                if not await _wait_event(state.event, DISCONNECT_POLL_S):
                     if request is not None and await request.is_disconnected():
                         self.abort_request(state.rid)
                         return
@@ -701,6 +700,19 @@ class TokenizerManager:
             "in_flight": len(self.rid_to_state),
             "latency": self.latency_window.snapshot(),
         }
+
+
+async def _wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Whether `event` was set within `timeout` seconds. Not asyncio.wait_for: on Python 3.11
+    it swallows a cancel that comes after the event fired and before the task resumed
+    (CPython gh-86296), and the request of a stream its consumer closed, or a Ctrl-C, ran on
+    to its end unread, holding its KV."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return bool(done)
 
 
 def _choices(base: TokenizedGenerateReqInput, n: int) -> list[TokenizedGenerateReqInput]:

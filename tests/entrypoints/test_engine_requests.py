@@ -61,6 +61,66 @@ def test_closing_an_async_stream_aborts_its_request(engine):
     _drained(engine, before)
 
 
+def test_async_streams_take_no_thread_of_the_callers_executor(engine):
+    """Each waiting async stream held one of the caller's default-executor threads: more open
+    streams than threads stalled one another and the caller's own to_thread calls."""
+    import concurrent.futures
+
+    class NoThreads(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            raise AssertionError("a stream used the caller's executor")
+
+    async def read_streams() -> list[str]:
+        asyncio.get_running_loop().set_default_executor(NoThreads(1))
+        params = {"max_new_tokens": 5, "ignore_eos": True, "temperature": 0}
+
+        async def one(i: int) -> str:
+            text = ""
+            async for out in await engine.async_generate(f"hi {i}", params, stream=True):
+                text = out["text"]
+            return text
+
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    texts = asyncio.run(read_streams())
+    want = [
+        engine.generate(f"hi {i}", {"max_new_tokens": 5, "ignore_eos": True, "temperature": 0})[
+            "text"
+        ]
+        for i in range(8)
+    ]
+    assert texts == want
+
+
+def test_abort_request_by_rid_and_all(engine):
+    """SGLang's Engine.abort_request(rid, abort_all): there was no way to stop a request of
+    the offline engine (its tokenizer manager is not safe to call from another thread)."""
+    import concurrent.futures
+
+    before = engine.get_server_info()
+    assert engine.abort_request("nobody") is False
+
+    def running(n: int) -> None:
+        for _ in range(600):  # (bounded: 60 s)
+            if engine.get_server_info()["running"] >= n:
+                return
+            time.sleep(0.1)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        one = pool.submit(engine.generate, "hello", LONG, rid="mine")
+        running(1)
+        assert engine.abort_request("mine") is True
+        assert one.result(60)["meta_info"]["finish_reason"]["type"] == "abort"
+        many = pool.submit(engine.generate, ["a", "b"], LONG)
+        running(1)
+        assert engine.abort_request(abort_all=True) is True
+        outs = many.result(60)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
+    info = engine.get_server_info()
+    assert info["num_aborted"] == before["num_aborted"] + 3
+    assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
+
+
 def test_the_default_max_new_tokens_never_refuses_a_prompt_that_fits(engine):
     prompt = [5] * (CONTEXT - 40)  # room for 40 tokens, fewer than the default 128
     out = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "ignore_eos": True})

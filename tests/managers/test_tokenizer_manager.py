@@ -208,6 +208,28 @@ def test_the_servers_own_probe_is_not_counted_as_a_request():
     run(body())
 
 
+def test_a_cancel_right_after_the_output_arrived_is_not_lost():
+    """asyncio.wait_for (Python 3.11) swallowed a cancel landing after the request's event had
+    fired and before the waiting task resumed: a closed stream's (or Ctrl-C'd) request ran on
+    to its end with nobody reading it. The wait the TokenizerManager uses keeps the cancel."""
+    from radixserve.managers.tokenizer_manager import _wait_event
+
+    async def body():
+        event = asyncio.Event()
+        task = asyncio.ensure_future(_wait_event(event, 5.0))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        event.set()
+        await asyncio.sleep(0)  # the event's waiter is done; the task has not resumed yet
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await _wait_event(event, 5.0) is True
+        assert await _wait_event(asyncio.Event(), 0.01) is False
+
+    run(body())
+
+
 def test_duplicate_rids_inside_a_batch_send_nothing():
     async def body():
         tm, sockets = _make_tm()
