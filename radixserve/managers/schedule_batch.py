@@ -235,16 +235,28 @@ class Req:
         max_len = max(
             len(s.encode("utf-8", "surrogatepass")) for s in self.sampling_params.stop_strs
         )
-        ids = self.output_ids[-(max_len + 1) :]
+        n = max_len + 1
+        ids = self.output_ids[-n:]
         tail = tokenizer.decode(ids, skip_special_tokens=False)
+        # A window that starts inside a character: a byte-fallback decoder (Llama 2, Mistral,
+        # Gemma) makes the whole byte run U+FFFD, the stop's own characters too; start up to
+        # 3 tokens earlier (a UTF-8 character has 4 bytes at most).
+        for extra in range(1, 4):
+            if not tail.startswith("\ufffd") or len(ids) == len(self.output_ids):
+                break
+            ids = self.output_ids[-(n + extra) :]
+            tail = tokenizer.decode(ids, skip_special_tokens=False)
         before = tokenizer.decode(ids[:-1], skip_special_tokens=False)
         new = 0  # where the newest token's text starts (it may complete a character before)
         while new < min(len(tail), len(before)) and tail[new] == before[new]:
             new += 1
-        for s in self.sampling_params.stop_strs:
-            if tail.find(s, max(0, new - len(s) + 1)) >= 0:
-                return s
-        return None
+        # Of those it completes, the one that starts first in the text (not in the list): the
+        # text is cut there.
+        found = [
+            (tail.find(s, max(0, new - len(s) + 1)), s) for s in self.sampling_params.stop_strs
+        ]
+        found = [(i, s) for i, s in found if i >= 0]
+        return min(found, key=lambda f: f[0])[1] if found else None
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"

@@ -69,3 +69,85 @@ def test_a_stop_string_written_before_min_new_tokens_does_not_count_later(byte_t
     assert n == len("ab STOP cd STOP")  # the second one, not at min_new_tokens (9)
     for per_step in (True, False):
         assert _detokenize(byte_tokenizer, ids[:n], "STOP", per_step) == "ab STOP cd "
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer(tmp_path_factory):
+    """A Llama-2-style tokenizer (SentencePiece BPE, ▁ for spaces, byte fallback: a character
+    out of the vocabulary is its UTF-8 bytes as <0xXX> tokens), built here."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, normalizers, trainers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(["abc ghi the quick brown fox"] * 20, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    return fast
+
+
+@pytest.mark.parametrize(
+    "text, stop, upto",
+    [("abc 日本語 ghi", "本", "abc 日本"), ("abc 😀😀 x", "😀 x", "abc 😀😀 x")],
+)
+def test_a_stop_string_of_byte_tokens_after_other_byte_tokens(
+    byte_fallback_tokenizer, text, stop, upto
+):
+    """The tail decoded for the match started inside the character before the stop: the
+    byte-fallback decoder made the whole byte run U+FFFD, the stop's characters too, and the
+    stop was never matched (a Llama 2 / Mistral / Gemma model ran on past it)."""
+    tok = byte_fallback_tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    assert sum(p.startswith("<0x") for p in tok.convert_ids_to_tokens(ids)) >= 6
+    req = Req("r", [5], SamplingParams(stop=stop, max_new_tokens=100))
+    for n in range(1, len(ids) + 1):
+        req.output_ids = ids[:n]
+        req.check_finished(tok)
+        if req.finished():
+            break
+    assert req.finished_reason == finish_stop(stop)
+    assert tok.decode(ids[:n]) == upto
+
+
+class PieceTokenizer:
+    """Each id decodes to its piece (a multi-character piece completes two stops at once)."""
+
+    PIECES = {1: "It", 2: " is", 3: " done", 4: '."', 5: " Then"}
+
+    def decode(self, ids, **kw):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize("stops", [['"', "."], [".", '"']])
+def test_a_token_completing_two_stops_ends_at_the_first_in_the_text(stops):
+    """Trimmed at the stop first in the list, the other (earlier in the text) stayed in the
+    output: 'It is done.' for stop ['"', '.']."""
+    tok = PieceTokenizer()
+    req = Req("r", [5], SamplingParams(stop=stops, max_new_tokens=100))
+    for n in range(1, 6):
+        req.output_ids = [1, 2, 3, 4, 5][:n]
+        req.check_finished(tok)
+        if req.finished():
+            break
+    assert n == 4 and req.finished_reason == finish_stop(".")
+    assert _detokenize(tok, [1, 2, 3, 4], ".", per_step=False) == "It is done"
