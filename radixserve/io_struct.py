@@ -251,6 +251,10 @@ class BatchTokenIDOutput:
     spec_verify_ct: list[int] = field(default_factory=list)
     spec_accept_length: list[float] = field(default_factory=list)
     spec_accept_rate: list[float] = field(default_factory=list)
+    # With a request's first message: its last prompt tokens, decoded before the output and
+    # left out of it (a SentencePiece decoder strips the first output token's leading space
+    # from a text that starts there), as SGLang's detokenizer does.
+    decode_context: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -78,7 +78,10 @@ class DetokenizerManager:
         )
 
     def _decode_one(self, out: BatchTokenIDOutput, i: int, rid: str) -> str:
-        st = self.states.setdefault(rid, DecodeStatus())
+        st = self.states.get(rid)
+        if st is None:  # the first message: decoded after the prompt's last tokens
+            context = out.decode_context[i] if i < len(out.decode_context) else []
+            st = self.states[rid] = DecodeStatus(list(context), 0, len(context))
         finished = out.finished_reasons[i]
         new_ids = out.output_ids[i]
         if finished and not out.no_stop_trim[i]:

@@ -16,6 +16,9 @@ from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort,
 from radixserve.model_executor.forward_batch import ForwardMode
 from radixserve.speculative.spec_info import SpecVerifyInput
 
+# Prompt tokens the detokenizer decodes before a request's output (SGLang's 5).
+DECODE_CONTEXT = 5
+
 
 @dataclass
 class BatchSnapshot:
@@ -149,6 +152,7 @@ class SchedulerOutputMixin:
         out.rids.append(req.rid)
         out.finished_reasons.append(req.finished_reason)
         out.output_ids.append(req.output_ids[start:])
+        out.decode_context.append(req.origin_input_ids[-DECODE_CONTEXT:] if start == 0 else [])
         out.skip_special_tokens.append(sp.skip_special_tokens)
         out.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
         out.no_stop_trim.append(sp.no_stop_trim)

@@ -151,3 +151,47 @@ def test_a_token_completing_two_stops_ends_at_the_first_in_the_text(stops):
             break
     assert n == 4 and req.finished_reason == finish_stop(".")
     assert _detokenize(tok, [1, 2, 3, 4], ".", per_step=False) == "It is done"
+
+
+def test_the_first_output_token_keeps_its_leading_space_after_the_prompt(
+    byte_fallback_tokenizer,
+):
+    """A SentencePiece decoder strips the leading space of the text it decodes: the output
+    decoded alone lost its first space ('the the' after 'abc', and the prompt plus the text
+    read 'abcthe the'). It is decoded after the prompt's last tokens now, as SGLang does."""
+    from radixserve.io_struct import BatchTokenIDOutput
+    from radixserve.managers.detokenizer_manager import DetokenizerManager
+
+    tok = byte_fallback_tokenizer
+    ids = tok.encode("abc the quick fox", add_special_tokens=False)
+    pieces = tok.convert_ids_to_tokens(ids)
+    cut = next(i for i, p in enumerate(pieces) if i > 0 and p.startswith("▁"))
+    prompt, output = ids[:cut], ids[cut:]
+    want = tok.decode(ids)[len(tok.decode(prompt)) :]
+    assert want.startswith(" ") and not tok.decode(output).startswith(" ")
+    for per_step in (True, False):
+        detok = DetokenizerManager(tok)
+        chunks = [[t] for t in output] if per_step else [output]
+        text = ""
+        for k, chunk in enumerate(chunks):
+            last = k == len(chunks) - 1
+            reason = {"type": "length", "length": len(output)} if last else None
+            out = BatchTokenIDOutput(
+                ["r"], [reason], [chunk], [True], [True], [False], [[]], [1], [1], [0]
+            )
+            out.decode_context = [prompt[-5:] if k == 0 else []]
+            text += detok.handle_batch_token_id_out(out).output_strs[0]
+        assert text == want
+
+
+def test_the_scheduler_sends_the_prompts_last_tokens_with_the_first_output_only():
+    from rs_fake_worker import FakeRun
+
+    run = FakeRun(total_tokens=1024, overlap=False)
+    sent = []
+    run.s.send_output = sent.append
+    prompt = list(range(10, 30))
+    run.submit("r", prompt, max_new=3, stream=True)
+    run.drain()
+    contexts = [c for out in sent for c in out.decode_context]
+    assert contexts == [prompt[-5:], [], []]
