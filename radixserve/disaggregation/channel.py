@@ -112,18 +112,10 @@ class ControlChannel:
         address = ping.get("reply_to")
         if not isinstance(address, str):
             return
-        sock = replies.get(address)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-            sock.setsockopt(zmq.IPV6, 1)
-            try:
-                sock.connect(address)
-            except zmq.ZMQError:
-                sock.close()
-                return
-            replies[address] = sock
+        try:
+            sock = self._outbound(replies, address)
+        except ValueError:
+            return
         try:
             sock.send_pyobj(self.pong(ping), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -136,8 +128,13 @@ class ControlChannel:
         """The outbound socket to `address`, connected on first use (ZMQ connects in the
         background: an unreachable peer is found by pings). ValueError where ZMQ refuses the
         address itself."""
+        return self._outbound(self.peers, address)
+
+    def _outbound(self, sockets: dict[str, Any], address: str) -> Any:
+        """`sockets[address]`, made and connected first if missing (each thread keeps its own
+        dict: ZMQ sockets are not shared between threads)."""
         zmq = self._zmq
-        sock = self.peers.get(address)
+        sock = sockets.get(address)
         if sock is None:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
@@ -148,7 +145,7 @@ class ControlChannel:
             except zmq.ZMQError as e:
                 sock.close()
                 raise ValueError(f"cannot connect to {address}: {e}") from None
-            self.peers[address] = sock
+            sockets[address] = sock
         return sock
 
     def send(self, address: str, msg: dict[str, Any]) -> None:
