@@ -100,9 +100,9 @@ class Subprocesses:
                 name="radixserve-detokenizer",
                 daemon=True,
             )
-        for proc in self.children:
-            proc.start()
         try:
+            for proc in self.children:
+                proc.start()
             self.scheduler_info = self._wait_ranks_ready(rank_pipes)
             if self.detokenizer is not None:
                 self._wait_ready(detok_r, self.detokenizer, "detokenizer")
@@ -182,10 +182,11 @@ class Subprocesses:
         return max(scheduler, detokenizer, key=lambda named: named[1])
 
     def shutdown(self) -> None:
-        for p in self.children:
+        started = [p for p in self.children if p.pid is not None]  # (Ctrl-C while starting)
+        for p in started:
             if p.is_alive():
                 p.terminate()
-        for p in self.children:
+        for p in started:
             p.join(5)
             if p.is_alive():
                 p.kill()
