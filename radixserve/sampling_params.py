@@ -146,23 +146,31 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise SamplingParamsError("logit_bias must be a map of token id to bias")
-            seen: dict[int, Any] = {}
+            error = logit_bias_key_error(self.logit_bias)
+            if error is not None:
+                raise SamplingParamsError(error)
             for k, v in self.logit_bias.items():
-                # A token id as decimal digits (int() also reads " 5", "+5", "1_0", "٥": each
-                # spelling of one id added its bias again, past the ±100 bound).
-                plain = isinstance(k, str) and k.isascii() and k.isdigit()
-                if not plain and not (isinstance(k, int) and not isinstance(k, bool)):
-                    raise SamplingParamsError(f"logit_bias key {k!r} is not a token id")
                 tid = int(k)
-                if tid in seen:
-                    raise SamplingParamsError(
-                        f"logit_bias names token {tid} twice ({seen[tid]!r} and {k!r})"
-                    )
-                seen[tid] = k
                 if tid < 0 or (vocab_size and tid >= vocab_size):
                     raise SamplingParamsError(f"logit_bias token id {tid} is out of range")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
                     raise SamplingParamsError(f"logit_bias value for {k} must be in [-100, 100]")
+
+
+def logit_bias_key_error(logit_bias: dict[Any, Any]) -> str | None:
+    """Why logit_bias's keys are not one token id each (decimal digits, or ints), or None.
+    int() also reads " 5", "+5", "05", "1_0", "٥": each spelling of one id added its bias
+    again, past the ±100 bound."""
+    seen: dict[int, Any] = {}
+    for k in logit_bias:
+        plain = isinstance(k, str) and k.isascii() and k.isdigit()
+        if not plain and not (isinstance(k, int) and not isinstance(k, bool)):
+            return f"logit_bias key {k!r} is not a token id"
+        tid = int(k)
+        if tid in seen:
+            return f"logit_bias names token {tid} twice ({seen[tid]!r} and {k!r})"
+        seen[tid] = k
+    return None
 
 
 _REALS = (

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, logit_bias_key_error
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -221,15 +221,9 @@ class SamplingFields(RoutingFields):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        ids: set[int] = set()
-        for key in v or {}:
-            if not (key.isascii() and key.isdigit()):  # (int() reads " 5", "+5", "1_0", "٥")
-                msg = f"logit_bias key {key!r} is not a token id"
-                raise PydanticCustomError("token_id", msg)
-            if int(key) in ids:
-                msg = f"logit_bias names token {int(key)} twice"
-                raise PydanticCustomError("token_id", msg)
-            ids.add(int(key))
+        error = logit_bias_key_error(v or {})
+        if error is not None:
+            raise PydanticCustomError("token_id", error)
         return v
 
 
