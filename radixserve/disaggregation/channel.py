@@ -9,8 +9,8 @@ by a blocked send).
 The prefill side answers pings on a thread of its own (`answer_pings`): answered by its
 scheduler loop, between forwards, one long forward or a starved CPU went unanswered for
 seconds and the decode side took a live server for dead. The thread owns the bound socket,
-answers each ping at once and passes every message (pings marked `answered`) on to the loop
-through an in-process socket, `inbound`, which the loop reads and polls as before.
+answers each ping at once and passes every message (pings too) on to the loop through an
+in-process socket, `inbound`, which the loop reads and polls as before.
 
 Messages (`type` and the fields it carries):
   decode → prefill  reserve  room, rid, reply_to, slots, layout, desc (backend descriptor)
@@ -97,7 +97,6 @@ class ControlChannel:
                     msg = None
                 if isinstance(msg, dict) and msg.get("type") == "ping":
                     self._pong(replies, msg)
-                    raw = pickle.dumps({**msg, "answered": True})
                 forward.send(raw)
         except zmq.ZMQError:  # the context is ending
             pass
@@ -116,13 +115,11 @@ class ControlChannel:
             sock = self._outbound(replies, address)
         except ValueError:
             return
+        pong = {"type": "pong", "from": ping.get("to"), "instance": self.instance}
         try:
-            sock.send_pyobj(self.pong(ping), flags=zmq.NOBLOCK)
+            sock.send_pyobj(pong, flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # the pinging side is gone
-
-    def pong(self, ping: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "pong", "from": ping.get("to"), "instance": self.instance}
 
     def connect(self, address: str) -> Any:
         """The outbound socket to `address`, connected on first use (ZMQ connects in the

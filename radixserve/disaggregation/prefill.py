@@ -199,10 +199,8 @@ class PrefillBootstrap(DisaggSide):
                 self._on_reserve(msg)
             elif kind == "abort":
                 self._on_decode_abort(msg)
-            elif kind == "ping":
+            elif kind == "ping":  # (answered by the channel's own thread)
                 self.pinged[msg["reply_to"]] = time.monotonic()
-                if not msg.get("answered"):  # (the channel's ping thread answers them)
-                    self.channel.send(msg["reply_to"], self.channel.pong(msg))
         self._finish_transfers()
         self._expire()
 
