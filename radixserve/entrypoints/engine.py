@@ -285,17 +285,9 @@ class Engine:
                 "--node-rank > 0 runs only scheduler ranks and serves no requests; start it "
                 "with `python -m radixserve serve ... --node-rank N` and use the Engine on node 0"
             )
-        from radixserve.model_loader.loader import (
-            check_model_config,
-            check_model_path,
-            check_tokenizer_path,
-        )
+        from radixserve.model_loader.loader import check_model_files
 
-        args = self.server_args
-        check_model_path(args.model_path, load_format=args.load_format)
-        check_model_config(args.model_path, args.load_format, args.context_length)
-        check_model_path(args.tokenizer_path, "--tokenizer-path")
-        check_tokenizer_path(args.model_path, args.tokenizer_path)
+        check_model_files(self.server_args)
         self._closed = threading.Event()
         self.procs = None
         self.loop = asyncio.new_event_loop()

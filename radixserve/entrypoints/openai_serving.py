@@ -98,11 +98,11 @@ class ChoiceCursor:
 def model_sampling_defaults(server_args: Any) -> dict[str, Any]:
     """The model's recommended sampling values for OpenAI requests (--sampling-defaults model),
     logged once, as users should know why an unset temperature is not 1."""
-    if server_args is None or getattr(server_args, "sampling_defaults", "model") != "model":
+    if server_args.sampling_defaults != "model":
         return {}
     from radixserve.model_loader.weights import load_sampling_defaults
 
-    defaults = load_sampling_defaults(getattr(server_args, "model_path", None))
+    defaults = load_sampling_defaults(server_args.model_path)
     if defaults:
         logger.info(
             "OpenAI requests take the model's generation_config.json sampling values where "

@@ -96,19 +96,22 @@ class LiveStats:
             self.tokens.add(prompt=prompt, cached=cached, generation=generation)
             self._seen = now
 
-    def rates(self) -> dict[str, float]:
-        """SGLang's two rate gauges: tokens generated per second (the last RATE_WINDOW_S
-        seconds) and the prefix cache's hit rate over the window."""
+    def _rates(self) -> dict[str, float]:
         recent = self.tokens.totals(RATE_WINDOW_S)
         window = self.tokens.totals(self.tokens.seconds)
         return {
-            "gen_throughput": recent["generation"] / RATE_WINDOW_S,
-            "cache_hit_rate": _ratio(window["cached"], window["prompt"]),
+            "prompt_tps": recent["prompt"] / RATE_WINDOW_S,
+            "generation_tps": recent["generation"] / RATE_WINDOW_S,
+            "window_hit_rate": _ratio(window["cached"], window["prompt"]),
         }
 
+    def rates(self) -> dict[str, float]:
+        """SGLang's two rate gauges: tokens generated per second (the last RATE_WINDOW_S
+        seconds) and the prefix cache's hit rate over the window."""
+        r = self._rates()
+        return {"gen_throughput": r["generation_tps"], "cache_hit_rate": r["window_hit_rate"]}
+
     def snapshot(self) -> dict[str, Any]:
-        recent = self.tokens.totals(RATE_WINDOW_S)
-        window = self.tokens.totals(self.tokens.seconds)
         steps = list(self.steps)
         return {
             "steps": {
@@ -121,9 +124,7 @@ class LiveStats:
             "throughput": {
                 "window_s": self.tokens.seconds,
                 "rate_window_s": RATE_WINDOW_S,
-                "prompt_tps": recent["prompt"] / RATE_WINDOW_S,
-                "generation_tps": recent["generation"] / RATE_WINDOW_S,
-                "window_hit_rate": _ratio(window["cached"], window["prompt"]),
+                **self._rates(),
                 "series": self.tokens.columns(),
             },
         }

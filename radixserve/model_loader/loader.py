@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -101,6 +101,16 @@ def check_tokenizer_path(model_path: str | None, tokenizer_path: str | None) -> 
     raise FileNotFoundError(
         f"{where} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)} or *.tiktoken){hint}"
     )
+
+
+def check_model_files(server_args: Any) -> None:
+    """Everything the serve command and the Engine refuse before a process starts: the model
+    path, its config (and --context-length), --tokenizer-path, the tokenizer's files."""
+    path, load_format = server_args.model_path, server_args.load_format
+    check_model_path(path, load_format=load_format)
+    check_model_config(path, load_format, server_args.context_length)
+    check_model_path(server_args.tokenizer_path, "--tokenizer-path")
+    check_tokenizer_path(path, server_args.tokenizer_path)
 
 
 def _require_exists(path: str, flag: str) -> None:
