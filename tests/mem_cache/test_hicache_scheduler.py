@@ -115,8 +115,11 @@ def test_a_slow_storage_tier_holds_no_device_slots(tmp_path):
     }
     writes = [op for op in run.s.hicache.ops if op.kind == "storage_write"]
     assert writes and not any(op.done.is_set() for op in writes)
+    for op in writes:  # (the copy thread reads them off the device; a loaded machine is slow)
+        assert op.device_read.wait(30)
     run.s.hicache.poll()
     assert run.s.tree_cache.protected_size() == 0  # the disk still has them all to write
+    assert not any(op.done.is_set() for op in writes)
     gate.set()
     run.drain()
     assert run.s.get_server_info()["hicache_storage_write_tokens"] > 0
