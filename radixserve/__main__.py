@@ -67,13 +67,11 @@ def _serve(argv: list[str]) -> int:
 def _server_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
     """The flags as ServerArgs; a bad value (or a model path that holds no model) ends the
     command as argparse does, with its usage, one line and exit status 2."""
-    from radixserve.model_loader.loader import check_model_files, check_model_path
+    from radixserve.model_loader.loader import check_model_files
 
     try:
         server_args = ServerArgs.from_cli_args(ns)
         check_model_files(server_args)
-        draft = server_args.speculative_draft_model_path
-        check_model_path(draft, "--speculative-draft-model-path", server_args.load_format)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     return server_args

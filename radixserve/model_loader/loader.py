@@ -105,12 +105,15 @@ def check_tokenizer_path(model_path: str | None, tokenizer_path: str | None) -> 
 
 def check_model_files(server_args: Any) -> None:
     """Everything the serve command and the Engine refuse before a process starts: the model
-    path, its config (and --context-length), --tokenizer-path, the tokenizer's files."""
+    path, its config (and --context-length), --tokenizer-path, the tokenizer's files, the
+    draft model's path."""
     path, load_format = server_args.model_path, server_args.load_format
     check_model_path(path, load_format=load_format)
     check_model_config(path, load_format, server_args.context_length)
     check_model_path(server_args.tokenizer_path, "--tokenizer-path")
     check_tokenizer_path(path, server_args.tokenizer_path)
+    draft = server_args.speculative_draft_model_path
+    check_model_path(draft, "--speculative-draft-model-path", load_format)
 
 
 def _require_exists(path: str, flag: str) -> None:

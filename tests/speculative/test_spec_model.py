@@ -356,3 +356,20 @@ def test_stop_strings_inside_an_accepted_run(tmp_path, algo):
     assert got == want and got_reasons == want_reasons
     assert any(r["type"] == "stop" for r in got_reasons)
     assert h.scheduler.stats.spec_verify_ct > 0
+
+
+def test_the_engine_refuses_a_missing_draft_before_starting(tmp_path):
+    """A draft path that holds no model is the Engine's FileNotFoundError at once (as for the
+    serve command), not a traceback from a child after the target loaded."""
+    from radixserve.entrypoints.engine import Engine
+
+    target = str(tmp_path / "target")
+    make_tiny_model_dir(target, "llama")
+    save_byte_tokenizer(target, 320)
+    with pytest.raises(FileNotFoundError, match="--speculative-draft-model-path"):
+        Engine(
+            model_path=target,
+            device="cpu",
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=str(tmp_path / "no-such-draft"),
+        )
