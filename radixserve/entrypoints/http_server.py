@@ -63,6 +63,10 @@ from radixserve.managers.tokenizer_utils import exported_tokenizer_dir
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
+# How long /metrics waits for the scheduler's gauges before it renders the last ones it has:
+# the scheduler answers between steps, and a long prefill step would hold the scrape past
+# Prometheus' default 10 s scrape timeout (the counters are this process's own, always live).
+METRICS_INFO_WAIT_S = 2.0
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 HEALTH_GENERATE_POLL_S = 0.05
 WARMUP_TIMEOUT_S = 300.0
@@ -201,6 +205,7 @@ async def _warm_up(state: AppState) -> None:
         GenerateReqInput(
             input_ids=tm.tokenizer.encode(f"{i or ''}The capital city of France is"),
             sampling_params=params,
+            log_metrics=False,  # not a user's: its cold-start TTFT is not in the histograms
         )
         for i in range(state.server_args.dp_size)
     ]
@@ -571,7 +576,7 @@ async def metrics(request: Request) -> Response:
     st = _state(request)
     assert st.metrics is not None
     with contextlib.suppress(Exception):
-        info = await asyncio.wait_for(st.tokenizer_manager.get_server_info(), HEALTH_TIMEOUT_S)
+        info = await asyncio.wait_for(st.tokenizer_manager.get_server_info(), METRICS_INFO_WAIT_S)
         st.metrics.update_from_server_info(info)
     return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 

@@ -694,6 +694,30 @@ def test_the_warm_up_flush_is_asked_again_until_the_scheduler_accepts_it(fake_tm
     assert answers == [] and len(fake_tm.requests) == 1
 
 
+def test_metrics_answer_while_the_scheduler_is_inside_a_step(tmp_path):
+    """/metrics asks the scheduler for its gauges, which it answers between steps: a scrape
+    during a long step waited up to 10 s (Prometheus' default scrape timeout) for them. It now
+    renders the last gauges after a short wait, with its own counters live. The warm-up request
+    is not a user's and is not counted (its cold-start TTFT was in the histograms)."""
+    model = make_tiny_served_model(str(tmp_path / "tiny"))
+    server = ServerProcess(str(tmp_path), "--model-path", model)
+    try:
+        server.wait_ready()
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(server.url + "/generate", json=body, timeout=60).status_code == 200
+        scheduler = server.server_info()["scheduler_pid"]
+        os.kill(scheduler, signal.SIGSTOP)  # a step that does not end
+        try:
+            r = httpx.get(server.url + "/metrics", timeout=7)
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        assert r.status_code == 200
+        assert re.search(r"^sglang:num_requests_total\S* 1", r.text, re.M), r.text
+        assert re.search(r"^sglang:num_running_reqs\S* 0", r.text, re.M), r.text
+    finally:
+        server.stop()
+
+
 def test_a_stuck_detokenizer_is_found_by_the_watchdog(tmp_path):
     """Only the scheduler had a heartbeat: with the detokenizer stuck, requests waited until
     their clients gave up and the server never exited (/health blamed the scheduler)."""
