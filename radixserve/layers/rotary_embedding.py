@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.model_loader.model_config import rope_scaling_type
+
 
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -75,9 +77,9 @@ def compute_inv_freq(
     head_dim: int, base: float, scaling: dict[str, Any] | None, max_pos: int
 ) -> tuple[torch.Tensor, float]:
     """Return (inv_freq, attention_scaling) for the rope type in `scaling`."""
-    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    rope_type = rope_scaling_type(scaling)
     inv_freq = _default_inv_freq(head_dim, base)
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):  # dynamic NTK: the default within the positions
         return inv_freq, 1.0
     if rope_type == "linear":
         return inv_freq / scaling["factor"], 1.0

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from radixserve.model_loader.model_config import ModelConfig
+from radixserve.model_loader.model_config import ModelConfig, rope_scaling_type
 
 if TYPE_CHECKING:
     from radixserve.distributed.parallel_state import TpGroup
@@ -267,6 +267,12 @@ def check_context_length(cfg: ModelConfig, context_length: int | None, warn: boo
     trained = cfg.max_position_embeddings
     if not context_length or context_length <= trained:
         return False
+    if rope_scaling_type(cfg.rope_scaling) == "dynamic":
+        raise ValueError(
+            f"--context-length {context_length} is longer than the model's {trained} positions, "
+            "past which its dynamic NTK rope_scaling rescales every position as the sequence "
+            "grows: not supported"
+        )
     if os.environ.get(ALLOW_LONGER_CONTEXT_ENV) != "1":
         raise ValueError(
             f"--context-length {context_length} is longer than the model's "

@@ -59,7 +59,9 @@ class ModelConfig:
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)
         max_positions = cfg.get("max_position_embeddings", 4096)
-        rope_scaling = _pin_original_positions(rope_scaling, max_positions)
+        rope_scaling = _pin_original_positions(
+            rope_scaling, max_positions, cfg.get("original_max_position_embeddings")
+        )
         _refuse_what_the_model_does_not_compute(cfg, arch, rope_scaling, max_positions)
         attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
         eos = cfg.get("eos_token_id")
@@ -93,20 +95,48 @@ class ModelConfig:
 
 
 def _pin_original_positions(
-    scaling: dict[str, Any] | None, max_positions: int
+    scaling: dict[str, Any] | None, max_positions: int, top_level: int | None = None
 ) -> dict[str, Any] | None:
-    """YaRN reads the context it was trained for from original_max_position_embeddings, else
-    (as transformers does) from max_position_embeddings: pin that now, so that a longer
-    --context-length (which raises max_position_embeddings) leaves the frequencies alone; a
-    missing factor is transformers' max / original."""
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if kind != "yarn":
+    """llama3 and YaRN read the context they were trained for from
+    original_max_position_embeddings: the config's top-level field where it has one (it wins
+    over rope_scaling's, as in transformers' standardize_rope_params), else rope_scaling's,
+    else max_position_embeddings. Pin that now, so that a longer --context-length (which
+    raises max_position_embeddings) leaves the frequencies alone; a missing YaRN factor is
+    transformers' max / original."""
+    kind = rope_scaling_type(scaling)
+    if kind not in ("llama3", "yarn"):
         return scaling
     scaling = dict(scaling)  # type: ignore[arg-type]
+    if top_level is not None:
+        scaling["original_max_position_embeddings"] = top_level
     scaling.setdefault("original_max_position_embeddings", max_positions)
-    if scaling.get("factor") is None:
+    if kind == "yarn" and scaling.get("factor") is None:
         scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
     return scaling
+
+
+def rope_scaling_type(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+
+
+# What RotaryEmbedding computes ("freq_factors" is a GGUF's rope_freqs tensor). "dynamic"
+# (dynamic NTK) is the default rotation at every position up to max_position_embeddings,
+# which is as far as it is served (check_context_length refuses it past them).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "freq_factors")
+
+
+def sliding_layers(cfg: dict[str, Any]) -> list[bool]:
+    """Which layers attend through a sliding window, as transformers' Qwen2/Qwen3 configs
+    decide: the explicit layer_types, else (with use_sliding_window and a window) the layers
+    from max_window_layers (default 28) on."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return [t == "sliding_attention" for t in cfg["layer_types"]]
+    if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
+        return [False] * n
+    first = cfg.get("max_window_layers")
+    first = 28 if first is None else first
+    return [i >= first for i in range(n)]
 
 
 def _refuse_what_the_model_does_not_compute(
@@ -121,13 +151,15 @@ def _refuse_what_the_model_does_not_compute(
     partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
     if float((scaling or {}).get("partial_rotary_factor", partial)) != 1.0:
         raise ValueError("partial_rotary_factor < 1 is not supported: RoPE rotates every dim")
-    # Sliding-window attention (Qwen2/Qwen3's use_sliding_window, or explicit layer_types);
-    # a window as long as the context is full attention.
+    rope_type = rope_scaling_type(scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: "
+            + ", ".join(SUPPORTED_ROPE_TYPES[:-1])
+        )
+    # Sliding-window attention; a window as long as the context is full attention.
     window = cfg.get("sliding_window")
-    sliding_layers = "sliding_attention" in (cfg.get("layer_types") or []) or (
-        cfg.get("use_sliding_window") and cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]
-    )
-    if sliding_layers and (window is None or window < max_positions):
+    if any(sliding_layers(cfg)) and (window is None or window < max_positions):
         raise ValueError(
             f"sliding-window attention ({arch}, sliding_window {window}) is not supported: "
             "every layer here attends to the whole context"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 from rs_testing import load_hf_reference, make_tiny_model_dir
@@ -115,6 +118,83 @@ VARIANTS = {
 def test_config_variants_match_transformers(tmp_path, variant):
     arch, fields = VARIANTS[variant]
     _check_model(make_tiny_model_dir(str(tmp_path / variant), arch, **fields), vocab=320)
+
+
+def _edit_config(path: str, drop: tuple[str, ...] = (), **fields) -> str:
+    """Rewrite a saved config.json the way checkpoints on the hub have it (transformers'
+    save_pretrained writes its own normalised form)."""
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    for key in drop:
+        cfg.pop(key, None)
+    cfg.update(fields)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+# Layouts of config.json that transformers reads one way and that were served another (or
+# refused): the pre-training length as a top-level original_max_position_embeddings (it wins
+# over rope_scaling's; YaRN took max_position_embeddings instead and changed every frequency,
+# llama3 was a KeyError); Qwen2's max_window_layers missing (transformers' default 28: no layer
+# slides) or a null window; dynamic NTK (the default rotation within the positions).
+RAW_VARIANTS = {
+    "yarn-top-level-original": (
+        "llama",
+        {"rope_scaling": {"type": "yarn", "factor": 4.0}, "original_max_position_embeddings": 64},
+    ),
+    "llama3-top-level-original": (
+        "llama",
+        {"rope_scaling": LLAMA3, "original_max_position_embeddings": 64},
+    ),
+    "qwen2-window-without-max-window-layers": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 32, "drop": ("max_window_layers",)},
+    ),
+    "qwen2-null-window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+    ),
+    "dynamic-ntk": ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+}
+
+
+@pytest.mark.parametrize("variant", list(RAW_VARIANTS))
+def test_config_json_layouts_match_transformers(tmp_path, variant):
+    arch, fields = RAW_VARIANTS[variant]
+    fields = dict(fields)
+    drop = ("rope_parameters", "layer_types", *fields.pop("drop", ()))
+    path = make_tiny_model_dir(str(tmp_path / variant), arch)
+    _check_model(_edit_config(path, drop, **fields), vocab=320)
+
+
+def test_an_unknown_rope_type_is_refused_before_start(tmp_path):
+    # Found only when the scheduler built the model: a traceback after start-up.
+    from radixserve.model_loader.loader import load_model_config
+
+    path = make_tiny_model_dir(str(tmp_path / "m"), "llama")
+    _edit_config(path, ("rope_parameters",), rope_scaling={"type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported"):
+        load_model_config(path, "safetensors")
+
+
+def test_dynamic_ntk_past_the_positions_is_refused(tmp_path, monkeypatch):
+    # Past max_position_embeddings dynamic NTK rescales every position as the sequence grows.
+    from radixserve.model_loader.loader import (
+        ALLOW_LONGER_CONTEXT_ENV,
+        check_context_length,
+        load_model_config,
+    )
+
+    monkeypatch.setenv(ALLOW_LONGER_CONTEXT_ENV, "1")
+    path = make_tiny_model_dir(str(tmp_path / "m"), "llama")
+    _edit_config(path, ("rope_parameters",), rope_scaling={"type": "dynamic", "factor": 2.0})
+    cfg = load_model_config(path, "safetensors")
+    assert not check_context_length(cfg, 1024)
+    with pytest.raises(ValueError, match="dynamic NTK"):
+        check_context_length(cfg, 2048)
 
 
 @pytest.mark.parametrize(
