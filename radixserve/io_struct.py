@@ -179,12 +179,16 @@ class LoadLoRAAdapterReq:
     lora_name: str
     lora_path: str
     call_id: int = 0
+    # Undoing an unload some data-parallel replicas refused: those that still hold the
+    # adapter answer success (TokenizerManager._undo_on_replicas).
+    restore: bool = False
 
 
 @dataclass
 class UnloadLoRAAdapterReq:
     lora_name: str
     call_id: int = 0
+    restore: bool = False  # undoing a load: a replica without the adapter answers success
 
 
 @dataclass

@@ -782,6 +782,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 False,
                 "this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)",
             )
+        if req.restore and req.lora_name in self.lora_names:
+            return LoRAUpdateReqOutput(True)
         error = None
         try:
             manager.load(req.lora_name, req.lora_path)
@@ -805,6 +807,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         name = req.lora_name
         manager = getattr(self.tp_worker.model_runner, "lora_manager", None)
         if manager is None or name not in self.lora_names:
+            if req.restore:
+                return LoRAUpdateReqOutput(True)
             return LoRAUpdateReqOutput(False, f"no LoRA adapter named {name!r} is loaded")
         live = [*self._in_flight_reqs(), *self.waiting_queue, *self.grammar_manager.queue]
         if self.disagg is not None:

@@ -660,6 +660,8 @@ class TokenizerManager:
             out = await self._control(LoadLoRAAdapterReq(name, path), LoRAUpdateReqOutput, 300)
             if out.success:
                 self.lora_paths[name], self.lora_keys[name] = path, key
+            else:
+                await self._undo_on_replicas(UnloadLoRAAdapterReq(name, restore=True))
             return out
 
     async def unload_lora_adapter(self, name: str) -> LoRAUpdateReqOutput:
@@ -668,7 +670,9 @@ class TokenizerManager:
         async with self._lora_guard():
             if name not in self.lora_keys:
                 return LoRAUpdateReqOutput(False, f"no LoRA adapter named {name!r} is loaded")
-            users = sum(1 for s in self.rid_to_state.values() if s.lora_id == name)
+            # (Those whose clients left are still in the scheduler until their abort passes.)
+            states = [*self.rid_to_state.values(), *self._draining.values()]
+            users = sum(1 for s in states if s is not None and s.lora_id == name)
             if users:
                 return LoRAUpdateReqOutput(
                     False, f"{users} requests still use LoRA adapter {name!r}; unload it after them"
@@ -677,7 +681,26 @@ class TokenizerManager:
             out = await self._control(UnloadLoRAAdapterReq(name), LoRAUpdateReqOutput)
             if not out.success:
                 self.lora_paths[name], self.lora_keys[name] = path, key
+                await self._undo_on_replicas(LoadLoRAAdapterReq(name, path, restore=True))
             return out
+
+    async def _undo_on_replicas(self, req: LoadLoRAAdapterReq | UnloadLoRAAdapterReq) -> None:
+        """A LoRA load or unload that some data-parallel replicas refused (each decides alone;
+        TP ranks agree among themselves) is undone on the others, so that every replica serves
+        the adapter or none does."""
+        if self.dp_controller is None:
+            return
+        try:
+            out = await self._control(req, LoRAUpdateReqOutput, 300)
+        except RequestError as e:
+            out = LoRAUpdateReqOutput(False, str(e))
+        if not out.success:
+            logger.error(
+                "undoing LoRA %s of %r on the replicas that did it failed: %s",
+                "unload" if isinstance(req, LoadLoRAAdapterReq) else "load",
+                req.lora_name,
+                out.message,
+            )
 
     def _lora_guard(self) -> asyncio.Lock:
         if self._lora_lock is None:  # created on the serving loop

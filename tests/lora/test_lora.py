@@ -420,6 +420,26 @@ def test_an_adapter_failing_as_no_check_foresaw_is_refused_not_fatal(tiny, monke
     )
 
 
+def test_undoing_an_update_on_a_replica_is_a_no_op_where_it_was_not_done(tiny):
+    """A data-parallel replica asked to undo a LoRA unload the others refused still holds
+    the adapter (success, nothing reloaded); one asked to undo a load that failed on it has
+    none to unload (success)."""
+    from radixserve.io_struct import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
+
+    h = _harness(tiny)
+    manager = h.scheduler.tp_worker.model_runner.lora_manager
+    packed = manager.adapters["a"]
+    undo_unload = LoadLoRAAdapterReq("a", tiny["adapters"]["a"], restore=True)
+    assert h.scheduler.load_lora_adapter(undo_unload).success
+    assert manager.adapters["a"] is packed
+    assert not h.scheduler.load_lora_adapter(LoadLoRAAdapterReq("a", "/a")).success
+    assert h.scheduler.unload_lora_adapter(UnloadLoRAAdapterReq("x", restore=True)).success
+    assert not h.scheduler.unload_lora_adapter(UnloadLoRAAdapterReq("x")).success
+    assert h.scheduler.unload_lora_adapter(UnloadLoRAAdapterReq("a")).success
+    assert h.scheduler.load_lora_adapter(undo_unload).success  # the replica that did unload
+    assert "a" in h.scheduler.lora_names and manager.adapters["a"] is not packed
+
+
 def test_adapter_shapes_and_halves_are_checked(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -21,7 +21,10 @@ from radixserve.io_struct import (
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
+    LoadLoRAAdapterReq,
+    LoRAUpdateReqOutput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
 )
 from radixserve.managers.data_parallel_controller import DataParallelController
 from radixserve.managers.detokenizer_manager import DetokenizerManager
@@ -731,5 +734,78 @@ def test_an_adapter_reloaded_during_the_grammar_check_namespaces_its_new_files(u
         sent = sockets.requests()[0]
         assert sent.extra_key == "lora:a:new" + ("" if user_key is None else "|user:tenant")
         task.cancel()
+
+    run(body())
+
+
+# -- LoRA loads and unloads ---------------------------------------------------------------------
+def _with_adapter(tm: TokenizerManager, name: str = "a") -> None:
+    tm.lora_paths[name], tm.lora_keys[name] = f"/adapters/{name}", f"lora:{name}"
+
+
+def test_an_unload_counts_the_requests_whose_clients_left():
+    """A request whose client disconnected is still in the scheduler until its abort passes:
+    the unload went ahead, and with --dp-size one replica unloaded while the other refused."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        _with_adapter(tm)
+        obj = _req("r")
+        obj.lora_path = "a"
+        task = asyncio.create_task(_collect(tm, obj))
+        await _settle()
+        tm.abort_request("r")
+        task.cancel()
+        out = await tm.unload_lora_adapter("a")
+        assert not out.success and "1 requests still use LoRA adapter 'a'" in out.message
+        assert not any(isinstance(m, UnloadLoRAAdapterReq) for m in sockets.sent)
+        assert "a" in tm.lora_keys
+
+    run(body())
+
+
+@pytest.mark.parametrize("op", ["unload", "load"])
+def test_a_lora_update_some_replicas_refuse_is_undone_on_the_others(op, tmp_path):
+    """Each data-parallel replica decides alone: one unloaded (or loaded) while another
+    refused, the server said it failed, and the name was stuck: requests sent to one replica
+    failed, and neither an unload nor a load of it was accepted again."""
+
+    async def body():
+        replicas = [FakeSockets(), FakeSockets()]
+        ctl = DataParallelController(replicas, "round_robin")
+        tm = TokenizerManager(
+            ServerArgs(), ByteTokenizer(), ctl, FakeSockets(), 256, VOCAB, dp_controller=ctl
+        )
+        if op == "unload":
+            _with_adapter(tm)
+            call = asyncio.create_task(tm.unload_lora_adapter("a"))
+        else:
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                (tmp_path / name).write_text("{}")  # only hashed: the schedulers are the test
+            call = asyncio.create_task(tm.load_lora_adapter("a", str(tmp_path)))
+
+        async def answer(*success: bool) -> Any:
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if all(s.sent for s in replicas):
+                    break
+            msgs = [s.sent.pop() for s in replicas]
+            for msg, ok in zip(msgs, success, strict=True):
+                ctl.on_reply(LoRAUpdateReqOutput(ok, "" if ok else "refused", call_id=msg.call_id))
+            return msgs[0]
+
+        first = await answer(True, False)
+        undo = await answer(True, True)
+        out = await call
+        assert not out.success and out.message == "refused"
+        if op == "unload":
+            assert isinstance(first, UnloadLoRAAdapterReq) and not first.restore
+            assert isinstance(undo, LoadLoRAAdapterReq) and undo.restore
+            assert (undo.lora_name, undo.lora_path) == ("a", "/adapters/a")
+            assert "a" in tm.lora_keys
+        else:
+            assert isinstance(first, LoadLoRAAdapterReq) and not first.restore
+            assert isinstance(undo, UnloadLoRAAdapterReq) and undo.restore
+            assert "a" not in tm.lora_keys
 
     run(body())
