@@ -108,6 +108,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.send_output = send_output
         self.tokenizer = tokenizer  # only for stop strings; may be None
         self.tp_worker = tp_worker or TpModelWorker(server_args, tokenizer=tokenizer)
+        if dp_rank:  # each replica its own random draws (the weights came from the seed alone):
+            # with one seed, replicas that had drawn as often sampled the same tokens, and n > 1
+            # choices spread over them came back in identical pairs.
+            torch.manual_seed(server_args.random_seed + dp_rank)
         runner = self.tp_worker.model_runner
         # The forward runs with the model's intra-op threads; the served scheduler runs the rest
         # of its work on one (run_scheduler_process), so that no second OpenMP team spins next

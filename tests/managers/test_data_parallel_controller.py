@@ -396,3 +396,31 @@ def test_cpu_replicas_share_the_hosts_memory_fraction(monkeypatch):
     for rank in range(4):
         data_parallel_controller.run_replica_process(args, None, None, None, rank, None)
     assert [a.mem_fraction_static for a in seen] == [pytest.approx(0.05)] * 4
+
+
+def test_each_replica_samples_its_own_random_numbers(tiny_llama_dir):
+    """Every replica seeded torch with --random-seed: replicas that had drawn as often
+    sampled the same tokens for the same prompt, and a request's n > 1 choices spread over two
+    replicas came back in identical pairs."""
+    import torch
+
+    from radixserve.args import ServerArgs
+    from radixserve.managers.scheduler import Scheduler
+
+    args = ServerArgs(
+        model_path=tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=512
+    ).resolve()
+
+    def sample(dp_rank: int) -> list[int]:
+        outputs: list[Any] = []
+        scheduler = Scheduler(args, outputs.append, dp_rank=dp_rank)
+        params = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+        scheduler.process_input_requests([TokenizedGenerateReqInput("r", None, [5, 6], params)])
+        while scheduler.has_work():
+            scheduler.step()
+        return [t for out in outputs for ids in out.output_ids for t in ids]
+
+    torch.manual_seed(123)  # (what ran before must not matter: each replica seeds afresh)
+    first = sample(0)
+    assert len(first) == 12 and sample(0) == first
+    assert sample(1) != first
