@@ -258,6 +258,7 @@ def create_tokenizer_manager(
             [zmq_socket(ctx, zmq.PUSH, e, bind=False) for e in endpoints],
             server_args.load_balance_method,
             info["max_total_num_tokens"],  # per replica (each sized its own KV pool alike)
+            info.get("max_running_requests"),
         )
     max_running = info.get("max_running_requests")
     tokenizer = load_tokenizer_for(server_args)

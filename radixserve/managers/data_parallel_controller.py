@@ -134,6 +134,7 @@ class DataParallelController:
         senders: Sequence[Any],
         method: str = "prefix_affinity",
         capacity_tokens: Sequence[int] | int = 1 << 20,
+        max_running_requests: int | None = None,
         balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
         balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
         cache_threshold: float = CACHE_THRESHOLD,
@@ -146,6 +147,7 @@ class DataParallelController:
         if isinstance(capacity_tokens, int):
             capacity_tokens = [capacity_tokens] * self.dp_size
         self.indexes = [PrefixIndex(c) for c in capacity_tokens]
+        self.max_running_requests = max_running_requests  # per replica (None: unknown)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.cache_threshold = cache_threshold
@@ -215,14 +217,19 @@ class DataParallelController:
         return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
 
     def _prefix_affinity(self, hashes: list[int], prompt_len: int) -> int:
-        if self._imbalanced():
+        if self._imbalanced() or not hashes:  # (a prompt shorter than a block: no cache to use)
             return self._least_loaded()
         matched = [index.match(hashes) for index in self.indexes]
         best = max(range(self.dp_size), key=lambda r: (matched[r], -self.loads[r], -r))
-        if matched[best] > 0 and matched[best] >= self.cache_threshold * prompt_len:
-            return best
-        sizes = [index.size_tokens for index in self.indexes]
-        return min(range(self.dp_size), key=lambda r: (sizes[r], self.loads[r], r))
+        if not (matched[best] > 0 and matched[best] >= self.cache_threshold * prompt_len):
+            sizes = [index.size_tokens for index in self.indexes]
+            best = min(range(self.dp_size), key=lambda r: (sizes[r], self.loads[r], r))
+        # A replica whose running batch is full queues the request while another has room:
+        # that one computes the prefix sooner than the full one would start it.
+        cap = self.max_running_requests
+        if cap and self.loads[best] >= cap and min(self.loads) < cap:
+            return self._least_loaded()
+        return best
 
     def on_output(self, out: BatchStrOutput) -> None:
         """Every output the TokenizerManager receives: a finished rid leaves its replica."""
@@ -318,9 +325,12 @@ def merge_server_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
     if total:
         free = out.get("available_tokens", 0) + out.get("evictable_tokens", 0)
         out["token_usage"] = (total - free) / total
-    for key in ("new_token_ratio", "cache_hit_rate"):
-        if key in out:
-            out[key] = sum(i[key] for i in infos) / len(infos)
+    if "new_token_ratio" in out:
+        out["new_token_ratio"] = sum(i["new_token_ratio"] for i in infos) / len(infos)
+    if out.get("cache_window_prompt_tokens"):  # (a replica that served nothing weighs nothing)
+        out["cache_hit_rate"] = (
+            out["cache_window_cached_tokens"] / out["cache_window_prompt_tokens"]
+        )
     if out.get("spec_verify_ct"):
         out["spec_accept_length"] = out["spec_committed_tokens"] / out["spec_verify_ct"]
     if out.get("spec_draft_tokens"):

@@ -107,9 +107,16 @@ class LiveStats:
 
     def rates(self) -> dict[str, float]:
         """SGLang's two rate gauges: tokens generated per second (the last RATE_WINDOW_S
-        seconds) and the prefix cache's hit rate over the window."""
+        seconds) and the prefix cache's hit rate over the window, with the window's token
+        counts it is the ratio of (data-parallel replicas' rates merge through them)."""
         r = self._rates()
-        return {"gen_throughput": r["generation_tps"], "cache_hit_rate": r["window_hit_rate"]}
+        window = self.tokens.totals(self.tokens.seconds)
+        return {
+            "gen_throughput": r["generation_tps"],
+            "cache_hit_rate": r["window_hit_rate"],
+            "cache_window_prompt_tokens": window["prompt"],
+            "cache_window_cached_tokens": window["cached"],
+        }
 
     def snapshot(self) -> dict[str, Any]:
         steps = list(self.steps)

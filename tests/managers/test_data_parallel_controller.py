@@ -108,6 +108,23 @@ def test_prefix_affinity_falls_back_to_the_least_loaded_when_imbalanced():
     assert ctl.loads[0] - ctl.loads[1] <= 5
 
 
+def test_prefix_affinity_sends_no_request_to_queue_beside_a_replica_with_room():
+    """The shared prefix (or, without a match, the smaller index) won until 32 more requests
+    were in flight on one replica than on the other, whatever --max-running-requests was: one
+    replica queued while the other idled."""
+    ctl, _ = _controller("prefix_affinity", max_running_requests=4)
+    ranks = [ctl.dispatch(_req(f"r{i}", _prefix(0))) for i in range(8)]
+    assert ranks == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert ctl.dispatch(_req("r8", _prefix(0))) == 0  # both full: the cache decides again
+
+
+def test_prefix_affinity_sends_prompts_shorter_than_a_block_to_the_least_loaded():
+    """Such a prompt enters no index: every one went to the replica with the smaller index."""
+    ctl, _ = _controller("prefix_affinity")
+    assert ctl.dispatch(_req("long", _prefix(0))) == 0
+    assert [ctl.dispatch(_req(f"s{i}", [7, 8, 9])) for i in range(5)] == [1, 0, 1, 0, 1]
+
+
 def test_extra_key_namespaces_the_index():
     ctl, _ = _controller("prefix_affinity")
     assert ctl.dispatch(_req("a", _prefix(0), extra_key="lora-a")) == 0
@@ -424,3 +441,21 @@ def test_each_replica_samples_its_own_random_numbers(tiny_llama_dir):
     first = sample(0)
     assert len(first) == 12 and sample(0) == first
     assert sample(1) != first
+
+
+def test_the_cache_hit_rate_of_the_replicas_is_weighed_by_their_prompts():
+    """It was the plain mean of the replicas' rates: with all traffic on one replica (a shared
+    prefix under prefix_affinity), the server's rate read half of it."""
+    from types import SimpleNamespace
+
+    from radixserve.managers.live_stats import LiveStats
+
+    infos = []
+    for rank, (prompt, cached) in enumerate(((400, 300), (0, 0), (100, 0))):
+        live = LiveStats(clock=lambda: 1000.0)
+        live.on_step(
+            None, SimpleNamespace(prompt_tokens=prompt, cached_tokens=cached, generation_tokens=1)
+        )
+        infos.append({**_info(rank), **live.rates()})
+    assert [i["cache_hit_rate"] for i in infos] == [0.75, None, 0.0]
+    assert merge_server_infos(infos)["cache_hit_rate"] == pytest.approx(300 / 500)
