@@ -211,8 +211,12 @@ async def _warm_up(state: AppState) -> None:
     ]
     start = time.monotonic()
     try:
-        warm = asyncio.gather(*(collect(tm.generate_request(o, None), None) for o in objs))
-        await asyncio.wait_for(warm, WARMUP_TIMEOUT_S)
+
+        async def warm() -> None:  # (a task: a bare gather cancelled with the start-up, as a
+            # child dies, logged "_GatheringFuture exception was never retrieved")
+            await asyncio.gather(*(collect(tm.generate_request(o, None), None) for o in objs))
+
+        await asyncio.wait_for(warm(), WARMUP_TIMEOUT_S)
         # The scheduler refuses a flush while work is left: the finished warm-up request until
         # its next step, a hierarchical-cache backup of its KV. Ask until it is done.
         deadline = time.monotonic() + WARMUP_FLUSH_S

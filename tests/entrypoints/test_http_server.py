@@ -694,6 +694,36 @@ def test_the_warm_up_flush_is_asked_again_until_the_scheduler_accepts_it(fake_tm
     assert answers == [] and len(fake_tm.requests) == 1
 
 
+def test_a_warm_up_cancelled_with_the_start_up_logs_no_error(fake_tm, caplog):
+    """A child dying during the warm-up cancels the start-up: the warm-up's gather, cancelled
+    with it, logged "_GatheringFuture exception was never retrieved" and a traceback."""
+    import gc
+
+    from radixserve.args import ServerArgs
+    from radixserve.entrypoints.http_server import AppState, _warm_up
+
+    async def hang(obj, request=None):
+        await asyncio.sleep(60)
+        yield {}
+
+    fake_tm.generate_request = hang
+    state = AppState(ServerArgs(model_path="/models/tiny-llama.gguf"), tokenizer_manager=fake_tm)
+
+    async def body() -> None:
+        task = asyncio.ensure_future(_warm_up(state))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gc.collect()
+        await asyncio.sleep(0.05)
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(body())
+        gc.collect()
+    assert "never retrieved" not in caplog.text, caplog.text
+
+
 def test_metrics_answer_while_the_scheduler_is_inside_a_step(tmp_path):
     """/metrics asks the scheduler for its gauges, which it answers between steps: a scrape
     during a long step waited up to 10 s (Prometheus' default scrape timeout) for them. It now
