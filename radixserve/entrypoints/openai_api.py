@@ -42,7 +42,7 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Parameters of transformers' apply_chat_template (not template variables).
 RESERVED_TEMPLATE_KWARGS = frozenset(
     "conversation tools documents chat_template add_generation_prompt continue_final_message "
-    "tokenize padding truncation max_length return_tensors return_dict "
+    "tokenize sanitize_control_tokens padding truncation max_length return_tensors return_dict "
     "return_assistant_tokens_mask tokenizer_kwargs messages self".split()
 )
 
@@ -215,7 +215,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         content = m.content
         if isinstance(content, list):
             content = "\n".join(
-                _text_of(p, f"messages.{i}.content.{k}") for k, p in enumerate(content)
+                _text_of(p, f"messages.{i}.content.{k}", m.role) for k, p in enumerate(content)
             )
         msg: dict[str, Any] = {
             "role": "system" if m.role == "developer" else m.role,
@@ -237,7 +237,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _text_of(part: ChatContentPart, where: str) -> str:
+def _text_of(part: ChatContentPart, where: str, role: str) -> str:
+    refusal = (part.model_extra or {}).get("refusal")
+    if part.type == "refusal" and role == "assistant" and isinstance(refusal, str):
+        return refusal  # what the model said (vLLM renders it as text too)
     if part.type != "text":
         raise RequestError(f"{where}: unsupported content part type {part.type!r}; only text")
     if part.text is None:
@@ -254,6 +257,8 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     reserved = sorted(kwargs.keys() & RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    if req.reasoning_effort is not None:
+        kwargs = {"reasoning_effort": req.reasoning_effort, **kwargs}
     return kwargs
 
 

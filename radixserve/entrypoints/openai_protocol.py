@@ -55,6 +55,7 @@ NOOP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "continue_final_message": ((False,), "not implemented yet"),
     "continuous_usage_stats": ((False,), "usage comes in the last chunk only"),
     "audio": ((None,), "text only"),
+    "modalities": ((None, ["text"]), "text only"),
     "return_hidden_states": ((False,), ""),
     "background": ((False,), ""),
     "return_bytes": ((False,), ""),
@@ -168,6 +169,7 @@ class ToolChoice(RequestModel):
 class FunctionCallIn(RequestModel):
     name: str
     arguments: str  # a JSON object's text, as the model wrote it
+    parsed_arguments: Any = None  # the openai SDK's parse helpers add it; not used
 
 
 class ToolCallIn(RequestModel):
@@ -217,6 +219,14 @@ class SamplingFields(RoutingFields):
     store: bool | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # (the radix cache finds shared prefixes by itself)
+    verbosity: str | None = None
+
+    @field_validator("n", "stream", "echo", "logprobs", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, v: Any, info: Any) -> Any:
+        """OpenAI's spec allows null for these ("integer or null"): the default."""
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator("logit_bias")
     @classmethod
@@ -262,6 +272,7 @@ class ChatMessage(RequestModel):
     tool_calls: list[ToolCallIn] | None = None
     function_call: Any = None
     audio: Any = None
+    parsed: Any = None  # the openai SDK's parse helpers add it
     reasoning_content: str | None = None  # passed to the template (Qwen3's renders it)
 
 
@@ -273,12 +284,16 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    # A template variable where the template has it (gpt-oss's), as in SGLang and vLLM.
+    reasoning_effort: str | None = None
     tools: list[Tool] | None = None
     # None: "auto" with tools, else "none" (OpenAI's defaults).
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None = true; false: at most one call
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
     continue_final_message: bool = False
     # With --reasoning-parser: false puts the reasoning in content; stream_reasoning false
     # sends the reasoning as one delta once it is complete. Without one: no-ops.

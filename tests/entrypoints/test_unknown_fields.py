@@ -42,7 +42,7 @@ def client(fake_tm, make_client):
     [
         (COMPLETIONS, "prompt_logprobs", 1),
         (COMPLETIONS, "prompt_adapter_request", "a"),
-        (CHAT, "reasoning_effort", "high"),
+        (CHAT, "web_search_options", {}),
         (CHAT, "logprob_start_len", 0),
         (CHAT, "best_of", 2),
         (CHAT, "suffix", "x"),
@@ -111,6 +111,8 @@ METADATA = {
     "store": False,
     "service_tier": "auto",
     "safety_identifier": "s",
+    "prompt_cache_key": "conversation-7",
+    "verbosity": "low",
 }
 
 
@@ -136,6 +138,65 @@ def test_replayed_assistant_message_passes(client, fake_tm):
     assert client.post(CHAT, json=body).status_code == 200
     prompt = fake_tm.tokenizer.decode(fake_tm.requests[-1].input_ids)
     assert prompt == "<user>hi<assistant>Hi!<user>more<assistant>"
+
+
+def test_messages_from_the_sdks_parse_helpers_replay(client, fake_tm):
+    """openai's chat.completions.parse / .stream return ParsedChatCompletionMessage, whose
+    `parsed` and each call's `function.parsed_arguments` a replay sends back: 400 before."""
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"a": 1}', "parsed_arguments": {"a": 1}},
+    }
+    reply = {"role": "assistant", "content": '{"x": 1}', "parsed": {"x": 1}, "tool_calls": [call]}
+    tool = {"role": "tool", "tool_call_id": "c1", "content": "ok"}
+    r = client.post(CHAT, json={"messages": [USER, reply, tool]})
+    assert r.status_code == 200, r.text
+
+
+def test_an_assistant_refusal_part_is_its_text(client, fake_tm):
+    """OpenAI's assistant content parts are text or refusal (vLLM renders a refusal's text)."""
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}
+    r = client.post(CHAT, json={"messages": [USER, refusal, {"role": "user", "content": "ok"}]})
+    assert r.status_code == 200, r.text
+    prompt = fake_tm.tokenizer.decode(fake_tm.requests[-1].input_ids)
+    assert prompt == "<user>hi<assistant>No.<user>ok<assistant>"
+    user_refusal = {"role": "user", "content": [{"type": "refusal", "refusal": "No."}]}
+    r = client.post(CHAT, json={"messages": [user_refusal]})
+    assert r.status_code == 400 and "'refusal'" in r.text
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_null_is_the_default_where_openai_allows_it(client, fake_tm, path):
+    """OpenAI's spec types n, stream, logprobs and echo as "... or null": 400 before."""
+    nulls = {"n": None, "stream": None, "logprobs": None}
+    if path == COMPLETIONS:
+        nulls["echo"] = None
+    r = client.post(path, json={**BASE[path], **nulls})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+
+
+def test_text_modalities_and_reasoning_effort_pass(fake_tm, make_client, monkeypatch):
+    seen: list[dict[str, Any]] = []
+    render = fake_tm.apply_chat_template
+
+    def apply_chat_template(messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        seen.append(kwargs)
+        return render(messages)
+
+    monkeypatch.setattr(fake_tm, "apply_chat_template", apply_chat_template)
+    with make_client(fake_tm) as client:
+        body = {"messages": [USER], "modalities": ["text"], "reasoning_effort": "low"}
+        assert client.post(CHAT, json=body).status_code == 200
+        assert seen == [{"reasoning_effort": "low"}]  # a template variable (gpt-oss's)
+        body["chat_template_kwargs"] = {"reasoning_effort": "high"}
+        assert client.post(CHAT, json=body).status_code == 200
+        assert seen[-1] == {"reasoning_effort": "high"}
+        for extra in ({"modalities": ["text", "audio"]}, {"audio": {"voice": "alloy"}}):
+            r = client.post(CHAT, json={"messages": [USER], **extra})
+            _assert_400_naming(r, next(iter(extra)), "text only")
 
 
 # -- the fields SGLang's router adds (sglang-router 0.3.2, see shared/notes/sglang-router.md) ----
@@ -355,7 +416,7 @@ def test_chat_template_kwargs_reach_the_template(fake_tm, make_client, monkeypat
         body = {"messages": [USER], "chat_template_kwargs": {"enable_thinking": False}}
         assert client.post(CHAT, json=body).status_code == 200
         assert seen == [{"enable_thinking": False}]
-        for reserved in ("tokenize", "add_generation_prompt", "tools", "messages"):
+        for reserved in ("tokenize", "add_generation_prompt", "tools", "sanitize_control_tokens"):
             body = {"messages": [USER], "chat_template_kwargs": {reserved: True}}
             _assert_400_naming(client.post(CHAT, json=body), "chat_template_kwargs", reserved)
         assert len(seen) == 1
