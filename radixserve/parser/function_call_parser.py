@@ -127,6 +127,13 @@ class FormatDetector(ABC):
     def _known(self, name: object) -> bool:
         return isinstance(name, str) and (self.tool_names is None or name in self.tool_names)
 
+    def _decode(self, text: str, i: int, arg_keys: tuple[str, ...]) -> tuple[ToolCallItem, int]:
+        """The call at text[i] as a whole output's parse reads it: whole JSON, else cut."""
+        try:
+            return self.decode_call(text, i, arg_keys)
+        except NotACall:
+            return self.decode_cut_call(text, i, arg_keys)
+
     def decode_call(self, text: str, i: int, arg_keys: tuple[str, ...]) -> tuple[ToolCallItem, int]:
         """The call whose JSON object starts at text[i] and where it ends; NotACall if none."""
         top: list[list[tuple[str, object]]] = []  # the last object decoded is the outermost
@@ -150,6 +157,24 @@ class FormatDetector(ABC):
         if not isinstance(args, dict):
             raise NotACall(text[i : i + 20])
         return ToolCallItem(obj["name"], dump_arguments(args)), end
+
+    def decode_cut_call(
+        self, text: str, i: int, arg_keys: tuple[str, ...]
+    ) -> tuple[ToolCallItem, int]:
+        """A call whose object is not whole JSON, read as streaming reads it: one the output
+        ends inside (max_tokens) after its arguments object closed is that call. NotACall
+        unless the arguments are a whole JSON object (streaming sent a call whose arguments
+        do not parse)."""
+        call = ObjectCall(self, 0, arg_keys)
+        deltas, end = call.step(text[i:])
+        if not call.committed:
+            raise NotACall(text[i : i + 20])
+        name = next(d.name for d in deltas if d.name is not None)
+        try:
+            args = json.loads("".join(d.arguments for d in deltas), parse_constant=not_json)
+        except (ValueError, RecursionError):
+            raise NotACall(text[i : i + 20]) from None
+        return ToolCallItem(name, dump_arguments(args)), len(text) if end is None else i + end
 
 
 def not_json(constant: str) -> Any:

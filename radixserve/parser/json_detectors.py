@@ -44,7 +44,7 @@ class HermesDetector(FormatDetector):
             normal.append(text[pos:i])
             pos = i + len(self.START)
             try:
-                call, end = self.decode_call(text, skip_ws(text, pos), self.ARG_KEYS)
+                call, end = self._decode(text, skip_ws(text, pos), self.ARG_KEYS)
             except NotACall:
                 normal.append(self.START)
                 continue
@@ -125,7 +125,7 @@ class Llama3Detector(FormatDetector):
         """Calls separated by `;` from `pos`; return where the normal text resumes."""
         while True:
             try:
-                call, end = self.decode_call(text, skip_ws(text, pos), self.ARG_KEYS)
+                call, end = self._decode(text, skip_ws(text, pos), self.ARG_KEYS)
             except NotACall:
                 normal.append(prefix)
                 return pos

@@ -34,6 +34,11 @@ CASES = [
     (HERMES_QWEN3, "<think> hmm </think>\n\n" + WEATHER + " It is\tdone "),
     (HERMES_QWEN3, "<think>x</think>  plain  text "),
     (LLAMA3, '{"name": "get_time", "parameters": {"tz": "UTC"}}\n\nThe  end.'),
+    # Cut by max_tokens after the arguments closed: streamed as a call, and the whole output
+    # was text.
+    (HERMES, WEATHER[: WEATHER.index("}") + 1]),
+    (HERMES, TIME + WEATHER[: WEATHER.index("}") + 1] + "  \n"),
+    (LLAMA3, '{"name": "get_time", "parameters": {"tz": "UTC"} '),
     (ChatParsing(tool_call_parser="json_array", tool_names=NAMES), '[{"name": "get_time"'),
 ]
 
