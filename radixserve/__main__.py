@@ -126,6 +126,9 @@ def _bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from radixserve.utils import open_missing_std_fds
+
+    open_missing_std_fds()
     commands = {"serve": _serve, "generate": _generate, "bench": _bench}
     if not argv or argv[0] not in commands:
         print("usage: python -m radixserve {serve,generate,bench} [options]", file=sys.stderr)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -11,9 +13,12 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
+
+# The longest path of a Unix socket (sockaddr_un's sun_path, less its NUL): ZMQ refuses an
+# ipc endpoint past it.
+MAX_IPC_PATH = 107
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,9 @@ class PortArgs:
     @classmethod
     def new(cls) -> PortArgs:
         base = tempfile.mkdtemp(prefix="radixserve-")
+        if len(base) + len("/detokenizer") > MAX_IPC_PATH:  # a long TMPDIR (SLURM's, CI's)
+            os.rmdir(base)
+            base = tempfile.mkdtemp(prefix="radixserve-", dir="/tmp")
         return cls(
             tokenizer_ipc=f"ipc://{base}/tokenizer",
             scheduler_input_ipc=f"ipc://{base}/scheduler",
@@ -58,7 +66,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
+@contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
     """Run the body with `n` torch intra-op threads on this thread (OpenMP's count is per
     calling thread), then restore the previous count; None changes nothing."""
@@ -107,16 +115,38 @@ def exit_failed_start(name: str, ready: Any, e: Exception, *, stack: bool = Fals
     sys.exit(1)
 
 
+def open_missing_std_fds() -> None:
+    """Open /dev/null on whichever of stdin/stdout/stderr the process was started without
+    (`0<&-`): the next file opened took its number, uvloop's epoll took 0, and libuv aborted
+    on closing it at exit (SIGABRT, the clean-up skipped)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def configure_child_process(name: str, log_level: str = "info") -> None:
     """Logging, and keep non-model processes off the model's cores (one torch thread)."""
     configure_logging(log_level, name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent shuts us down on Ctrl-C
+    # A process group of its own: a signal to the server's group (systemctl stop, `timeout`,
+    # a closed terminal's SIGHUP) reaches the parent alone, which stops the children after
+    # answering what is in flight; they died of it first, and the parent reported a crash.
+    with contextlib.suppress(OSError):
+        os.setpgrp()
     try:  # die with the parent, even when it is SIGKILLed
         libc = ctypes.CDLL("libc.so.6")
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         libc.prctl(15, f"rs::{name}".encode()[:15])  # PR_SET_NAME: top, ps -L, /proc/*/comm
     except (OSError, AttributeError):
         pass
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before prctl took effect
+        os._exit(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if name != "scheduler":

@@ -44,7 +44,9 @@ NEW_TOKENS_UNDER_LOAD = 6  # per request in the 64-stream test
 class ServerProcess:
     """`python -m radixserve serve` on a free port, logging to a file."""
 
-    def __init__(self, log_dir: str, *extra: str) -> None:
+    def __init__(
+        self, log_dir: str, *extra: str, env: dict[str, str] | None = None, no_stdin: bool = False
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
@@ -56,7 +58,12 @@ class ServerProcess:
         self.says_ready = level in ("debug", "info")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                preexec_fn=(lambda: os.close(0)) if no_stdin else None,
             )
 
     def log(self) -> str:
@@ -600,6 +607,26 @@ def _assert_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
     assert not alive, f"children still running: {alive}"
 
 
+def test_a_server_without_stdin_in_a_long_tmpdir_starts_and_stops_cleanly(tmp_path):
+    """Started with stdin closed (`0<&-`), uvloop's epoll took fd 0 and libuv aborted on closing
+    it at exit (SIGABRT, the clean-up skipped); under a TMPDIR past ~77 characters (SLURM's,
+    CI's) the IPC socket paths were too long for ZMQ and the server did not start."""
+    model = make_tiny_served_model(str(tmp_path / "tiny"))
+    tmpdir = tmp_path / ("t" * (100 - len(str(tmp_path))))
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    server = ServerProcess(str(tmp_path), "--model-path", model, env=env, no_stdin=True)
+    try:
+        server.wait_ready()
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(server.url + "/generate", json=body, timeout=60).status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log()[-3000:]
+        assert "Traceback" not in server.log() and "Assertion" not in server.log()
+    finally:
+        server.stop()
+
+
 def test_scheduler_crash_makes_server_exit_nonzero(tmp_path):
     # A tiny model: what is tested is the process supervision, not the model (it loads in
     # seconds where the default model takes half a minute on two cores).
@@ -625,12 +652,17 @@ def test_scheduler_crash_makes_server_exit_nonzero(tmp_path):
         server.stop()
 
 
-@pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGHUP",), ("SIGINT", "SIGINT")])
+@pytest.mark.parametrize(
+    "signals",
+    [("SIGTERM",), ("SIGHUP",), ("SIGINT", "SIGINT"), ("group SIGTERM",), ("group SIGHUP",)],
+)
 def test_a_stop_signal_answers_requests_in_flight_with_503(tmp_path, signals):
     """Requests still running when the graceful shutdown's time is nearly up (or at once, after
     a second Ctrl-C) get a 503 naming the shutdown (a JSON error, an SSE error event): uvicorn
     cancelled them and the client saw a bare 500 or a cut stream (and a second Ctrl-C left
-    ZMQError tracebacks). SIGHUP, a closed terminal, killed the server without its clean-up."""
+    ZMQError tracebacks). SIGHUP, a closed terminal, killed the server without its clean-up.
+    A signal to the server's process group (systemctl stop, `timeout`, a closed terminal's
+    job) killed the children first: exit 1, "scheduler exited with code -15"."""
     model = make_tiny_served_model(str(tmp_path / "tiny"), context=8192)
     server = ServerProcess(str(tmp_path), "--model-path", model)
     try:
@@ -655,7 +687,11 @@ def test_a_stop_signal_answers_requests_in_flight_with_503(tmp_path, signals):
             await asyncio.sleep(1.0)
             signalled = time.monotonic()
             for name in signals:
-                server.proc.send_signal(getattr(signal, name))
+                group, _, name = name.rpartition(" ")
+                if group:
+                    os.killpg(server.proc.pid, getattr(signal, name))
+                else:
+                    server.proc.send_signal(getattr(signal, name))
                 await asyncio.sleep(0.2)
             await asyncio.gather(*tasks)
             results["answered_after"] = time.monotonic() - signalled
