@@ -46,6 +46,10 @@ GrammarKey = tuple[str, str]  # (kind, text), kind in GRAMMAR_KINDS
 # (xgrammar releases the GIL), so one slow schema does not hold up every other new grammar.
 GRAMMAR_TIMEOUT_S = float(os.environ.get("RADIXSERVE_GRAMMAR_TIMEOUT", "60"))
 COMPILE_WORKERS = 4
+# xgrammar's compile time grows faster than the schema: 200 levels of nesting take 0.6 s,
+# 1,500 take minutes; 20,000 properties take 30 s. Past these it is refused before compiling.
+MAX_SCHEMA_DEPTH = 128
+MAX_SCHEMA_NODES = 10_000
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 
@@ -162,17 +166,30 @@ class XGrammarBackend:
             return f"unknown grammar kind {kind!r}"
         if kind == "json" and text != ANY_JSON:
             try:
-                unenforced = sorted(set(unenforced_keywords(json.loads(text))))
-            except (ValueError, RecursionError):
-                unenforced = []  # the compiler says what is wrong with it
+                schema = json.loads(text)
+            except ValueError:
+                schema = None  # the compiler says what is wrong with it
+            except RecursionError:  # (deeper than Python's recursion limit)
+                return (
+                    f"invalid json grammar: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels"
+                )
+            too_large = schema_too_large(schema)
+            if too_large:
+                return f"invalid json grammar: {too_large}"
+            try:
+                unenforced = sorted(set(unenforced_keywords(schema)))
+            except RecursionError:
+                unenforced = []
             if unenforced:
                 return (
                     "invalid json grammar: the schema uses keywords that constrained decoding "
                     f"cannot enforce: {', '.join(unenforced)}"
                 )
+        future = self.get_future((kind, text))
         try:
-            result = self.get_future((kind, text)).result(timeout)
+            result = future.result(timeout)
         except FutureTimeout:
+            self._pool.abandon(future)  # others' compiles need not wait behind it
             return timeout_message(kind, timeout or 0.0)
         if isinstance(result, InvalidGrammar):
             return result.message
@@ -197,7 +214,7 @@ class XGrammarBackend:
                 return self.compiler.compile_builtin_json_grammar()
             if kind == "json":
                 try:
-                    text = json.dumps(bounded_strings_as_patterns(json.loads(text)))
+                    text = json.dumps(rewrite_for_xgrammar(json.loads(text)))
                 except (ValueError, RecursionError):
                     pass  # the compiler says what is wrong with it
                 return self.compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
@@ -215,6 +232,10 @@ class XGrammarBackend:
         """Fail the compiles not yet done (their waiters wake at once) and stop the workers
         (one compiling in C++ ends when its compile does)."""
         self._pool.close()
+
+    def compiling(self) -> bool:
+        """Whether a compile thread is still inside a compile (closed or not)."""
+        return self._pool.compiling()
 
     # -- masks ---------------------------------------------------------------------------------
     def allocate_vocab_mask(self, batch_size: int) -> torch.Tensor:
@@ -246,15 +267,39 @@ class _CompilePool:
     requests) is answered at once. (A ThreadPoolExecutor cancels only those not started.) A
     compile running in C++ cannot be stopped: its thread ends when it does, and the
     interpreter's exit waits for it (a daemon thread still inside xgrammar at exit crashed
-    the process)."""
+    the process; the serve command exits without waiting, __main__). A compile whose waiter
+    gave up (abandon) gets a thread of its own beside the workers, up to MAX_ABANDONED: four
+    slow schemas refused for their time held every worker, and every grammar after them was
+    refused too."""
+
+    MAX_ABANDONED = 16
 
     def __init__(self, num_workers: int) -> None:
         self._num_workers = num_workers
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._pending: set[Future] = set()
+        self._abandoned: set[Future] = set()  # running, their waiters gone
+        self._running = 0  # jobs inside fn now
         self._lock = threading.Lock()
         self._closed = False
+
+    def compiling(self) -> bool:
+        with self._lock:
+            return self._running > 0
+
+    def abandon(self, future: Future) -> None:
+        """Its waiter gave up: while it runs, its thread is not one of the workers."""
+        with self._lock:
+            if future in self._pending and future.running():
+                self._abandoned.add(future)
+                if len(self._abandoned) <= self.MAX_ABANDONED:
+                    self._start_thread()
+
+    def _start_thread(self) -> None:
+        thread = threading.Thread(target=self._work, name=f"grammar_{len(self._threads)}")
+        self._threads.append(thread)
+        thread.start()
 
     def submit(self, fn: Any, *args: Any) -> Future:
         future: Future = Future()
@@ -264,19 +309,21 @@ class _CompilePool:
                 return future
             self._pending.add(future)
             if len(self._threads) < self._num_workers:
-                thread = threading.Thread(target=self._work, name=f"grammar_{len(self._threads)}")
-                self._threads.append(thread)
-                thread.start()
+                self._start_thread()
         self._jobs.put((future, fn, args))
         return future
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if self._retire():
+                self._jobs.put(job)
+                return
             future, fn, args = job
             with self._lock:
                 if future not in self._pending or not future.set_running_or_notify_cancel():
                     self._pending.discard(future)
                     continue  # failed by close(), or cancelled
+                self._running += 1
             try:
                 result = fn(*args)
             except BaseException as e:  # (fn returns its errors; this is a bug's traceback)
@@ -284,8 +331,20 @@ class _CompilePool:
             else:
                 self._settle(future, result=result)
 
+    def _retire(self) -> bool:
+        """Whether this thread is one more than the workers and the abandoned compiles need
+        (one started for an abandoned compile that has ended): it then ends."""
+        with self._lock:
+            wanted = self._num_workers + min(len(self._abandoned), self.MAX_ABANDONED)
+            if len(self._threads) <= wanted:
+                return False
+            self._threads.remove(threading.current_thread())
+            return True
+
     def _settle(self, future: Future, result: Any = None, exception: Any = None) -> None:
         with self._lock:
+            self._running -= 1
+            self._abandoned.discard(future)
             if future not in self._pending:
                 return  # failed by close() meanwhile
             self._pending.discard(future)
@@ -342,7 +401,16 @@ def timeout_message(kind: str, seconds: float = GRAMMAR_TIMEOUT_S) -> str:
 
 # Schema keywords xgrammar accepts without enforcing them (checked against xgrammar 0.2.9: a
 # value they forbid is still generated), so a response could end with "stop" and not match.
-_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains")
+_UNENFORCED = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",  # (draft 7's name of the two above)
+    "contains",
+)
 # Keywords whose value is a schema, a list of schemas ("items" is either: a list in drafts
 # 4-7), or a map of name → schema.
 _SUBSCHEMA = (
@@ -383,6 +451,23 @@ def _subschema_slots(schema: dict) -> Iterator[tuple[str, dict | list, Any]]:
                 yield f"{key}/{name}", value, name
 
 
+def schema_too_large(schema: object) -> str | None:
+    """Why the schema is past what compiles in reasonable time (MAX_SCHEMA_DEPTH levels of
+    nesting, MAX_SCHEMA_NODES subschemas), else None."""
+    nodes, stack = 0, [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels"
+        if nodes > MAX_SCHEMA_NODES:
+            return f"the schema has more than {MAX_SCHEMA_NODES} subschemas"
+        stack.extend((container[key], depth + 1) for _, container, key in _subschema_slots(node))
+    return None
+
+
 def unenforced_keywords(schema: object, path: str = "#") -> Iterator[str]:
     """`keyword at path` for every keyword of a JSON schema that xgrammar would not enforce
     (a schema's data, as in enum or const, is not searched)."""
@@ -397,6 +482,17 @@ def unenforced_keywords(schema: object, path: str = "#") -> Iterator[str]:
         yield f"allOf of several schemas at {path}"
     if "multipleOf" in schema and schema.get("type") != "integer":
         yield f"multipleOf of a non-integer at {path}"
+    if ("minLength" in schema or "maxLength" in schema) and (
+        "pattern" in schema or "format" in schema
+    ):  # (xgrammar takes the pattern or format alone)
+        yield f"minLength/maxLength beside pattern or format at {path}"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        yield f"$ref to another document ({ref}) at {path}"
+    if _missing_required(schema) and (
+        schema.get("additionalProperties", True) is not True or "patternProperties" in schema
+    ):  # (names of neither properties nor anything else: rewrite_for_xgrammar adds them)
+        yield f"required names not in properties at {path}"
     for sub_path, container, key in _subschema_slots(schema):
         yield from unenforced_keywords(container[key], f"{path}/{sub_path}")
 
@@ -405,13 +501,27 @@ def unenforced_keywords(schema: object, path: str = "#") -> Iterator[str]:
 _PLAIN_CHAR = '[^"\\\\\\x00-\\x1f]'
 
 
-def bounded_strings_as_patterns(schema: Any) -> Any:
-    """A copy of `schema` with each string schema bounded by minLength / maxLength (and no
-    pattern or format) written as the pattern of as many plain characters. xgrammar 0.2.9
-    compiles such a string as any characters but quote, backslash, CR and LF, so a tab or
-    another control character could be generated raw inside it: the output was not JSON
-    (json.loads refuses it) and a forced tool call was not parsed. The pattern keeps its
-    reading (escapes were not allowed either) without them."""
+def _missing_required(schema: dict) -> list[str]:
+    """The names `required` lists that `properties` does not: xgrammar 0.2.9 ignores them
+    (`{"required": ["name"]}` generated `{}`)."""
+    required, properties = schema.get("required"), schema.get("properties")
+    if not isinstance(required, list):
+        return []
+    known = properties if isinstance(properties, dict) else {}
+    return [n for n in required if isinstance(n, str) and n not in known]
+
+
+def rewrite_for_xgrammar(schema: Any) -> Any:
+    """A copy of `schema` that xgrammar 0.2.9 enforces as the schema reads:
+    - each string schema bounded by minLength / maxLength (and no pattern or format) written
+      as the pattern of as many plain characters. xgrammar compiles such a string as any
+      characters but quote, backslash, CR and LF, so a tab or another control character could
+      be generated raw inside it: the output was not JSON (json.loads refuses it) and a
+      forced tool call was not parsed. The pattern keeps its reading (escapes were not
+      allowed either) without them.
+    - each name `required` lists and `properties` does not added to `properties` as any value
+      (where no other keyword constrains the object's other names: unenforced_keywords
+      refuses the rest), which xgrammar then requires."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -419,7 +529,14 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
         if isinstance(out.get(key), (dict, list)):
             out[key] = type(out[key])(out[key])
     for _, container, key in _subschema_slots(out):
-        container[key] = bounded_strings_as_patterns(container[key])
+        container[key] = rewrite_for_xgrammar(container[key])
+    missing = _missing_required(out)
+    if missing:
+        known = out.get("properties")
+        out["properties"] = {
+            **(known if isinstance(known, dict) else {}),
+            **dict.fromkeys(missing, {}),
+        }
     bounds = (out.get("minLength"), out.get("maxLength"))
     kind = out.get("type")
     if (

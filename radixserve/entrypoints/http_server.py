@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -687,23 +688,40 @@ def launch_server(server_args: ServerArgs) -> int:
         logger.error("cannot listen on %s:%d: %s", server_args.host, server_args.port, busy)
         return 1
     signals = _Signals()
-    procs = None
+    procs = app = None
+    code = 1
     try:
         procs = Subprocesses(server_args)
         app = build_app(
             server_args, lambda m: create_tokenizer_manager(server_args, procs, m), procs
         )
-        return _serve(app, server_args, signals)
+        code = _serve(app, server_args, signals)
     except KeyboardInterrupt:
         logger.info("interrupted; shutting down")
-        return 0
+        code = 0
     except Exception as e:
         logger.error("the server failed: %s: %s", type(e).__name__, e)
-        return 1
     finally:
         if procs is not None:
             procs.shutdown()
         signals.restore()
+    _exit_past_a_running_compile(app, code)
+    return code
+
+
+def _exit_past_a_running_compile(app: FastAPI | None, code: int) -> None:
+    """A grammar compile whose request was refused for its time runs on in C++ (it cannot be
+    stopped), and the interpreter's exit waits for its thread: a stopped server lived on for
+    minutes, its port closed. Everything is shut down by now: exit without waiting."""
+    tm = app.state.rs.tokenizer_manager if app is not None else None
+    checker = getattr(tm, "_grammar_check", None)
+    if checker is None or not checker.compiling():
+        return
+    logger.info("exiting without waiting for a grammar compile still running")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _port_in_use(host: str, port: int) -> str | None:

@@ -46,3 +46,9 @@ class GrammarCheck:
         with self._lock:
             if self._backend is not None:
                 self._backend.close()
+
+    def compiling(self) -> bool:
+        """Whether a compile is still running (C++ cannot stop one; the process's exit would
+        wait for it)."""
+        with self._lock:
+            return self._backend is not None and self._backend.compiling()

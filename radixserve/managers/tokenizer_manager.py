@@ -448,6 +448,7 @@ class TokenizerManager:
         """Yield output dicts (streaming: one per wake-up, cumulative; otherwise one final dict).
         A batch or n > 1 yields one list of dicts (non-streaming) or dicts tagged with "index"
         (streaming). Nothing is dispatched unless every sub-request is valid."""
+        received = time.monotonic()  # (the latencies count the tokenizing and grammar check)
         self.start()
         if self.dead is not None:
             raise RequestError(self.dead, 503)
@@ -470,7 +471,7 @@ class TokenizerManager:
             raise RequestError(self.dead, 503)
         self._bind_adapters(tokenized_list)
         self._admit(tokenized_list)
-        states = [self._register(t, obj.log_metrics) for t in tokenized_list]
+        states = [self._register(t, obj.log_metrics, received) for t in tokenized_list]
         # (the prefill server's copy reaches the client through the router: see the field)
         peer_logprobs = (
             obj.router_merges_prompt_logprobs and self.server_args.disaggregation_mode == "decode"
@@ -514,8 +515,11 @@ class TokenizerManager:
                 {"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    def _register(self, tokenized: TokenizedGenerateReqInput, log_metrics: bool) -> ReqState:
+    def _register(
+        self, tokenized: TokenizedGenerateReqInput, log_metrics: bool, received: float
+    ) -> ReqState:
         state = ReqState(tokenized.rid, tokenized.stream, len(tokenized.input_ids))
+        state.created = received
         state.log_metrics = log_metrics
         state.lora_id = tokenized.lora_id
         state.return_logprob = tokenized.return_logprob

@@ -22,6 +22,9 @@ from schemas import SCHEMAS  # sibling module; pytest puts this folder on sys.pa
 
 from radixserve.constrained.xgrammar_backend import (
     ANY_JSON,
+    COMPILE_WORKERS,
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
     Grammar,
     InvalidGrammar,
     XGrammarBackend,
@@ -295,7 +298,7 @@ def test_the_schema_walk_before_a_compile_is_linear(monkeypatch):
     schema never ended, holding the GIL (the test suite ran for hours)."""
     from radixserve.constrained import xgrammar_backend
 
-    walk = xgrammar_backend.bounded_strings_as_patterns
+    walk = xgrammar_backend.rewrite_for_xgrammar
     calls = 0
 
     def counted(schema):
@@ -303,7 +306,7 @@ def test_the_schema_walk_before_a_compile_is_linear(monkeypatch):
         calls += 1
         return walk(schema)
 
-    monkeypatch.setattr(xgrammar_backend, "bounded_strings_as_patterns", counted)
+    monkeypatch.setattr(xgrammar_backend, "rewrite_for_xgrammar", counted)
     schema: dict = {"type": "string", "maxLength": 3}
     for _ in range(18):
         schema = {"type": "array", "items": schema, "prefixItems": [{"type": "integer"}]}
@@ -395,6 +398,19 @@ UNENFORCED = [  # keywords xgrammar accepts and ignores: a "stop" would not mean
     ({"type": "number", "multipleOf": 0.5}, "multipleOf of a non-integer at #"),
     ({**OBJECT, "properties": {"x": {**ARRAY, "uniqueItems": True}}}, "at #/properties/x"),
     ({"$defs": {"D": {"not": {}}}, "$ref": "#/$defs/D"}, "not at #/$defs/D"),
+    # xgrammar 0.2.9 takes the pattern or format alone ("yes" for minLength 12), ignores
+    # draft 7's dependencies, and reads a $ref into another document as any value.
+    (
+        {"type": "string", "pattern": "^[a-z]+$", "minLength": 12},
+        "minLength/maxLength beside pattern or format at #",
+    ),
+    ({"type": "string", "format": "date", "maxLength": 3}, "beside pattern or format at #"),
+    ({**OBJECT, "dependencies": {"a": ["b"]}}, "dependencies at #"),
+    ({"$ref": "other.json#/x"}, "$ref to another document (other.json#/x) at #"),
+    (
+        {**OBJECT, "required": ["a", "c"], "additionalProperties": False},
+        "required names not in properties at #",
+    ),
 ]
 
 
@@ -430,14 +446,74 @@ def test_grammars_that_admit_no_output_are_refused(backend, kind, text, needle):
     assert message is not None and needle in message
 
 
+def test_required_names_outside_properties_are_required(backend, tokenizer):
+    """xgrammar 0.2.9 ignores a required name that properties does not list: {"required":
+    ["name"]} generated {} and ended with "stop"."""
+    schema = json.dumps({"type": "object", "required": ["name"]})
+    assert backend.validate("json", schema) is None
+    eos = tokenizer.eos_token_id
+    for text, complete in (("{}", False), ('{"name": 1}', True)):
+        grammar = backend.new_matcher(backend.get_future(("json", schema)).result())
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        ok = all(grammar.accept_token(t) for t in ids) and grammar.accept_token(eos)
+        assert ok == complete, text
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        (lambda: json.dumps(_nested(MAX_SCHEMA_DEPTH)), "nests deeper than 128 levels"),
+        (lambda: "[" * 5000 + "]" * 5000, "nests deeper than 128 levels"),  # (json.loads fails)
+        (
+            lambda: json.dumps({"properties": {f"p{i}": {} for i in range(MAX_SCHEMA_NODES)}}),
+            "more than 10000 subschemas",
+        ),
+    ],
+    ids=["deep", "deeper-than-python", "wide"],
+)
+def test_schemas_too_large_to_compile_in_time_are_refused_at_once(backend, text, needle):
+    """1,500 levels of nesting compiled for minutes (past the timeout, holding a compile
+    thread and the server's exit); refused before compiling now."""
+    message = backend.validate("json", text())
+    assert message is not None and needle in message
+    assert backend.validate("json", json.dumps(_nested(MAX_SCHEMA_DEPTH - 1))) is None
+
+
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_compiles_whose_waiters_gave_up_do_not_hold_the_workers(tokenizer):
+    """A compile refused for its time runs on (C++ cannot be stopped): four of them held
+    every compile thread, and every grammar after them was refused as well."""
+    b = XGrammarBackend(tokenizer, vocab_size=len(tokenizer))
+    release = threading.Event()
+    compile_ = b._compile
+
+    def slow_or_not(key):
+        if key[1].startswith("slow"):
+            release.wait(30)
+        return compile_(key)
+
+    b._compile = slow_or_not  # type: ignore[method-assign]
+    try:
+        for i in range(COMPILE_WORKERS + 2):
+            assert "did not compile within" in b.validate("regex", f"slow{i}", timeout=0.05)
+        assert b.validate("regex", "[0-9]{3}x", timeout=10) is None
+    finally:
+        release.set()
+        b.close()
+
+
 def test_a_slow_compile_is_refused_after_the_timeout_and_does_not_hold_up_others(tokenizer):
     """One schema that takes long to compile neither blocks new grammars (compiles run on
     several threads) nor its request forever (validate's timeout)."""
     b = XGrammarBackend(tokenizer, vocab_size=len(tokenizer))
     try:
-        slow = {"type": "integer"}
-        for _ in range(300):
-            slow = {"type": "array", "items": slow}
+        slow = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(6000)}}
         message = b.validate("json", json.dumps(slow), timeout=0.01)
         assert message is not None and "did not compile within" in message
         assert b.validate("regex", "[0-9]{3}x", timeout=30) is None  # while the slow one runs

@@ -627,6 +627,28 @@ def test_a_server_without_stdin_in_a_long_tmpdir_starts_and_stops_cleanly(tmp_pa
         server.stop()
 
 
+def test_a_stopped_server_does_not_wait_for_a_refused_compile(tmp_path):
+    """A grammar refused for its compile time still compiles in C++ (it cannot be stopped);
+    the server's exit waited for it: after SIGTERM it lived on for as long, its port closed."""
+    model = make_tiny_served_model(str(tmp_path / "tiny"))
+    env = {**os.environ, "RADIXSERVE_GRAMMAR_TIMEOUT": "0.5"}
+    server = ServerProcess(str(tmp_path), "--model-path", model, env=env)
+    try:
+        server.wait_ready()
+        slow: dict[str, Any] = {"type": "integer"}  # under the size caps: seconds to compile
+        for _ in range(120):
+            fields = {f"p{i}": {"type": "integer"} for i in range(80)}
+            slow = {"type": "object", "properties": {**fields, "n": slow}}
+        body = {"text": "a", "sampling_params": {"json_schema": json.dumps(slow)}}
+        r = httpx.post(server.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 400 and "did not compile within" in r.text, r.text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(6) == 0
+        assert "exiting without waiting for a grammar compile" in server.log()
+    finally:
+        server.stop()
+
+
 def test_scheduler_crash_makes_server_exit_nonzero(tmp_path):
     # A tiny model: what is tested is the process supervision, not the model (it loads in
     # seconds where the default model takes half a minute on two cores).

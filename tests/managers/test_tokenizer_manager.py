@@ -809,3 +809,28 @@ def test_a_lora_update_some_replicas_refuse_is_undone_on_the_others(op, tmp_path
             assert "a" not in tm.lora_keys
 
     run(body())
+
+
+def test_the_latency_counts_the_checks_before_dispatch():
+    """A request's clock started when it was dispatched: the tokenizing and the grammar check
+    before it (seconds for a large schema) were in no e2e_latency or TTFT."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        check = tm.tokenize_and_check
+
+        async def slow_check(obj):
+            await asyncio.sleep(0.3)
+            return await check(obj)
+
+        tm.tokenize_and_check = slow_check
+        task = asyncio.create_task(_collect(tm, _req("r")))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if sockets.requests():
+                break
+        await sockets.inbox.put(_output("r", "hi", [1], LENGTH))
+        out = await task
+        assert out["meta_info"]["e2e_latency"] >= 0.3
+
+    run(body())
