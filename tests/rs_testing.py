@@ -267,8 +267,8 @@ def greedy_step_logits(
 
 
 def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0, **overrides: Any) -> str:
-    """Save a small random transformers model of `arch` (llama | qwen2 | qwen3) to `path`;
-    `overrides` are config fields (a variant: biases, RoPE parameters, ...)."""
+    """Save a small random transformers model of `arch` (llama | mistral | qwen2 | qwen3) to
+    `path`; `overrides` are config fields (a variant: biases, RoPE parameters, ...)."""
     import transformers
 
     common = dict(
@@ -287,6 +287,11 @@ def make_tiny_model_dir(path: str, arch: str = "llama", seed: int = 0, **overrid
     if arch == "llama":
         cfg = transformers.LlamaConfig(**{**common, "rope_theta": 10000.0, **overrides})
         cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(
+            **{**common, "rope_theta": 1000000.0, "sliding_window": None, **overrides}
+        )
+        cls = transformers.MistralForCausalLM
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**{**common, "rope_theta": 1000000.0, **overrides})
         cls = transformers.Qwen2ForCausalLM

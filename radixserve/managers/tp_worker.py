@@ -24,6 +24,7 @@ from radixserve.model_executor.model_runner import InputLogprobs, LogitsOutput, 
 Pairs = list[tuple[float, int]]
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }

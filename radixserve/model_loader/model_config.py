@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",  # Llama's computation, where no layer slides (Mistral 7B v0.2 on)
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ def sliding_layers(cfg: dict[str, Any]) -> list[bool]:
     n = cfg["num_hidden_layers"]
     if cfg.get("layer_types"):
         return [t == "sliding_attention" for t in cfg["layer_types"]]
+    if "MistralForCausalLM" in (cfg.get("architectures") or []):  # every layer, given a window
+        return [cfg.get("sliding_window") is not None] * n
     if not cfg.get("use_sliding_window") or cfg.get("sliding_window") is None:
         return [False] * n
     first = cfg.get("max_window_layers")
@@ -144,6 +151,14 @@ def _refuse_what_the_model_does_not_compute(
 ) -> None:
     """Config fields of these architectures that change the model's output and that the model
     here does not implement: refused at load rather than served with other tokens."""
+    quant = cfg.get("quantization_config")
+    if quant:  # its tensors (scales, packed ints) were a KeyError in the scheduler
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ValueError(
+            f"pre-quantized checkpoints (quantization_config, quant_method {method!r}) are not "
+            "supported: serve the unquantized weights (with --quantization int8, int4 or "
+            "w8a8_int8) or a GGUF file"
+        )
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} is not supported: the MLP here is SiLU-gated")

@@ -9,6 +9,7 @@ from radixserve.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # (sliding windows refused by ModelConfig)
     "Qwen2ForCausalLM": LlamaForCausalLM,  # qkv bias from the config
     "Qwen3ForCausalLM": LlamaForCausalLM,  # q/k norm from the config
 }

@@ -145,8 +145,8 @@ def test_a_model_path_without_a_model_is_refused_before_anything_starts(tmp_path
     "change,message",
     [
         (
-            {"architectures": ["MistralForCausalLM"]},
-            "unsupported architecture 'MistralForCausalLM'",
+            {"architectures": ["GemmaForCausalLM"]},
+            "unsupported architecture 'GemmaForCausalLM'",
         ),
         ({"num_attention_heads": None}, "the model's config lacks 'num_attention_heads'"),
     ],

@@ -75,7 +75,7 @@ def _check_model(model_path: str, vocab: int) -> None:
     assert torch.allclose(logits[0], ref, atol=ATOL), (logits[0] - ref).abs().max()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tiny_models_match_transformers(tmp_path, arch):
     path = make_tiny_model_dir(str(tmp_path / arch), arch)
     _check_model(path, vocab=320)
@@ -170,6 +170,16 @@ def test_config_json_layouts_match_transformers(tmp_path, variant):
     _check_model(_edit_config(path, drop, **fields), vocab=320)
 
 
+def test_a_pre_quantized_checkpoint_is_refused_before_start(tmp_path):
+    # Its scales and packed weights were a KeyError in the scheduler after start-up.
+    from radixserve.model_loader.loader import load_model_config
+
+    path = make_tiny_model_dir(str(tmp_path / "m"), "llama")
+    _edit_config(path, quantization_config={"quant_method": "fp8", "weight_block_size": [128]})
+    with pytest.raises(ValueError, match="pre-quantized checkpoints .* 'fp8'"):
+        load_model_config(path, "safetensors")
+
+
 def test_an_unknown_rope_type_is_refused_before_start(tmp_path):
     # Found only when the scheduler built the model: a traceback after start-up.
     from radixserve.model_loader.loader import load_model_config
@@ -212,6 +222,7 @@ def test_dynamic_ntk_past_the_positions_is_refused(tmp_path, monkeypatch):
             "sliding-window attention",
         ),
         ("llama", _rope("default", partial_rotary_factor=0.5), "partial_rotary_factor"),
+        ("mistral", {"sliding_window": 32}, "sliding-window attention"),  # (Mistral 7B v0.1)
     ],
 )
 def test_configs_the_model_cannot_compute_are_refused(tmp_path, arch, fields, message):
