@@ -178,15 +178,8 @@ def test_null_is_the_default_where_openai_allows_it(client, fake_tm, path):
     assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
 
 
-def test_text_modalities_and_reasoning_effort_pass(fake_tm, make_client, monkeypatch):
-    seen: list[dict[str, Any]] = []
-    render = fake_tm.apply_chat_template
-
-    def apply_chat_template(messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        seen.append(kwargs)
-        return render(messages)
-
-    monkeypatch.setattr(fake_tm, "apply_chat_template", apply_chat_template)
+def test_text_modalities_and_reasoning_effort_pass(fake_tm, make_client, template_kwargs):
+    seen = template_kwargs
     with make_client(fake_tm) as client:
         body = {"messages": [USER], "modalities": ["text"], "reasoning_effort": "low"}
         assert client.post(CHAT, json=body).status_code == 200
@@ -403,7 +396,9 @@ def test_generate_batch_with_per_prompt_params(client, fake_tm):
 
 
 # -- chat_template_kwargs ------------------------------------------------------------------------
-def test_chat_template_kwargs_reach_the_template(fake_tm, make_client, monkeypatch):
+@pytest.fixture
+def template_kwargs(fake_tm, monkeypatch) -> list[dict[str, Any]]:
+    """The keyword arguments of each apply_chat_template call the fake makes from now on."""
     seen: list[dict[str, Any]] = []
     render = fake_tm.apply_chat_template
 
@@ -412,6 +407,11 @@ def test_chat_template_kwargs_reach_the_template(fake_tm, make_client, monkeypat
         return render(messages)
 
     monkeypatch.setattr(fake_tm, "apply_chat_template", apply_chat_template)
+    return seen
+
+
+def test_chat_template_kwargs_reach_the_template(fake_tm, make_client, template_kwargs):
+    seen = template_kwargs
     with make_client(fake_tm) as client:
         body = {"messages": [USER], "chat_template_kwargs": {"enable_thinking": False}}
         assert client.post(CHAT, json=body).status_code == 200
