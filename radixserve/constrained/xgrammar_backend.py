@@ -46,6 +46,9 @@ GrammarKey = tuple[str, str]  # (kind, text), kind in GRAMMAR_KINDS
 # (xgrammar releases the GIL), so one slow schema does not hold up every other new grammar.
 GRAMMAR_TIMEOUT_S = float(os.environ.get("RADIXSERVE_GRAMMAR_TIMEOUT", "60"))
 COMPILE_WORKERS = 4
+# JSON schemas are served without free whitespace (a model's stray newlines cannot run a
+# constrained output to max_tokens); the TokenizerManager's check validates that same grammar.
+SERVED_ANY_WHITESPACE = False
 # xgrammar's compile time grows faster than the schema: 200 levels of nesting take 0.6 s,
 # 1,500 take minutes; 20,000 properties take 30 s. Past these it is refused before compiling.
 MAX_SCHEMA_DEPTH = 128

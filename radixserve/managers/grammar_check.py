@@ -30,11 +30,20 @@ class GrammarCheck:
             return
         if self.backend_name == "none":
             raise RequestError("constrained decoding is disabled (--grammar-backend none)")
-        from radixserve.constrained.xgrammar_backend import XGrammarBackend, grammar_key
+        from radixserve.constrained.xgrammar_backend import (
+            SERVED_ANY_WHITESPACE,
+            XGrammarBackend,
+            grammar_key,
+        )
 
         with self._lock:
-            if self._backend is None:
-                self._backend = XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            if self._backend is None:  # (the grammar the scheduler serves: GrammarManager's)
+                self._backend = XGrammarBackend(
+                    self.tokenizer,
+                    self.vocab_size,
+                    self.eos_token_ids,
+                    any_whitespace=SERVED_ANY_WHITESPACE,
+                )
         key = grammar_key(sp)
         assert key is not None
         message = self._backend.validate(*key)

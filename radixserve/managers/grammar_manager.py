@@ -36,10 +36,13 @@ class GrammarManager:
     @property
     def backend(self) -> Any:
         if self._backend is None:
-            from radixserve.constrained.xgrammar_backend import XGrammarBackend
+            from radixserve.constrained.xgrammar_backend import (
+                SERVED_ANY_WHITESPACE,
+                XGrammarBackend,
+            )
 
             self._backend = XGrammarBackend(
-                self.tokenizer, self.vocab_size, self.eos_ids, any_whitespace=False
+                self.tokenizer, self.vocab_size, self.eos_ids, any_whitespace=SERVED_ANY_WHITESPACE
             )
         return self._backend
 

@@ -574,3 +574,19 @@ def test_grammar_key():
     assert grammar_key(SamplingParams(json_schema="{}")) == ("json", "{}")
     assert grammar_key(SamplingParams(regex="a")) == ("regex", "a")
     assert grammar_key(SamplingParams(ebnf='root ::= "a"')) == ("ebnf", 'root ::= "a"')
+
+
+def test_the_check_validates_the_grammar_the_scheduler_serves(tokenizer):
+    """The TokenizerManager's check compiled schemas with free whitespace, the scheduler
+    without: the check validated another grammar than the one served."""
+    from radixserve.managers.grammar_check import GrammarCheck
+    from radixserve.managers.grammar_manager import GrammarManager
+
+    check = GrammarCheck("xgrammar", tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    served = GrammarManager("xgrammar", tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    try:
+        check.check(SamplingParams(json_schema='{"type": "integer"}'))
+        assert check._backend.any_whitespace == served.backend.any_whitespace
+    finally:
+        check.close()
+        served.close()
