@@ -288,10 +288,60 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def _architecture(reader: GGUFReader) -> str:
     arch = _metadata(reader, "general.architecture")
+    check_gguf_architecture(arch)
+    return arch
+
+
+def check_gguf_architecture(arch: object) -> None:
     if arch not in GGUF_ARCHITECTURES:
         supported = ", ".join(GGUF_ARCHITECTURES)
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
-    return arch
+
+
+# GGUF metadata value types: fixed sizes, and the string (8) and array (9) ones.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_architecture(path: str) -> str | None:
+    """general.architecture, read from the header alone (GGUFReader maps and indexes every
+    tensor: seconds for a large file); None where the header is not one this reads (GGUF v2/v3,
+    little-endian)."""
+    import struct
+
+    def take(f: Any, fmt: str) -> Any:
+        data = f.read(struct.calcsize(fmt))
+        if len(data) != struct.calcsize(fmt):
+            raise EOFError
+        return struct.unpack(fmt, data)[0]
+
+    def skip_value(f: Any, kind: int) -> None:
+        if kind == _GGUF_STRING:
+            f.seek(take(f, "<Q"), os.SEEK_CUR)
+        elif kind == _GGUF_ARRAY:
+            item, count = take(f, "<I"), take(f, "<Q")
+            if item in _GGUF_SIZES:
+                f.seek(count * _GGUF_SIZES[item], os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    skip_value(f, item)
+        else:
+            f.seek(_GGUF_SIZES[kind], os.SEEK_CUR)
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF" or take(f, "<I") not in (2, 3):
+                return None
+            take(f, "<Q")  # tensors
+            for _ in range(take(f, "<Q")):  # metadata pairs (the architecture comes first)
+                key = f.read(take(f, "<Q"))
+                kind = take(f, "<I")
+                if key == b"general.architecture" and kind == _GGUF_STRING:
+                    return f.read(take(f, "<Q")).decode("utf-8", "replace")
+                skip_value(f, kind)
+    except (OSError, EOFError, KeyError, struct.error, OverflowError):
+        return None
+    return None
 
 
 def _metadata(reader: GGUFReader, key: str) -> Any:

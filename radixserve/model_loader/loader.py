@@ -134,7 +134,15 @@ def check_model_config(
     if model_path is None:
         return
     fmt = detect_load_format(model_path, load_format)
-    if fmt == "gguf" and context_length is None:
+    if fmt == "gguf" and context_length is None:  # its architecture, from the header alone
+        from radixserve.model_loader.gguf_loader import (
+            check_gguf_architecture,
+            read_gguf_architecture,
+        )
+
+        arch = read_gguf_architecture(model_path)
+        if arch is not None:
+            check_gguf_architecture(arch)
         return
     cfg = load_model_config(model_path, fmt)
     check_context_length(cfg, context_length, warn=False)

@@ -348,6 +348,31 @@ def test_unsupported_architecture_is_rejected(tmp_path: Path) -> None:
         gguf_to_hf_config(str(path))
 
 
+def test_an_unsupported_architecture_is_refused_before_start(tmp_path: Path) -> None:
+    """Found by the scheduler and the detokenizer (transformers' "GGUF model with architecture
+    gemma is not supported yet" and a traceback each) after start-up: the serve command and
+    the Engine read it from the header now."""
+    from radixserve.model_loader.gguf_loader import read_gguf_architecture
+    from radixserve.model_loader.loader import check_model_config
+
+    path = tmp_path / "gemma.gguf"
+    writer = GGUFWriter(str(path), "gemma")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc"])
+    writer.add_uint32("gemma.block_count", 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_gguf_architecture(str(path)) == "gemma"
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
+        check_model_config(str(path), "auto", None)
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny, "qwen2", tie=True)
+    assert read_gguf_architecture(str(tiny)) == "qwen2"
+    check_model_config(str(tiny), "auto", None)
+    assert read_gguf_architecture(__file__) is None  # not a GGUF: the loader says what it is
+
+
 def test_missing_file_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         gguf_to_hf_config(str(tmp_path / "nope.gguf"))
