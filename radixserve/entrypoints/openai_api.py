@@ -279,6 +279,10 @@ def chat_to_generate(
         kwargs["tools"] = tools
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
+    if req.continue_final_message:  # (SGLang's and vLLM's field; transformers renders it)
+        if req.messages[-1].role != "assistant":
+            raise RequestError("continue_final_message needs the last message to be an assistant's")
+        kwargs.update(add_generation_prompt=False, continue_final_message=True)
     input_ids = tokenizer_manager.apply_chat_template(chat_messages(req), **kwargs)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_new, defaults)

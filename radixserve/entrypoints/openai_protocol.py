@@ -52,7 +52,6 @@ NOOP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((None, []), LEGACY_FUNCTIONS),
     "function_call": ((None, "none"), LEGACY_FUNCTIONS),
     "suffix": ((None, ""), "insertion is not implemented"),
-    "continue_final_message": ((False,), "not implemented yet"),
     "continuous_usage_stats": ((False,), "usage comes in the last chunk only"),
     "audio": ((None,), "text only"),
     "modalities": ((None, ["text"]), "text only"),
@@ -294,6 +293,7 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
+    # The last message, the assistant's, is continued: no end of turn, no generation prompt.
     continue_final_message: bool = False
     # With --reasoning-parser: false puts the reasoning in content; stream_reasoning false
     # sends the reasoning as one delta once it is complete. Without one: no-ops.

@@ -270,7 +270,6 @@ def test_router_generate_stream_and_only_set_sampling_params(client, fake_tm):
         (GENERATE, {"background": True}, "background is not supported"),
         (GENERATE, {"return_bytes": True}, "return_bytes is not supported"),
         (GENERATE, {"return_entropy": True}, "return_entropy is not supported"),
-        (CHAT, {"continue_final_message": True}, "continue_final_message is not supported"),
         (
             CHAT,
             {"stream_options": {"continuous_usage_stats": True}},
@@ -393,6 +392,19 @@ def test_generate_batch_with_per_prompt_params(client, fake_tm):
     body = {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]}
     assert client.post(GENERATE, json=body).status_code == 200
     assert fake_tm.requests[-1].sampling_params == body["sampling_params"]
+
+
+def test_continue_final_message_continues_the_assistants_message(client, fake_tm):
+    """It was a 400 "not implemented yet" (SGLang and vLLM serve it)."""
+    prefill = {"role": "assistant", "content": "The answer is"}
+    body = {"messages": [USER, prefill], "continue_final_message": True}
+    assert client.post(CHAT, json=body).status_code == 200
+    assert fake_tm.template_calls[-1][1] == {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    r = client.post(CHAT, json={"messages": [USER], "continue_final_message": True})
+    _assert_400_naming(r, "continue_final_message needs the last message")
 
 
 # -- chat_template_kwargs ------------------------------------------------------------------------
