@@ -152,8 +152,11 @@ def _refuse_what_the_model_does_not_compute(
     """Config fields of these architectures that change the model's output and that the model
     here does not implement: refused at load rather than served with other tokens."""
     quant = cfg.get("quantization_config")
-    if quant:  # its tensors (scales, packed ints) were a KeyError in the scheduler
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    method = str(getattr(method, "value", method))  # (transformers' QuantizationMethod enum)
+    # Its tensors (scales, packed ints) were a KeyError in the scheduler. ("gguf": the weights
+    # transformers dequantized from a GGUF file, saved plain.)
+    if quant and method != "gguf":
         raise ValueError(
             f"pre-quantized checkpoints (quantization_config, quant_method {method!r}) are not "
             "supported: serve the unquantized weights (with --quantization int8, int4 or "

@@ -178,6 +178,9 @@ def test_a_pre_quantized_checkpoint_is_refused_before_start(tmp_path):
     _edit_config(path, quantization_config={"quant_method": "fp8", "weight_block_size": [128]})
     with pytest.raises(ValueError, match="pre-quantized checkpoints .* 'fp8'"):
         load_model_config(path, "safetensors")
+    # What transformers saves after dequantizing a GGUF file: plain weights.
+    _edit_config(path, quantization_config={"quant_method": "gguf"})
+    assert load_model_config(path, "safetensors").architecture == "LlamaForCausalLM"
 
 
 def test_an_unknown_rope_type_is_refused_before_start(tmp_path):
