@@ -270,10 +270,10 @@ class _CompilePool:
     requests) is answered at once. (A ThreadPoolExecutor cancels only those not started.) A
     compile running in C++ cannot be stopped: its thread ends when it does, and the
     interpreter's exit waits for it (a daemon thread still inside xgrammar at exit crashed
-    the process; the serve command exits without waiting, __main__). A compile whose waiter
-    gave up (abandon) gets a thread of its own beside the workers, up to MAX_ABANDONED: four
-    slow schemas refused for their time held every worker, and every grammar after them was
-    refused too."""
+    the process; a stopped server exits without waiting: http_server.launch_server). A
+    compile whose waiter gave up (abandon) gets a thread of its own beside the workers, up to
+    MAX_ABANDONED: four slow schemas refused for their time held every worker, and every
+    grammar after them was refused too."""
 
     MAX_ABANDONED = 16
 
