@@ -131,9 +131,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "freq_
 
 
 def sliding_layers(cfg: dict[str, Any]) -> list[bool]:
-    """Which layers attend through a sliding window, as transformers' Qwen2/Qwen3 configs
-    decide: the explicit layer_types, else (with use_sliding_window and a window) the layers
-    from max_window_layers (default 28) on."""
+    """Which layers attend through a sliding window, as transformers' configs decide: the
+    explicit layer_types; Mistral's every layer where it has a window; else Qwen2/Qwen3's
+    rule, with use_sliding_window and a window the layers from max_window_layers (default
+    28) on."""
     n = cfg["num_hidden_layers"]
     if cfg.get("layer_types"):
         return [t == "sliding_attention" for t in cfg["layer_types"]]
