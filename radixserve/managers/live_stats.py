@@ -96,9 +96,9 @@ class LiveStats:
             self.tokens.add(prompt=prompt, cached=cached, generation=generation)
             self._seen = now
 
-    def _rates(self) -> dict[str, float]:
+    def _rates(self, window: dict[str, float]) -> dict[str, float]:
+        """The rates, from the token totals of the whole window (its caller has them)."""
         recent = self.tokens.totals(RATE_WINDOW_S)
-        window = self.tokens.totals(self.tokens.seconds)
         return {
             "prompt_tps": recent["prompt"] / RATE_WINDOW_S,
             "generation_tps": recent["generation"] / RATE_WINDOW_S,
@@ -109,8 +109,8 @@ class LiveStats:
         """SGLang's two rate gauges: tokens generated per second (the last RATE_WINDOW_S
         seconds) and the prefix cache's hit rate over the window, with the window's token
         counts it is the ratio of (data-parallel replicas' rates merge through them)."""
-        r = self._rates()
         window = self.tokens.totals(self.tokens.seconds)
+        r = self._rates(window)
         return {
             "gen_throughput": r["generation_tps"],
             "cache_hit_rate": r["window_hit_rate"],
@@ -131,7 +131,7 @@ class LiveStats:
             "throughput": {
                 "window_s": self.tokens.seconds,
                 "rate_window_s": RATE_WINDOW_S,
-                **self._rates(),
+                **self._rates(self.tokens.totals(self.tokens.seconds)),
                 "series": self.tokens.columns(),
             },
         }
