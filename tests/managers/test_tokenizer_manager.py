@@ -771,11 +771,8 @@ def test_a_lora_update_some_replicas_refuse_is_undone_on_the_others(op, tmp_path
     failed, and neither an unload nor a load of it was accepted again."""
 
     async def body():
-        replicas = [FakeSockets(), FakeSockets()]
-        ctl = DataParallelController(replicas, "round_robin")
-        tm = TokenizerManager(
-            ServerArgs(), ByteTokenizer(), ctl, FakeSockets(), 256, VOCAB, dp_controller=ctl
-        )
+        tm = _dp_tm()
+        ctl, replicas = tm.dp_controller, tm.dp_controller.senders
         if op == "unload":
             _with_adapter(tm)
             call = asyncio.create_task(tm.unload_lora_adapter("a"))
