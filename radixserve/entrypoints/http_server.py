@@ -714,8 +714,7 @@ def _exit_past_a_running_compile(app: FastAPI | None, code: int) -> None:
     stopped), and the interpreter's exit waits for its thread: a stopped server lived on for
     minutes, its port closed. Everything is shut down by now: exit without waiting."""
     tm = app.state.rs.tokenizer_manager if app is not None else None
-    checker = getattr(tm, "_grammar_check", None)
-    if checker is None or not checker.compiling():
+    if tm is None or not tm.grammar_compiling():  # (None: the start-up failed before it)
         return
     logger.info("exiting without waiting for a grammar compile still running")
     logging.shutdown()

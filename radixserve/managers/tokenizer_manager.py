@@ -706,6 +706,10 @@ class TokenizerManager:
                 out.message,
             )
 
+    def grammar_compiling(self) -> bool:
+        """Whether a grammar check's compile still runs (one refused for its time goes on)."""
+        return self._grammar_check.compiling()
+
     def _lora_guard(self) -> asyncio.Lock:
         if self._lora_lock is None:  # created on the serving loop
             self._lora_lock = asyncio.Lock()
