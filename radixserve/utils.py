@@ -7,6 +7,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -19,6 +20,9 @@ from typing import Any, NoReturn
 # The longest path of a Unix socket (sockaddr_un's sun_path, less its NUL): ZMQ refuses an
 # ipc endpoint past it.
 MAX_IPC_PATH = 107
+# The socket directory of one server or Engine: /tmp/radixserve-XXXXXXXX, holding its owner's pid.
+IPC_DIR_PREFIX = "radixserve-"
+IPC_OWNER_FILE = "owner.pid"
 
 
 @dataclass(frozen=True)
@@ -32,16 +36,69 @@ class PortArgs:
 
     @classmethod
     def new(cls) -> PortArgs:
-        base = tempfile.mkdtemp(prefix="radixserve-")
+        base = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         if len(base) + len("/detokenizer") > MAX_IPC_PATH:  # a long TMPDIR (SLURM's, CI's)
             os.rmdir(base)
-            base = tempfile.mkdtemp(prefix="radixserve-", dir="/tmp")
+            base = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir="/tmp")
+        remove_dead_ipc_dirs(os.path.dirname(base))
+        with open(os.path.join(base, IPC_OWNER_FILE), "w") as f:
+            f.write(_owner())
         return cls(
             tokenizer_ipc=f"ipc://{base}/tokenizer",
             scheduler_input_ipc=f"ipc://{base}/scheduler",
             detokenizer_ipc=f"ipc://{base}/detokenizer",
             ipc_dir=base,
         )
+
+
+def remove_dead_ipc_dirs(parent: str) -> list[str]:
+    """Remove the socket directories in `parent` whose owner process is gone: a server or
+    Engine killed with SIGKILL cannot remove its own (shutdown does). A directory without an
+    owner file, or another user's, is left alone. Returns the directories removed."""
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        if not name.startswith(IPC_DIR_PREFIX):
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, IPC_OWNER_FILE)) as f:
+                owner_pid, namespace = f.read().split()
+            pid = int(owner_pid)
+        except (OSError, ValueError):
+            continue
+        # (a pid of another pid namespace, another container's sharing /tmp, says nothing here)
+        if namespace != _pid_namespace() or _process_exists(pid):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _owner() -> str:
+    return f"{os.getpid()} {_pid_namespace()}"
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:  # not Linux
+        return "-"
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has the pid now
+        return True
+    return True
 
 
 def zmq_socket(ctx: Any, kind: int, endpoint: str, bind: bool) -> Any:

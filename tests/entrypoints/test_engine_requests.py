@@ -372,3 +372,56 @@ def test_a_process_that_exits_without_shutdown_leaves_no_files(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     ipc_dir = out.stdout.strip().splitlines()[-1]
     assert ipc_dir and not os.path.exists(ipc_dir)
+
+
+def test_the_socket_directory_of_a_killed_engine_goes_at_the_next_start(tmp_path, monkeypatch):
+    """SIGKILL skips every clean-up: the next start in the same temporary directory removes
+    the socket directories whose owner is gone, and only those."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from radixserve.utils import IPC_OWNER_FILE, PortArgs
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    script = (
+        "import time\n"
+        "from radixserve import Engine\n"
+        f"e = Engine(model_path={model!r}, dtype='float32', max_total_tokens=1024)\n"
+        "print(e.procs.port_args.ipc_dir, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    try:
+        killed = proc.stdout.readline().strip()
+        assert killed.startswith(str(tmp)) and os.path.isdir(killed)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert os.path.isdir(killed)
+    live = tmp / "radixserve-live"  # a running server's: its owner is this process
+    live.mkdir()
+    (live / IPC_OWNER_FILE).write_text(f"{os.getpid()} {os.readlink('/proc/self/ns/pid')}")
+    foreign = tmp / "radixserve-foreign"  # another pid namespace's (a container's): unknown
+    foreign.mkdir()
+    (foreign / IPC_OWNER_FILE).write_text(f"{proc.pid} pid:[1]")
+    older = tmp / "radixserve-older"  # no owner file: left alone
+    older.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    new = PortArgs.new()
+    try:
+        assert not os.path.exists(killed)
+        assert live.is_dir() and foreign.is_dir() and older.is_dir()
+        assert os.path.dirname(new.ipc_dir) == str(tmp)
+    finally:
+        import shutil
+
+        shutil.rmtree(new.ipc_dir)
