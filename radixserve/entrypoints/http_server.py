@@ -56,6 +56,7 @@ from radixserve.entrypoints.openai_protocol import (
     error_body,
 )
 from radixserve.entrypoints.openai_serving import OpenAIServing, model_sampling_defaults
+from radixserve.entrypoints.responses_serving import install_responses_api
 from radixserve.io_struct import GenerateReqInput
 from radixserve.managers.metrics import CONTENT_TYPE, ServerMetrics
 from radixserve.managers.tokenizer_manager import RequestError
@@ -624,6 +625,7 @@ def build_app(
     app = FastAPI(title="radixserve", lifespan=lifespan)
     app.state.rs = state
     app.include_router(router)
+    install_responses_api(app)
     if not server_args.disable_dashboard:
         app.include_router(dashboard_router)
     install_request_bodies(app, REQUEST_BODIES)
