@@ -34,8 +34,9 @@ def _generate(argv: list[str]) -> int:
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
     template = None
     if server_args.chat_template is not None:
-        with open(server_args.chat_template, encoding="utf-8") as f:
-            template = f.read()
+        from radixserve.entrypoints.chat_templates import chat_template_source
+
+        template = chat_template_source(server_args.chat_template)
     configure_logging(server_args.log_level)
     with Engine(server_args) as engine:
         try:

@@ -153,7 +153,9 @@ class ServerArgs:
     # Features
     grammar_backend: str = _f("xgrammar", "Structured output backend.", GRAMMAR_BACKENDS)
     chat_template: str | None = _f(
-        None, "A Jinja chat template file that replaces the tokenizer's own template."
+        None,
+        "The chat template that replaces the tokenizer's own: a Jinja file, a name (chatml, "
+        "qwen, llama-3-instruct, llama-2-chat, mistral), or an inline Jinja template.",
     )
     sampling_defaults: str = _f(
         "model",
@@ -323,7 +325,7 @@ class ServerArgs:
             if getattr(self, name) == "":
                 raise ValueError(f"--{_flag(name)} is empty; leave it out for the default")
         if self.chat_template is not None:
-            check_chat_template_file(self.chat_template)
+            check_chat_template(self.chat_template)
         self._check_speculative()
         self._check_tensor_parallel()
         if self.dp_size < 1:
@@ -716,23 +718,19 @@ def physical_core_count() -> int:
     return max(1, min(avail, len(cores) or avail))
 
 
-def check_chat_template_file(path: str) -> None:
-    """--chat-template: a file of UTF-8 Jinja that compiles (checked at start: a broken one
-    answered every chat request with a 400 that blamed the client, or crashed the start-up
-    after the model had loaded)."""
-    if not os.path.isfile(path):
-        raise ValueError(f"--chat-template {path!r} is not a file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template {path!r} cannot be read as UTF-8 text: {e}") from None
+def check_chat_template(value: str) -> None:
+    """--chat-template: a file of UTF-8 Jinja, a template name, or an inline template, that
+    compiles (checked at start: a broken one answered every chat request with a 400 that blamed
+    the client, or crashed the start-up after the model had loaded)."""
     from jinja2 import TemplateSyntaxError
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
+    from radixserve.entrypoints.chat_templates import chat_template_source
+
+    source = chat_template_source(value)
     try:  # as transformers compiles it to render (its environment and extensions)
         _compile_jinja_template(source)
     except TemplateSyntaxError as e:
         raise ValueError(
-            f"--chat-template {path!r} is not a valid Jinja template: line {e.lineno}: {e.message}"
+            f"--chat-template {value!r} is not a valid Jinja template: line {e.lineno}: {e.message}"
         ) from None

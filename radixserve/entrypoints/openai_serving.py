@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from radixserve.entrypoints.chat_templates import chat_template_source
 from radixserve.entrypoints.http_utils import (
     SSE_DONE,
     SSE_HEADERS,
@@ -133,8 +134,7 @@ class OpenAIServing:
         self.sampling_defaults = dict(sampling_defaults or {})  # model_sampling_defaults
         self.chat_template: str | None = None
         if getattr(args, "chat_template", None):
-            with open(args.chat_template, encoding="utf-8") as f:  # type: ignore[union-attr]
-                self.chat_template = f.read()
+            self.chat_template = chat_template_source(args.chat_template)  # type: ignore[union-attr]
 
     def check_model(self, name: str | None) -> str | None:
         """None for the base model (or no name); the adapter's name where `name` names a LoRA
