@@ -569,12 +569,16 @@ class TokenizerManager:
         return last
 
     async def _merge_streams(self, states: list[ReqState], request: Any) -> AsyncIterator[Any]:
-        queue: asyncio.Queue = asyncio.Queue()
+        """The sub-requests' streams as one, each output tagged with its index. An output waits
+        in the queue while the consumer (a slow client) is busy, so it is detached from its
+        state's lists, which later outputs extend; the queue holds one per sub-request, so a
+        pump that finds it full waits, and its next output covers what arrived meanwhile."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(states))
 
         async def pump(index: int, state: ReqState) -> None:
             try:
                 async for out in self._wait_one(state, request):
-                    await queue.put({**out, "index": index})
+                    await queue.put({**detached(out), "index": index})
             except Exception as e:  # surfaced to the consumer below
                 await queue.put(e)
             await queue.put(None)

@@ -398,6 +398,40 @@ def test_a_slow_stream_reader_sees_the_latest_state_not_a_backlog():
     run(body())
 
 
+def test_a_slow_reader_of_a_batch_stream_gets_each_output_as_it_was():
+    """A streamed batch (or n > 1) queues its sub-requests' outputs for the reader; a queued
+    one shared its state's lists, which later outputs extended: a chunk's output_ids held
+    tokens its text and completion_tokens did not (621 of 936 chunks for a slow client)."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        gen = tm.generate_request(GenerateReqInput(input_ids=[[5], [6]], stream=True))
+        first = asyncio.create_task(gen.__anext__())
+        await _settle()
+        rids = [r.rid for r in sockets.requests()]
+        for i in range(1, 41):  # the reader is away while 40 steps arrive
+            reason = LENGTH if i == 40 else None
+            out = _output(rids[0], "a", [i], reason)  # (text and ids are deltas)
+            out.completion_tokens = [i]
+            await sockets.inbox.put(out)
+            out = _output(rids[1], "a", [i], reason)
+            out.completion_tokens = [i]
+            await sockets.inbox.put(out)
+            await _settle()
+        items = [await first]
+        async for item in gen:
+            items.append(item)
+        assert len(items) < 2 * 40  # held outputs are coalesced, not one per step
+        for item in items:
+            meta = item["meta_info"]
+            assert len(item["output_ids"]) == meta["completion_tokens"] == len(item["text"])
+        last = {item["index"]: item for item in items}
+        assert sorted(last) == [0, 1]
+        assert all(len(item["output_ids"]) == 40 for item in last.values())
+
+    run(body())
+
+
 def test_a_finish_that_arrives_while_the_reader_holds_an_item_is_still_yielded():
     async def body():
         tm, sockets = _make_tm()
