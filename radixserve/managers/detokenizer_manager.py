@@ -19,6 +19,8 @@ from radixserve.io_struct import BatchStrOutput, BatchTokenIDOutput
 logger = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
+# Tokens decoded before the last one to see what it added: a UTF-8 character spans 4 at most.
+LAST_TOKEN_WINDOW = 4
 HEARTBEAT_POLL_MS = 500
 
 
@@ -104,9 +106,13 @@ class DetokenizerManager:
             text = st.decoded
             matched = finished.get("matched")
             if isinstance(matched, str) and not out.no_stop_trim[i]:
-                # The occurrence that ended the request is the last (it ends in the newest
-                # token's text): one written before min_new_tokens was reached stays.
-                pos = text.rfind(matched, max(0, st.sent - len(matched)))
+                # The occurrence that ended the request is the first that ends in the newest
+                # token's text (the scheduler's rule: that token can hold it twice, "\n\n"
+                # for "\n"); one written before min_new_tokens was reached stays.
+                start = len(text) - self._last_token_len(st, decode_kw)
+                pos = text.find(matched, max(0, st.sent - len(matched), start - len(matched) + 1))
+                if pos < 0:
+                    pos = text.rfind(matched, max(0, st.sent - len(matched)))
                 if pos >= 0:
                     text = text[:pos]
             return text[st.sent :]
@@ -116,6 +122,18 @@ class DetokenizerManager:
         delta = st.decoded[st.sent : end]
         st.sent = end
         return delta
+
+
+    def _last_token_len(self, st: DecodeStatus, decode_kw: dict[str, Any]) -> int:
+        """How many characters the last token added to the text (decoded after the tokens
+        before it, as many as a character's bytes can span, so that it is not the first)."""
+        window = st.ids[-(LAST_TOKEN_WINDOW + 1) :]
+        after = self.tokenizer.decode(window, **decode_kw)
+        before = self.tokenizer.decode(window[:-1], **decode_kw)
+        same = 0  # (the last token may complete a character the tokens before it began)
+        while same < min(len(after), len(before)) and after[same] == before[same]:
+            same += 1
+        return len(after) - same
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

@@ -153,6 +153,34 @@ def test_a_token_completing_two_stops_ends_at_the_first_in_the_text(stops):
     assert _detokenize(tok, [1, 2, 3, 4], ".", per_step=False) == "It is done"
 
 
+class DoubledTokenizer:
+    """Tokens that hold a stop string twice: SmolLM2's and Llama 3's "\n\n", "..."."""
+
+    PIECES = {1: "Yes", 2: "\n\n", 3: " Well", 4: "...", 5: " ok", 6: "\n"}
+
+    def decode(self, ids, **kw):
+        return "".join(self.PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize(
+    "ids, stop, text",
+    [([1, 2, 3], "\n", "Yes"), ([1, 3, 4, 5], ".", "Yes Well"), ([1, 3, 4], "..", "Yes Well")],
+)
+def test_a_token_holding_the_stop_twice_is_cut_at_the_first(ids, stop, text):
+    """The request ends at the first occurrence in the token that completes the stop; the
+    text was cut at the last ('Yes\n' for stop '\n' and the token '\n\n')."""
+    tok = DoubledTokenizer()
+    req = Req("r", [5], SamplingParams(stop=stop, max_new_tokens=100))
+    for n in range(1, len(ids) + 1):
+        req.output_ids = ids[:n]
+        req.check_finished(tok)
+        if req.finished():
+            break
+    assert req.finished_reason == finish_stop(stop)
+    for per_step in (True, False):
+        assert _detokenize(tok, ids[:n], stop, per_step) == text
+
+
 def test_the_first_output_token_keeps_its_leading_space_after_the_prompt(
     byte_fallback_tokenizer,
 ):
