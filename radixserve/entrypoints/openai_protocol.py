@@ -14,7 +14,7 @@ and tool_calls are checked here for shape and consistency; `openai_tools` uses t
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Literal, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 from pydantic import (
     BaseModel,
@@ -59,6 +59,8 @@ NOOP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((False,), ""),
     "return_bytes": ((False,), ""),
     "return_entropy": ((False,), ""),
+    "stop_regex": ((None, [], ""), "stop strings are; stop regexes are not implemented"),
+    "custom_params": ((None, {}), "custom logit processors are not implemented"),
 }
 
 
@@ -329,14 +331,38 @@ class _StrictRequestModel(RequestModel):
 
 def _sampling_params_body() -> type[RequestModel]:
     """`sampling_params` of /generate: a model of the fields of `SamplingParams` (built from
-    them, so the two never drift apart) with RANGES; SamplingParams.verify() checks the rest."""
+    them, so the two never drift apart) with RANGES; SamplingParams.verify() checks the rest.
+    Null is the default for every field (SGLang's rule, what its frontend sends), and SGLang's
+    `sampling_seed` is `seed`; its stop regexes and custom params are accepted empty only."""
     hints = get_type_hints(SamplingParams)
-    fields = {
-        f.name: (Annotated[hints[f.name], RANGES.get(f.name, Field())], _default(f))
+    fields: dict[str, Any] = {
+        f.name: (Annotated[hints[f.name] | None, RANGES.get(f.name, Field())], _default(f))
         for f in dataclasses.fields(SamplingParams)
         if f.init
     }
+    fields["sampling_seed"] = (int | None, Field(None, exclude=True))
+    fields["stop_regex"] = (Any, Field(None, exclude=True))
+    fields["custom_params"] = (Any, Field(None, exclude=True))
     return create_model("SamplingParamsBody", __base__=_StrictRequestModel, **fields)
+
+
+# Sampling params whose null is a value of their own (max_new_tokens: up to the context's end)
+# rather than "the default".
+NULLABLE_SAMPLING_PARAMS = frozenset(
+    f.name
+    for f in dataclasses.fields(SamplingParams)
+    if f.init and type(None) in get_args(get_type_hints(SamplingParams)[f.name])
+)
+
+
+def sampling_params_set(body: BaseModel) -> dict[str, Any]:
+    """The sampling params a /generate body set (null is the default: left out)."""
+    sp = body.model_dump(exclude_unset=True)
+    sp = {k: v for k, v in sp.items() if v is not None or k in NULLABLE_SAMPLING_PARAMS}
+    seed = getattr(body, "sampling_seed", None)
+    if seed is not None and sp.get("seed") is None:
+        sp["seed"] = seed
+    return sp
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -380,11 +406,21 @@ class GenerateRequest(RoutingFields):
     return_bytes: bool = Field(False, exclude=True)
     return_entropy: bool = Field(False, exclude=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """As SGLang: null for a field with a default (what its frontend sends) is the default."""
+        if isinstance(data, dict):
+            defaulted = ("stream", "return_logprob", "top_logprobs_num", "logprob_start_len")
+            defaulted += ("return_text_in_logprobs",)
+            data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
     @field_serializer("sampling_params")
     def _set_fields_only(self, sp: Any) -> Any:
         if isinstance(sp, list):
-            return [p.model_dump(exclude_unset=True) for p in sp]
-        return sp.model_dump(exclude_unset=True) if sp is not None else None
+            return [sampling_params_set(p) for p in sp]
+        return sampling_params_set(sp) if sp is not None else None
 
     @model_validator(mode="after")
     def _batch_shape(self) -> GenerateRequest:

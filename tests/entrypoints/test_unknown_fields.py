@@ -178,6 +178,35 @@ def test_null_is_the_default_where_openai_allows_it(client, fake_tm, path):
     assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
 
 
+def test_generate_takes_null_as_the_default_and_sglangs_frontend_fields(client, fake_tm):
+    """SGLang's /generate reads null as the default (its frontend language sends stop_regex:
+    [] in every request, and sampling_seed): each was a 400 here."""
+    nulls = {"temperature": None, "top_p": None, "top_k": None, "n": None, "ignore_eos": None}
+    nulls |= {"min_new_tokens": None, "frequency_penalty": None, "skip_special_tokens": None}
+    top = {"return_logprob": None, "logprob_start_len": None, "top_logprobs_num": None}
+    body = {"text": "ab", "stream": None, **top}
+    r = client.post(GENERATE, json={**body, "sampling_params": {"max_new_tokens": 3, **nulls}})
+    assert r.status_code == 200, r.text
+    req = fake_tm.requests[-1]
+    assert req.sampling_params == {"max_new_tokens": 3}  # SamplingParams' defaults apply
+    assert req.return_logprob is False and req.logprob_start_len == -1
+    # max_new_tokens' null is a value of its own: up to the context's end
+    assert client.post(GENERATE, json={"text": "ab", "sampling_params": {"max_new_tokens": None}})
+    assert fake_tm.requests[-1].sampling_params == {"max_new_tokens": None}
+    frontend = {"stop": [], "stop_token_ids": [], "stop_regex": [], "regex": None}
+    frontend |= {"json_schema": None, "sampling_seed": 7, "custom_params": None}
+    r = client.post(GENERATE, json={"text": "ab", "sampling_params": frontend})
+    assert r.status_code == 200, r.text
+    sp = fake_tm.requests[-1].sampling_params
+    assert sp == {"stop": [], "stop_token_ids": [], "seed": 7, "regex": None, "json_schema": None}
+    for asks, field in (
+        ({"stop_regex": ["\\d"]}, "stop_regex"),
+        ({"custom_params": {"a": 1}}, "custom_params"),
+    ):
+        r = client.post(GENERATE, json={"text": "ab", "sampling_params": asks})
+        _assert_400_naming(r, field, "not implemented")
+
+
 def test_text_modalities_and_reasoning_effort_pass(fake_tm, make_client, template_kwargs):
     seen = template_kwargs
     with make_client(fake_tm) as client:
