@@ -232,16 +232,20 @@ class FakeRun:
             self.step()
         raise AssertionError("the scheduler did not drain")
 
+    def token_outputs(self) -> list:
+        """The requests' outputs (not the control calls' answers)."""
+        return [m for m in self.outs if hasattr(m, "rids")]
+
     def tokens(self) -> dict[str, list[int]]:
         got: dict[str, list[int]] = {}
-        for msg in self.outs:
+        for msg in self.token_outputs():
             for rid, ids in zip(msg.rids, msg.output_ids, strict=True):
                 got.setdefault(rid, []).extend(ids)
         return got
 
     def reasons(self) -> dict[str, dict]:
         got: dict[str, dict] = {}
-        for msg in self.outs:
+        for msg in self.token_outputs():
             for rid, reason in zip(msg.rids, msg.finished_reasons, strict=True):
                 if reason is not None:
                     assert rid not in got, f"{rid} finished twice"

@@ -199,6 +199,9 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.tp_sync is not None:
             self.enable_overlap = overlap_on_every_rank(self.tp_sync, self.enable_overlap)
         self.result_queue: deque[tuple[BatchSnapshot, InFlightStep]] = deque()
+        # Flushes that came while only finished requests were left (answered after the step
+        # that drops them: their client has the last output already; see flush_cache).
+        self.pending_flushes: list[FlushCacheReq] = []
         self.forward_thread: ForwardThread | None = None
         # P/D disaggregation: the prefill side's bootstrap server and transfers, or the decode
         # side's reservations and arriving KV (radixserve.disaggregation).
@@ -231,7 +234,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg)
             elif isinstance(msg, FlushCacheReq):
-                self._reply(msg, self.flush_cache())
+                if self.has_work(cache_copies=False) and self._only_finished_left():
+                    self.pending_flushes.append(msg)
+                else:
+                    self._reply(msg, self.flush_cache())
             elif isinstance(msg, LoadLoRAAdapterReq):
                 self._reply(msg, self.load_lora_adapter(msg))
             elif isinstance(msg, UnloadLoRAAdapterReq):
@@ -403,6 +409,12 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self.check_integrity()
             if self.tp_sync is not None:  # invariant 10: every rank scheduled this step
                 self.tp_sync.check_schedule(batch, self.allocator, self.tree_cache)
+        if self.pending_flushes and not (
+            self.has_work(cache_copies=False) and self._only_finished_left()
+        ):
+            flushes, self.pending_flushes = self.pending_flushes, []
+            for msg in flushes:  # (refused if new requests came meanwhile)
+                self._reply(msg, self.flush_cache())
         return batch
 
     def _normal_step(self) -> ScheduleBatch | None:
@@ -496,6 +508,22 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
 
     def _last_batch_unfinished(self) -> bool:
         return self.last_batch is not None and any(not r.finished() for r in self.last_batch.reqs)
+
+    def _only_finished_left(self) -> bool:
+        """Whether every request the scheduler still holds has finished: their last step's
+        result is in flight (overlap) or they leave the running batch at the next step. A
+        flush right after a response (its client has it all) is answered after that step; it
+        was refused as "requests are running"."""
+        held = [*self.running_batch.reqs, *(r for snap, _ in self.result_queue for r in snap.reqs)]
+        if self.last_batch is not None:
+            held += self.last_batch.reqs
+        return (
+            not self.waiting_queue
+            and not self.chunked_req
+            and not self.grammar_manager.queue
+            and not (self.disagg is not None and self.disagg.has_work())
+            and all(r.finished() for r in held)
+        )
 
     def has_work(self, cache_copies: bool = True) -> bool:
         """Requests to serve, or (`cache_copies`) the hierarchical cache's copies in flight."""

@@ -280,3 +280,53 @@ def test_the_served_loop_does_not_spin_while_only_a_grammar_compiles():
     assert 0 < r.s.poll_timeout_ms(50) <= 10  # a compile's end is seen within milliseconds
     compiling.set_exception(RuntimeError("closed"))
     r.drain()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_flush_right_after_the_last_output_waits_for_the_step_that_drops_it(overlap):
+    """The client has its whole response, but the finished request is still in the running
+    batch (or, overlapped, in the step launched before its stop token was seen) until the
+    next step: a flush then was refused as "requests are running" (12 of 40 flushes right
+    after a streamed response)."""
+    from radixserve.io_struct import FlushCacheReq, FlushCacheReqOutput
+
+    def flushes(run: FakeRun) -> list[FlushCacheReqOutput]:
+        return [m for m in run.outs if isinstance(m, FlushCacheReqOutput)]
+
+    def finish(run: FakeRun, rid: str) -> None:
+        prompt = list(range(1, 9))
+        stop = expected_output(prompt, 3)[-1]  # a stop token: seen only once it is sampled
+        run.submit(rid, prompt, max_new=16, stop_token_ids=[stop])
+        for _ in range(20):
+            run.step()
+            if rid in run.reasons():
+                return
+        raise AssertionError(f"{rid} did not finish")
+
+    run = FakeRun(overlap=overlap)
+    finish(run, "a")
+    assert run.s.has_work(cache_copies=False)  # what the flush used to see
+    run.s.process_input_requests([FlushCacheReq()])
+    for _ in range(3):
+        if flushes(run):
+            break
+        run.step()
+    [answer] = flushes(run)
+    assert answer.success, answer.message
+    assert run.s.tree_cache.total_size() == 0 and not run.s.has_work()
+    run.drain()
+
+    # A flush while a request runs is refused at once; one waiting for the step when a new
+    # request comes in is refused after it.
+    run.submit("b", list(range(1, 9)), max_new=8)
+    run.step()
+    run.s.process_input_requests([FlushCacheReq()])
+    assert len(flushes(run)) == 2 and not flushes(run)[-1].success
+    run.drain()
+    finish(run, "c")
+    run.s.process_input_requests([FlushCacheReq()])
+    assert len(flushes(run)) == 2  # waiting for the step
+    run.submit("d", list(range(1, 9)), max_new=2)
+    run.step()
+    assert len(flushes(run)) == 3 and not flushes(run)[-1].success
+    run.drain()
