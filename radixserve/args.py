@@ -289,7 +289,9 @@ class ServerArgs:
         "~/.cache/radixserve/hicache", "Directory of the file storage tier."
     )
     hicache_storage_block_size: int = _f(
-        64, "Tokens per storage block (a multiple of --page-size); the key is per block."
+        64,
+        "Tokens per storage block (a multiple of --page-size; the default is rounded up to "
+        "whole pages); the key is per block.",
     )
     # Serving
     host: str = _f("127.0.0.1", "HTTP host.")
@@ -395,10 +397,26 @@ class ServerArgs:
             raise ValueError(str(e)) from None
 
     def _check_hierarchical_cache(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        storage_flags = [
+            f"--{_flag(name)}"
+            for name in ("hicache_storage_dir", "hicache_storage_block_size")
+            if getattr(self, name) != defaults[name]
+        ]
         if not self.enable_hierarchical_cache:
             if self.hicache_storage_backend is not None:
                 raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+            if storage_flags:  # (they were ignored: no KV was ever written where they said)
+                raise ValueError(
+                    f"{', '.join(storage_flags)} configure the storage tier: they need "
+                    "--enable-hierarchical-cache --hicache-storage-backend file"
+                )
             return
+        if self.hicache_storage_backend is None and storage_flags:
+            raise ValueError(
+                f"{', '.join(storage_flags)} configure the storage tier: add "
+                "--hicache-storage-backend file"
+            )
         if self.disable_radix_cache:
             raise ValueError(
                 "--enable-hierarchical-cache extends the radix cache: drop --disable-radix-cache"
@@ -406,6 +424,9 @@ class ServerArgs:
         if not (0 < self.hicache_ratio < math.inf and 0 <= self.hicache_size < math.inf):
             raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
         block = self.hicache_storage_block_size
+        if block == defaults["hicache_storage_block_size"] and block % self.page_size:
+            block = -(-block // self.page_size) * self.page_size  # the default, in whole pages
+            object.__setattr__(self, "hicache_storage_block_size", block)
         if block < 1 or block % self.page_size:
             raise ValueError(
                 f"--hicache-storage-block-size {block} must be a positive multiple of "

@@ -58,6 +58,7 @@ BALANCE_REL_THRESHOLD = 1.5
 # get_server_info keys that are not sums over the replicas (recomputed or averaged in merge).
 NON_ADDITIVE = (
     "dp_rank",
+    "hicache_storage_blocks",  # one storage directory, which every replica indexes
     "token_usage",
     "cache_hit_rate",
     "new_token_ratio",

@@ -123,7 +123,6 @@ class DetokenizerManager:
         st.sent = end
         return delta
 
-
     def _last_token_len(self, st: DecodeStatus, decode_kw: dict[str, Any]) -> int:
         """How many characters the last token added to the text (decoded after the tokens
         before it, as many as a character's bytes can span, so that it is not the first)."""

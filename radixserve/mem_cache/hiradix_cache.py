@@ -79,7 +79,7 @@ class HiRadixCache(HiCacheRequestOps, RadixCache):
         storage_block_size: int = 64,
     ) -> None:
         assert write_policy in WRITE_POLICIES, write_policy
-        assert storage_block_size % page_size == 0, "storage blocks must be whole pages"
+        assert storage is None or storage_block_size % page_size == 0, "blocks are whole pages"
         self.host_pool = host_pool
         self.write_policy = write_policy
         self.write_through_threshold = 1 if write_policy == "write_through" else 2

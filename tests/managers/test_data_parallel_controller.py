@@ -187,6 +187,12 @@ def test_merge_server_infos_sums_and_lists_the_replicas():
     assert [r["dp_rank"] for r in merged["replicas"]] == [0, 1]
 
 
+def test_the_shared_storage_tier_is_counted_once():
+    """The replicas index one storage directory: 24 blocks on disk read 48 with two."""
+    infos = [{**_info(r), "hicache_storage_blocks": 24} for r in (0, 1)]
+    assert merge_server_infos(infos)["hicache_storage_blocks"] == 24
+
+
 def _reply(socks, reply):
     """`reply` to the last control request broadcast (its call id echoed, as a scheduler's)."""
     reply.call_id = socks[0].sent[-1].call_id

@@ -240,7 +240,6 @@ def test_page_size_4_and_lpm():
         False,
         enable_hierarchical_cache=True,
         page_size=4,
-        hicache_storage_block_size=16,
         schedule_policy="lpm",
     )
     assert sum(cached.values()) > 0

@@ -17,6 +17,8 @@ from radixserve.args import ServerArgs
 from radixserve.mem_cache.hicache_storage import HiCacheFile, block_hashes
 from radixserve.mem_cache.memory_pool_host import HostKVPool, host_pool_tokens
 
+STORAGE = {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}
+
 
 @pytest.mark.parametrize(
     "flags, message",
@@ -27,8 +29,14 @@ from radixserve.mem_cache.memory_pool_host import HostKVPool, host_pool_tokens
             "drop --disable-radix-cache",
         ),
         (
-            {"enable_hierarchical_cache": True, "page_size": 16, "hicache_storage_block_size": 40},
+            {**STORAGE, "page_size": 16, "hicache_storage_block_size": 40},
             "multiple of --page-size 16",
+        ),
+        # Storage options without a storage tier were ignored (no KV was ever written there).
+        ({"hicache_storage_dir": "/data/kv"}, "--hicache-storage-dir configure the storage"),
+        (
+            {"enable_hierarchical_cache": True, "hicache_storage_block_size": 32},
+            "add --hicache-storage-backend file",
         ),
         ({"enable_hierarchical_cache": True, "hicache_ratio": 0}, "--hicache-ratio must be > 0"),
         ({"enable_hierarchical_cache": True, "tp_size": 2}, "--tp-size > 1"),
@@ -37,6 +45,15 @@ from radixserve.mem_cache.memory_pool_host import HostKVPool, host_pool_tokens
 def test_invalid_combinations_are_rejected(flags, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(**flags)
+
+
+@pytest.mark.parametrize("page, block", [(16, 64), (48, 96), (128, 128)])
+def test_any_page_size_serves_the_hierarchical_cache(page, block):
+    """--page-size 128 was refused for the storage block size's default (64), a flag the
+    user had not given and that only matters with a storage tier; the default is whole pages."""
+    assert ServerArgs(enable_hierarchical_cache=True, page_size=page)
+    args = ServerArgs(**STORAGE, page_size=page)
+    assert args.hicache_storage_block_size == block
 
 
 @pytest.mark.parametrize(
@@ -165,10 +182,13 @@ def test_random_workload_keeps_every_tier_accounted(seed, overlap, tmp_path):
         hicache_write_policy=policy,
         hicache_ratio=1.5 + seed,
         page_size=[1, 2, 4][seed],
-        hicache_storage_backend="file" if seed == 1 else None,
-        hicache_storage_dir=str(tmp_path),
-        hicache_storage_block_size=16,
         schedule_policy=["fcfs", "lpm", "dfs-weight"][seed],
+        **(
+            {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path)}
+            | {"hicache_storage_block_size": 16}
+            if seed == 1
+            else {}
+        ),
     )
     roots = [[rng.randrange(3, 97) for _ in range(rng.randrange(20, 120))] for _ in range(5)]
     aborted = set()
