@@ -726,6 +726,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 return None
             if not self._decode_fits(batch):
                 last = batch.reqs[0]
+                if last.pending_future is not None:
+                    # Overlap: its step in flight computes a token (its KV is written): take
+                    # it first (one round), as the normal loop would have; it was dropped.
+                    return None
                 last.finished_reason = finish_abort(
                     "the request no longer fits in the KV cache (prompt + output exceed the pool)",
                     status_code=400 if not last.output_ids else None,
