@@ -42,8 +42,9 @@ class GenerateReqInput:
     # The LoRA adapter (its --lora-paths name; SGLang's field name), or one per prompt.
     lora_path: str | list[str | None] | None = None
     # Set by the native /generate endpoint, never by a client: there SGLang's router prepends
-    # the prefill server's prompt logprobs to the decode server's answer, so a decode server
-    # leaves its copy out (the OpenAI endpoints get no such merge: there it gives them).
+    # the prefill server's prompt token logprobs to the decode server's answer (one prompt,
+    # n = 1, not streamed: it merges nothing else), so a decode server leaves its copy of those
+    # out (the OpenAI endpoints get no such merge: there it gives them).
     router_merges_prompt_logprobs: bool = False
     # False for the server's own probe (/health_generate): not a user request in the metrics.
     log_metrics: bool = True

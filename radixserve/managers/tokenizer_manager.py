@@ -71,7 +71,8 @@ class ReqState:
     lora_id: str | None = None
     # A choice of an n > 1 request, or a prompt of a batch with one rid: that request's rid.
     parent_rid: str | None = None
-    omit_input_logprobs: bool = False  # GenerateReqInput.router_merges_prompt_logprobs
+    # GenerateReqInput.router_merges_prompt_logprobs: the prompt's token logprobs are left out
+    omit_input_logprobs: bool = False
     log_metrics: bool = True  # GenerateReqInput.log_metrics
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
@@ -99,7 +100,7 @@ class ReqState:
             omit = self.omit_input_logprobs
             meta["input_token_logprobs"] = [] if omit else self.input_token_logprobs
             meta["output_token_logprobs"] = self.output_token_logprobs
-            meta["input_top_logprobs"] = [] if omit else self.input_top_logprobs
+            meta["input_top_logprobs"] = self.input_top_logprobs
             meta["output_top_logprobs"] = self.output_top_logprobs
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
 
@@ -472,9 +473,14 @@ class TokenizerManager:
         self._bind_adapters(tokenized_list)
         self._admit(tokenized_list)
         states = [self._register(t, obj.log_metrics, received) for t in tokenized_list]
-        # (the prefill server's copy reaches the client through the router: see the field)
+        # (the prefill server's copy reaches the client through the router: see the field; it
+        # merges the prompt's token logprobs of one non-streamed answer, not its top ones)
         peer_logprobs = (
-            obj.router_merges_prompt_logprobs and self.server_args.disaggregation_mode == "decode"
+            obj.router_merges_prompt_logprobs
+            and self.server_args.disaggregation_mode == "decode"
+            and obj.is_single
+            and n == 1
+            and not obj.stream
         )
         for state, parent, sub in zip(states, parents, tokenized_list, strict=True):
             state.parent_rid = parent

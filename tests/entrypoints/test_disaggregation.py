@@ -186,22 +186,48 @@ def test_pd_pair_behind_the_router_answers_like_one_server(pd, single):
         _pool_free(server)
 
 
-def test_pd_logprobs_come_from_both_servers(pd, single):
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"top_logprobs_num": 2}, {"n": 2}, {"stream": True}],
+    ids=["plain", "top", "n2", "stream"],
+)
+def test_pd_logprobs_come_from_both_servers(pd, single, extra):
     """The first token's logprob is sampled on the prefill server, the rest on the decode
-    server; the router copies the prompt's logprobs from the prefill server's answer."""
+    server; the router copies the prompt's token logprobs from the prefill server's answer
+    (one prompt, n = 1, not streamed). The decode server left out its own copy of the top
+    ones, and of the token ones where the router merges nothing: they were lost."""
     router = pd[0]
     body = {
         "text": "The quick brown fox jumps",
-        "sampling_params": GREEDY,
+        "sampling_params": {**GREEDY, "n": extra.pop("n", 1)},
         "return_logprob": True,
         "logprob_start_len": 0,
+        **extra,
     }
-    got = httpx.post(router.url + "/generate", json=body, timeout=60).json()["meta_info"]
-    want = httpx.post(single.url + "/generate", json=body, timeout=60).json()["meta_info"]
-    for key in ("output_token_logprobs", "input_token_logprobs"):
-        assert [t[1] for t in got[key]] == [t[1] for t in want[key]], key
-        for a, b in zip(got[key], want[key], strict=True):
-            assert (a[0] is None) == (b[0] is None) and abs((a[0] or 0) - (b[0] or 0)) < 1e-4
+
+    def metas(url: str) -> list[dict[str, Any]]:
+        if not body.get("stream"):
+            data = httpx.post(url + "/generate", json=body, timeout=60).json()
+            return [d["meta_info"] for d in (data if isinstance(data, list) else [data])]
+        with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+            return [sse_events(r.iter_lines())[-2]["meta_info"]]
+
+    keys = ["output_token_logprobs", "input_token_logprobs"]
+    if body.get("top_logprobs_num"):
+        keys += ["input_top_logprobs", "output_top_logprobs"]
+    for got, want in zip(metas(router.url), metas(single.url), strict=True):
+        for key in keys:
+            flat = [_flat(t) for t in got[key]], [_flat(t) for t in want[key]]
+            assert [t[1] for t in flat[0]] == [t[1] for t in flat[1]] and flat[1], key
+            for a, b in zip(*flat, strict=True):
+                assert (a[0] is None) == (b[0] is None) and abs((a[0] or 0) - (b[0] or 0)) < 1e-4
+
+
+def _flat(entry: Any) -> tuple[Any, Any]:
+    """A (logprob, token id) of a logprob triple, or of a position's top list (its first)."""
+    if entry is None or not entry:
+        return (None, None)
+    return (entry[0][0], entry[0][1]) if isinstance(entry[0], list) else (entry[0], entry[1])
 
 
 def _choices(data: dict[str, Any]) -> list[Any]:
