@@ -23,7 +23,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Scheduler snapshot keys exposed as gauges: key → (metric name, help).
 _GAUGES = {
     "running": ("num_running_reqs", "Requests in the running batch."),
-    "queued": ("num_queue_reqs", "Requests in the waiting queue."),
+    "queued": (
+        "num_queue_reqs",
+        "Requests in the waiting queue (with P/D, also those waiting for their peer).",
+    ),
     "token_usage": ("token_usage", "Fraction of KV slots in use (not free, not evictable)."),
     "available_tokens": ("available_tokens", "Free KV slots."),
     "evictable_tokens": ("evictable_tokens", "KV slots held only by the radix cache."),

@@ -902,15 +902,17 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             - self.allocator.available_size()
             - self.tree_cache.evictable_size()
         )
+        # Queued: the waiting queue, and the requests P/D holds outside it (waiting for their
+        # peer's reservation or KV: the metrics and /get_load showed a server holding 60 of
+        # them as idle).
+        queued = [*self.waiting_queue, *(self.disagg.queued_reqs() if self.disagg else [])]
         info = self.stats.snapshot(
             # The running batch, the request prefilling in chunks, those that just prefilled.
             running=sum(not r.finished() for r in self._in_flight_reqs()),
-            queued=len(self.waiting_queue),
+            queued=len(queued),
             # What the queue will add to the KV (SGLang's /get_load counts it: its router
             # balances on it; a long queue looked like an idle server).
-            queued_tokens=sum(
-                len(r.origin_input_ids) + len(r.output_ids) for r in self.waiting_queue
-            ),
+            queued_tokens=sum(len(r.origin_input_ids) + len(r.output_ids) for r in queued),
             token_usage=used / self.max_total_num_tokens,
             num_used_tokens=used,
             num_grammar_queue_reqs=len(self.grammar_manager.queue),
