@@ -9,11 +9,14 @@ import math
 from collections.abc import Callable
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
+def int_at_least(low: int, why: str = "") -> Callable[[str], int]:
+    """An int >= low; `why` (e.g. "TPOT needs two tokens") is added to the refusal."""
+
     def parse(text: str) -> int:
         value = int(text)  # a ValueError is argparse's "invalid int value"
         if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+            reason = f" ({why})" if why else ""
+            raise argparse.ArgumentTypeError(f"must be >= {low}{reason}, got {text}")
         return value
 
     parse.__name__ = "int"
@@ -64,3 +67,11 @@ def PORT(text: str) -> int:  # noqa: N802 (a flag type, named like the others)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {text}")
     return value
+
+
+def kv_pool_tokens(num_requests: int, tokens_per_request: int, page_size: int) -> int:
+    """A KV pool (--max-total-tokens) that holds `num_requests` requests of up to
+    `tokens_per_request` tokens each at once: every request takes whole pages, and ModelRunner
+    rounds the pool down to whole pages."""
+    pages_per_request = -(-tokens_per_request // page_size)
+    return num_requests * pages_per_request * page_size

@@ -4,13 +4,18 @@ Two backends: `radixserve` (native `POST /generate`, whose SSE events carry the 
 `text` and `meta_info` {prompt_tokens, completion_tokens, cached_tokens, finish_reason}) and
 `openai` (`POST /v1/completions` with `stream_options.include_usage`). Every `data:` line that
 brings new output tokens is stamped with the clock on arrival; `bench.metrics` turns the stamps
-into TTFT and ITL. Used by `bench.serving`.
+into TTFT and ITL. Used by `bench.serving`, `bench.soak` and `bench.overhead`.
+
+Every client sends `Authorization: Bearer <key>` (a server started with `--api-key`): the key
+of `--api-key`, else `$OPENAI_API_KEY` as SGLang's bench_serving. An HTTP 401 is an `AuthError`
+that names the fix.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -23,6 +28,7 @@ from radixserve.bench.metrics import RequestRecord
 
 Clock = Callable[[], float]
 BACKEND_PATHS = {"radixserve": "/generate", "openai": "/v1/completions"}
+API_KEY_ENV = "OPENAI_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class ClientConfig:
     # Counts the output tokens of a server that reports no `usage` (openai backend); without
     # it, each chunk that carries text counts as one token.
     tokenizer: Any = None
+    api_key: str | None = field(default=None, repr=False)  # None: $OPENAI_API_KEY, if set
 
     def __post_init__(self) -> None:
         assert self.backend in BACKEND_PATHS, f"unknown backend {self.backend!r}"
@@ -88,6 +95,36 @@ def build_payload(cfg: ClientConfig, req: BenchRequest) -> dict[str, Any]:
 
 class ServerError(RuntimeError):
     """An HTTP error status or an error event inside the stream."""
+
+
+class AuthError(ServerError):
+    """HTTP 401: the server wants an API key that was not sent, or refused the one sent."""
+
+
+def add_api_key_arg(parser: Any) -> None:
+    """--api-key, for the commands that talk to a server."""
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"Sent as `Authorization: Bearer KEY` (default: ${API_KEY_ENV}, if set).",
+    )
+
+
+def resolve_api_key(key: str | None) -> str | None:
+    """`key` (--api-key) wins; else $OPENAI_API_KEY; an empty one is none."""
+    return key or os.environ.get(API_KEY_ENV) or None
+
+
+def raise_for_auth(resp: httpx.Response) -> None:
+    """An AuthError that says what to do, for an HTTP 401 answer."""
+    if resp.status_code != 401:
+        return
+    where = f"{resp.request.method} {resp.request.url.path}"
+    if resp.request.headers.get("authorization"):
+        fix = f"the server refused the API key (from --api-key, else ${API_KEY_ENV})"
+    else:
+        fix = f"the server wants an API key: pass --api-key or set {API_KEY_ENV}"
+    raise AuthError(f"HTTP 401 from {where}: {fix}")
 
 
 class NativeParser:
@@ -186,6 +223,7 @@ async def _exchange(
 ) -> None:
     rec = parser.record
     async with client.stream("POST", cfg.path, json=payload) as resp:
+        raise_for_auth(resp)
         if resp.status_code != 200:
             body = (await resp.aread()).decode(errors="replace")
             raise ServerError(f"HTTP {resp.status_code}: {body[:500]}")
@@ -246,18 +284,44 @@ def make_client(
     limits = httpx.Limits(
         max_connections=None, max_keepalive_connections=None, keepalive_expiry=3.0
     )
+    key = resolve_api_key(cfg.api_key)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     return httpx.AsyncClient(
-        base_url=cfg.base_url, timeout=timeout, limits=limits, transport=transport
+        base_url=cfg.base_url, timeout=timeout, limits=limits, transport=transport, headers=headers
     )
 
 
 async def discover_model(client: httpx.AsyncClient) -> str:
-    """The first model id from GET /v1/models, or "default"."""
+    """The first model id from GET /v1/models, or "default" (servers without /v1/models take
+    any name); an AuthError for HTTP 401."""
     try:
         resp = await client.get("/v1/models")
-        return str(resp.json()["data"][0]["id"])
-    except Exception:  # servers without /v1/models take any name
+    except httpx.HTTPError:
         return "default"
+    raise_for_auth(resp)
+    try:
+        return str(resp.json()["data"][0]["id"])
+    except Exception:
+        return "default"
+
+
+async def model_info(client: httpx.AsyncClient) -> tuple[dict[str, Any], str]:
+    """GET /get_model_info (radixserve's and SGLang's: model_path, tokenizer_path): the answer,
+    or {} and why there is none (another server, or none listening); an AuthError for 401."""
+    try:
+        resp = await client.get("/get_model_info")
+    except httpx.HTTPError as e:
+        return {}, f"GET /get_model_info failed: {type(e).__name__}: {e}"
+    raise_for_auth(resp)
+    if resp.status_code != 200:
+        return {}, f"GET /get_model_info answered HTTP {resp.status_code}"
+    try:
+        info = resp.json()
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        return {}, "GET /get_model_info answered no JSON object"
+    return info, ""
 
 
 async def sse_lines(resp: httpx.Response) -> AsyncIterator[bytes]:

@@ -28,6 +28,7 @@ that ends before its request finished); statistics of nothing measured are None 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,7 +236,26 @@ def print_metrics(
     print(format_metrics(metrics, header, title), flush=True)
 
 
+def finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float (nested in dicts, lists, tuples) made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_line(result: Any, **kwargs: Any) -> str:
+    """`result` as strict JSON: a statistic of nothing measured, or a NaN / infinity, is null
+    (json.dumps writes bare NaN / Infinity, which JSON parsers such as jq reject); values of
+    other types are written as their str()."""
+    kwargs.setdefault("default", str)
+    return json.dumps(finite(result), allow_nan=False, **kwargs)
+
+
 def append_jsonl(path: str, result: dict[str, Any]) -> None:
     """Append `result` as one JSON line to `path` (created if missing)."""
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(result, sort_keys=True, default=str) + "\n")
+        f.write(json_line(result, sort_keys=True) + "\n")

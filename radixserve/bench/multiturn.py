@@ -21,7 +21,8 @@ streaming) and the wall time. Usage:
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import difflib
 import random
 import statistics
 import time
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.bench import NON_NEGATIVE, POSITIVE, json_object
-from radixserve.bench.metrics import percentile
+from radixserve.bench.metrics import json_line, percentile
 
 
 @dataclass
@@ -139,11 +140,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_configs(parser: argparse.ArgumentParser, configs: dict[str, dict[str, Any]]) -> None:
+    """Refuse (argparse's usage and one line, exit 2) a --hicache-args key that is no ServerArgs
+    field, or a value ServerArgs rejects, before any run: the Engine would raise only after the
+    runs before it."""
+    from radixserve.args import ServerArgs
+
+    fields = [f.name for f in dataclasses.fields(ServerArgs)]
+    for name, kwargs in configs.items():
+        for key in kwargs:
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                parser.error(f"--hicache-args: {key!r} is not a ServerArgs field{hint}")
+        try:
+            ServerArgs(**kwargs)
+        except (ValueError, TypeError) as e:
+            parser.error(f"the {name} config: {e}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     base = {"model_path": args.model_path, "max_total_tokens": args.max_total_tokens}
     base["dtype"] = args.dtype
     configs = {"radix": base, "hicache": {**base, **args.hicache_args}}
+    check_configs(parser, configs)
     if args.only:
         configs = {args.only: configs[args.only]}
     final = args.num_rounds * (args.request_length + args.output_length)
@@ -158,10 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, kwargs in configs.items():
             res = run_config(name, kwargs, args)
             results.append(res)
-            print(json.dumps(res.summary()), flush=True)
+            print(json_line(res.summary()), flush=True)
             if args.output_file:
                 with open(args.output_file, "a") as f:
-                    f.write(json.dumps({**res.summary(), "args": vars(args)}) + "\n")
+                    f.write(json_line({**res.summary(), "args": vars(args)}) + "\n")
     if args.check_outputs and len(results) >= 2:
         same = all(r.outputs == results[0].outputs for r in results)
         print(f"greedy outputs identical across runs: {same}")

@@ -7,12 +7,12 @@ the server); reports request, input, output and total throughput and the cached-
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 from radixserve.args import ServerArgs
 from radixserve.bench import NON_NEGATIVE, datasets, json_object
+from radixserve.bench.metrics import json_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,5 +73,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{k:>22}: {v:.3f}" if isinstance(v, float) else f"{k:>22}: {v}")
     if ns.output_file:
         with open(ns.output_file, "a") as f:
-            f.write(json.dumps(result) + "\n")
+            f.write(json_line(result) + "\n")
     return result

@@ -2,13 +2,13 @@
 
 No server, no scheduler policy: for each (batch size, input length) it prefills the batch once,
 then decodes `--output-len` steps with greedy sampling, and reports prefill latency and
-throughput and the median decode step latency and throughput (SGLang's bench_one_batch).
+throughput and the median decode step latency and throughput (SGLang's bench_one_batch). With
+`--output-len 1` there is no decode step: its statistics are n/a (null in `--output-file`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.bench import NON_NEGATIVE, POSITIVE
+from radixserve.bench import NON_NEGATIVE, POSITIVE, kv_pool_tokens
+from radixserve.bench.metrics import json_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +72,7 @@ def run_case(runner: Any, bs: int, input_len: int, output_len: int, seed: int = 
         decode_times.append(time.perf_counter() - t0)
     for r in reqs:
         cache.cache_finished_req(r)
-    med = statistics.median(decode_times) if decode_times else float("nan")
+    med = statistics.median(decode_times) if decode_times else None  # --output-len 1
     return {
         "batch_size": bs,
         "input_len": input_len,
@@ -79,9 +80,14 @@ def run_case(runner: Any, bs: int, input_len: int, output_len: int, seed: int = 
         "prefill_latency_s": prefill,
         "prefill_throughput": bs * input_len / prefill,
         "median_decode_latency_s": med,
-        "median_decode_throughput": bs / med,
+        "median_decode_throughput": bs / med if med else None,
         "total_latency_s": prefill + sum(decode_times),
     }
+
+
+def _fixed(value: float | None, width: int, scale: float = 1.0, digits: int = 1) -> str:
+    """A table cell; n/a for a statistic of nothing measured (no decode step)."""
+    return f"{'n/a':>{width}}" if value is None else f"{value * scale:>{width}.{digits}f}"
 
 
 def _sync(device: str) -> None:
@@ -96,7 +102,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     configure_logging(ns.log_level)
     args = ServerArgs.from_cli_args(ns)
-    need = max(ns.batch_size) * (max(ns.input_len) + ns.output_len)
+    need = kv_pool_tokens(
+        max(ns.batch_size), max(ns.input_len) + ns.output_len, args.page_size
+    )  # every request of the largest batch at once, in whole pages
     if args.max_total_tokens is None or args.max_total_tokens < need:
         import dataclasses
 
@@ -129,10 +137,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results.append(res)
             print(
                 f"{bs:>4} {il:>6} {ns.output_len:>5} {res['prefill_latency_s']:>10.3f} "
-                f"{res['prefill_throughput']:>14.1f} {res['median_decode_latency_s'] * 1e3:>10.2f} "
-                f"{res['median_decode_throughput']:>13.1f}"
+                f"{res['prefill_throughput']:>14.1f} "
+                f"{_fixed(res['median_decode_latency_s'], 10, 1e3, 2)} "
+                f"{_fixed(res['median_decode_throughput'], 13)}"
             )
             if ns.output_file:
                 with open(ns.output_file, "a") as f:
-                    f.write(json.dumps(res) + "\n")
+                    f.write(json_line(res) + "\n")
     return results

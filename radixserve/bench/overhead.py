@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import dataclasses
 import os
 import signal
 import statistics
@@ -28,7 +28,8 @@ import httpx
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.bench import POSITIVE, SECONDS
+from radixserve.bench import POSITIVE, SECONDS, int_at_least, kv_pool_tokens
+from radixserve.bench.metrics import json_line
 from radixserve.utils import free_port
 
 HZ = os.sysconf("SC_CLK_TCK")
@@ -38,11 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m radixserve bench overhead",
         description="What serving adds to each output token over the pure decode step.",
-        epilog="Every other option is a server option (`serve --help`), used for both parts.",
+        epilog="Every other option is a server option (`serve --help`), used for both parts; "
+        "the client sends the server's --api-key (else $OPENAI_API_KEY, if set).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--input-len", type=POSITIVE, default=200)
-    p.add_argument("--output-len", type=POSITIVE, default=128)
+    p.add_argument(
+        "--output-len",
+        type=int_at_least(2, "TPOT, the time per token after the first, needs two"),
+        default=128,
+    )
     p.add_argument("--num-prompts", type=POSITIVE, default=2, help="Requests per loop and round.")
     p.add_argument("--rounds", type=POSITIVE, default=3)
     p.add_argument(
@@ -70,16 +76,31 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+# configure_child_process names the server's children twice: prctl sets the comm to
+# "rs::<name>" (15 bytes at most), then setproctitle, where installed, rewrites the command
+# line to "radixserve::<name>" and the comm to its first 15 bytes ("radixserve::sch").
+PROC_TITLE = "radixserve::"
+PROC_COMM = "rs::"
+
+
 def _name(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
             comm = f.read().strip()
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return f"pid {pid}"
-    if comm.startswith("rs::"):  # set by configure_child_process
-        return comm[4:]
+    return process_label(comm, cmd, pid)
+
+
+def process_label(comm: str, cmd: str, pid: int) -> str:
+    """What a server process is: a child's name from configure_child_process (scheduler,
+    scheduler-tp1, detokenizer), the HTTP server, or its comm and pid."""
+    if cmd.startswith(PROC_TITLE):  # setproctitle's title: the whole name
+        return cmd[len(PROC_TITLE) :].split()[0]
+    if comm.startswith(PROC_COMM):  # prctl's name, kept where setproctitle is not installed
+        return comm[len(PROC_COMM) :]
     if "resource_tracker" in cmd:
         return "resource_tracker"
     return "http+tokenizer" if " serve " in cmd + " " else f"{comm} {pid}"
@@ -123,15 +144,16 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def _served(
-    url: str, pid: int, requests: list[Any], backend: str
+    url: str, pid: int, requests: list[Any], backend: str, api_key: str | None = None
 ) -> tuple[dict[str, Any], dict[str, float]]:
-    """One client, one request at a time; returns the metrics and CPU seconds by process."""
+    """One client, one request at a time; returns the metrics and CPU seconds by process.
+    `api_key`: the server's --api-key (else the client sends $OPENAI_API_KEY, if set)."""
     from radixserve.bench.client import ClientConfig
     from radixserve.bench.metrics import compute_metrics
     from radixserve.bench.serving import run_benchmark
 
     procs = {p: _name(p) for p in [pid, *_children(pid)]}
-    cfg = ClientConfig(backend=backend, base_url=url, model=None, ignore_eos=True)
+    cfg = ClientConfig(backend, url, model=None, ignore_eos=True, api_key=api_key)
     # The warm-up runs before the CPU snapshot: its tokens are not counted, nor its CPU time.
     asyncio.run(run_benchmark(cfg, requests[:1], warmup_requests=0, disable_tqdm=True))
     before = {p: _cpu_seconds(p) for p in procs}
@@ -145,6 +167,13 @@ def _served(
     if metrics["completed"] < len(requests):
         raise SystemExit(f"{len(requests) - metrics['completed']} requests failed")
     return metrics, cpu
+
+
+def pure_step_args(args: ServerArgs, input_len: int, output_len: int) -> ServerArgs:
+    """The pure step's ModelRunner: one request of `input_len + output_len` tokens (8 to
+    spare), its KV pool in whole pages (with --page-size > 1 the pool is rounded down to them)."""
+    need = kv_pool_tokens(1, input_len + output_len + 8, args.page_size)
+    return dataclasses.replace(args, max_total_tokens=need, max_running_requests=1)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -168,10 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     tokenizer = datasets.load_tokenizer(data_args.tokenizer)
     requests = datasets.build_dataset(data_args, tokenizer)
-    import dataclasses
-
-    need = ns.input_len + ns.output_len + 8
-    runner = ModelRunner(dataclasses.replace(args, max_total_tokens=need, max_running_requests=1))
+    runner = ModelRunner(pure_step_args(args, ns.input_len, ns.output_len))
     run_case(runner, 1, ns.input_len, 4)  # warm-up
     steps: list[float] = []
     tpot: dict[str, list[float]] = {loop: [] for loop in ns.loops}
@@ -187,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             steps.append(step)
             line = [f"round {rnd + 1}: pure step {step:.2f} ms"]
             for loop, (proc, url) in servers.items():
-                metrics, used = _served(url, proc.pid, requests, ns.backend)
+                metrics, used = _served(url, proc.pid, requests, ns.backend, args.api_key)
                 tpot[loop].append(metrics["median_tpot_ms"])
                 paired[loop].append(metrics["median_tpot_ms"] - step)
                 tokens[loop] += int(metrics["total_output_tokens"])
@@ -225,5 +251,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if ns.output_file:
         with open(ns.output_file, "a") as f:
-            f.write(json.dumps(out) + "\n")
+            f.write(json_line(out) + "\n")
     return out

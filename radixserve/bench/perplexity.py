@@ -14,14 +14,14 @@ version without downloading anything; `--text-file` scores any other text.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.bench import int_at_least
+from radixserve.bench import int_at_least, kv_pool_tokens
+from radixserve.bench.metrics import json_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
     if ns.window < 2:
         raise SystemExit("--window must be at least 2")
     args = ServerArgs.from_cli_args(ns)
-    if args.max_total_tokens is None or args.max_total_tokens < ns.window + 8:
-        args = dataclasses.replace(args, max_total_tokens=ns.window + 8)
+    need = kv_pool_tokens(1, ns.window + 8, args.page_size)  # one window, in whole pages
+    if args.max_total_tokens is None or args.max_total_tokens < need:
+        args = dataclasses.replace(args, max_total_tokens=need)
     if args.chunked_prefill_size is None or args.chunked_prefill_size < ns.window:
         args = dataclasses.replace(args, chunked_prefill_size=ns.window)
     if ns.text_file:
@@ -102,14 +103,15 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": runner.server_args.dtype,
         "quantization": args.quantization,
         "mean_nll": mean,
-        "perplexity": math.exp(mean),
+        "perplexity": math.inf if mean > 709 else math.exp(mean),  # (exp: OverflowError)
         "seconds": time.perf_counter() - t0,
     }
     print(
         f"text={source} tokens={count} window={ns.window} dtype={result['dtype']} "
-        f"quantization={args.quantization}: mean NLL {mean:.4f}, perplexity {math.exp(mean):.3f}"
+        f"quantization={args.quantization}: mean NLL {mean:.4f}, "
+        f"perplexity {result['perplexity']:.3f}"
     )
-    if ns.output_file:
+    if ns.output_file:  # a NaN NLL (a broken model) is null there
         with open(ns.output_file, "a") as f:
-            f.write(json.dumps(result) + "\n")
+            f.write(json_line(result) + "\n")
     return result

@@ -5,6 +5,10 @@ It builds a dataset (`bench.datasets`), sends the requests to a running server t
 all-at-once arrivals and an optional concurrency cap, and prints SGLang's metrics table
 (`bench.metrics`). `main(argv)` is called by the CLI dispatcher in `__main__.py`.
 
+Prompts are built with `--tokenizer`, else the served model's (the path that GET
+/get_model_info names, when it exists on this machine), else the default model's, which a line
+on stderr says. A server started with `--api-key` takes `--api-key` or `$OPENAI_API_KEY`.
+
 Example:
     python -m radixserve bench serving --dataset-name random --num-prompts 32 \\
         --random-input-len 200 --random-output-len 128 --max-concurrency 8
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -36,9 +41,13 @@ from radixserve.bench import (
 )
 from radixserve.bench.client import (
     BACKEND_PATHS,
+    AuthError,
     ClientConfig,
+    add_api_key_arg,
     discover_model,
     make_client,
+    model_info,
+    raise_for_auth,
     send_request,
 )
 from radixserve.bench.datasets import BenchRequest
@@ -93,6 +102,7 @@ async def _flush_cache(client: httpx.AsyncClient) -> None:
         except httpx.HTTPError as e:
             status = f"{type(e).__name__}: {e}"
             break
+        raise_for_auth(resp)
         if resp.status_code != 400 or attempt == FLUSH_TRIES - 1:
             break
         await asyncio.sleep(0.25)
@@ -153,7 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=PORT, default=30000)
     p.add_argument("--model", default=None, help="Model name (openai); default: /v1/models.")
-    p.add_argument("--tokenizer", default=None, help="HF dir or .gguf; default: default model.")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF dir or .gguf; default: the served model's (GET /get_model_info), else the "
+        "default model's.",
+    )
+    add_api_key_arg(p)
     datasets.add_dataset_args(p)
     p.add_argument(
         "--request-rate",
@@ -190,7 +206,36 @@ def client_config(args: argparse.Namespace) -> ClientConfig:
         stream=not args.disable_stream,
         extra_body=args.extra_request_body,
         request_timeout=args.request_timeout,
+        api_key=args.api_key,
     )
+
+
+def served_tokenizer(
+    cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None
+) -> str | None:
+    """The served model's tokenizer, for a run without --tokenizer: the tokenizer_path (else
+    the model_path) of GET /get_model_info when it is a path on this machine. None (the default
+    model's) from any other server, which one line on stderr says."""
+
+    async def ask() -> tuple[dict[str, Any], str]:
+        async with make_client(cfg, transport) as client:
+            return await model_info(client)
+
+    info, why = asyncio.run(ask())
+    named = [info.get(k) for k in ("tokenizer_path", "model_path")]
+    named = [p for p in named if isinstance(p, str) and p]
+    for path in named:
+        if os.path.exists(path):
+            print(f"tokenizer: {path} (the served model's)", file=sys.stderr)
+            return path
+    if not why:
+        why = f"GET /get_model_info names no path on this machine ({', '.join(named) or 'none'})"
+    print(
+        f"warning: {why}; the prompts are built with the default model's tokenizer "
+        "(pass the served model's with --tokenizer)",
+        file=sys.stderr,
+    )
+    return None
 
 
 def run(
@@ -199,9 +244,12 @@ def run(
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> dict[str, Any]:
     """Build the dataset, run the benchmark, print the table; returns the result dict."""
+    cfg = client_config(args)
+    tokenizer_path = args.tokenizer
     if tokenizer is None:
-        tokenizer = datasets.load_tokenizer(args.tokenizer)
-    cfg = replace(client_config(args), tokenizer=tokenizer)  # counts tokens without usage
+        tokenizer_path = tokenizer_path or served_tokenizer(cfg, transport)
+        tokenizer = datasets.load_tokenizer(tokenizer_path)
+    cfg = replace(cfg, tokenizer=tokenizer)  # counts tokens without usage
     requests = datasets.build_dataset(args, tokenizer)
     if not requests:
         raise SystemExit("the dataset produced no requests")
@@ -230,7 +278,7 @@ def run(
     error = first_error(records)
     if error:
         print(f"first error: {error}", file=sys.stderr)
-    result = {**_run_info(args, cfg), **metrics}
+    result = {**_run_info(args, cfg), "tokenizer": tokenizer_path, **metrics}
     if args.output_file:
         append_jsonl(args.output_file, result)
     if metrics["completed"] == 0:
@@ -239,7 +287,7 @@ def run(
 
 
 def _run_info(args: argparse.Namespace, cfg: ClientConfig) -> dict[str, Any]:
-    info = {k: v for k, v in vars(args).items() if k not in ("extra_request_body",)}
+    info = {k: v for k, v in vars(args).items() if k not in ("extra_request_body", "api_key")}
     info["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     info.update(backend=cfg.backend, base_url=cfg.base_url, model=cfg.model)
     info["extra_request_body"] = cfg.extra_body
@@ -252,5 +300,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except WarmupError as e:  # say why instead of a traceback
+    except (WarmupError, AuthError) as e:  # say why instead of a traceback
         raise SystemExit(str(e)) from e

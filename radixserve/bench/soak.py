@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -32,8 +31,15 @@ from typing import Any
 import httpx
 
 from radixserve.bench import NON_NEGATIVE, PORT, POSITIVE, SECONDS, float_in
-from radixserve.bench.client import ClientConfig, discover_model, make_client
-from radixserve.bench.metrics import percentile
+from radixserve.bench.client import (
+    AuthError,
+    ClientConfig,
+    add_api_key_arg,
+    discover_model,
+    make_client,
+    raise_for_auth,
+)
+from radixserve.bench.metrics import json_line, percentile
 from radixserve.bench.soak_actions import (
     ACTIONS,
     DEFAULT_MIX,
@@ -71,6 +77,7 @@ class SoakConfig:
     pids: tuple[int, ...] = ()
     model: str | None = None
     progress_interval: float = 30.0
+    api_key: str | None = field(default=None, repr=False)  # None: $OPENAI_API_KEY, if set
 
 
 class Tally:
@@ -107,6 +114,7 @@ class Tally:
 # -- server state ----------------------------------------------------------------------------------
 async def server_info(client: httpx.AsyncClient) -> dict[str, Any]:
     resp = await client.get("/server_info")
+    raise_for_auth(resp)
     resp.raise_for_status()
     return resp.json()
 
@@ -195,11 +203,14 @@ class Limits:
 
 async def probe(client: httpx.AsyncClient, cfg: SoakConfig, model: str) -> Limits:
     """Size prompts to the model: its context length and the tokens per word of our prompts."""
-    models = (await client.get("/v1/models")).json().get("data") or [{}]
+    resp = await client.get("/v1/models")
+    raise_for_auth(resp)
+    models = resp.json().get("data") or [{}]
     ctx = int(models[0].get("max_model_len") or 2048)
     text = " ".join(random.Random(cfg.seed).choices(WORDS, k=100))
     body = {"model": model, "prompt": text, "max_tokens": 1}
     resp = await client.post("/v1/completions", json=body)
+    raise_for_auth(resp)
     if resp.status_code != 200:
         raise SystemExit(f"the server does not serve a probe request: {resp.text[:300]}")
     per_word = resp.json()["usage"]["prompt_tokens"] / 100
@@ -270,7 +281,9 @@ async def run_phase(
 
 async def soak(cfg: SoakConfig, transport: httpx.AsyncBaseTransport | None = None) -> dict:
     """The whole run; returns the report (see `soak_report.evaluate` for the checks)."""
-    client_cfg = ClientConfig("openai", cfg.base_url, read_timeout=cfg.request_timeout)
+    client_cfg = ClientConfig(
+        "openai", cfg.base_url, read_timeout=cfg.request_timeout, api_key=cfg.api_key
+    )
     async with make_client(client_cfg, transport) as client:
         model = cfg.model or await discover_model(client)
         limits = await probe(client, cfg, model)
@@ -285,7 +298,7 @@ async def soak(cfg: SoakConfig, transport: httpx.AsyncBaseTransport | None = Non
         rss_end = sample_rss(pids)
         status = await health(client)
     report = {
-        "config": {**asdict(cfg), "model": model},
+        "config": {**_public(cfg), "model": model},
         "limits": asdict(limits),
         "wall_s": {"warmup": warm_s, "soak": soak_s},
         "counts": {kind: dict(c) for kind, c in tally.counts.items()},
@@ -293,11 +306,18 @@ async def soak(cfg: SoakConfig, transport: httpx.AsyncBaseTransport | None = Non
         "latency_s": tally.latency_summary(),
         "failures": tally.failures,
         "rss": {"pids": pids, "start": rss_start, "end": rss_end},
-        "server_info_end": info,
+        "server_info_end": _public(info),
         "drained": drained,
         "health_status_end": status,
     }
     return evaluate(report, cfg.max_rss_growth)
+
+
+def _public(cfg: SoakConfig | dict[str, Any]) -> dict[str, Any]:
+    """The config, or the server's /server_info (its ServerArgs), as the report shows them:
+    without the API key."""
+    fields = asdict(cfg) if isinstance(cfg, SoakConfig) else cfg
+    return {k: v for k, v in fields.items() if k != "api_key"}
 
 
 # -- CLI -------------------------------------------------------------------------------------------
@@ -327,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=PORT, default=30000)
     p.add_argument("--model", default=None, help="Model name; default: /v1/models.")
+    add_api_key_arg(p)
     p.add_argument("--duration", type=SECONDS, default=600.0, help="Seconds of soak.")
     p.add_argument(
         "--warmup", type=float_in(0.0), default=15.0, help="Seconds before the RSS baseline."
@@ -372,17 +393,21 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         pids=tuple(args.pids),
         model=args.model,
         progress_interval=args.progress_interval,
+        api_key=args.api_key,
     )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """CLI body of `python -m radixserve bench soak`; exits 1 when an invariant failed."""
     args = build_parser().parse_args(argv)
-    report = asyncio.run(soak(config_from_args(args)))
+    try:
+        report = asyncio.run(soak(config_from_args(args)))
+    except AuthError as e:  # one line, not a traceback
+        raise SystemExit(str(e)) from e
     print_report(report)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+            f.write(json_line(report, indent=2) + "\n")
     if not report["passed"]:
         print("soak FAILED", file=sys.stderr)
         raise SystemExit(1)

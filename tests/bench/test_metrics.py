@@ -145,3 +145,16 @@ def test_speculative_metrics_are_weighted_by_verify_steps(records):
     assert m["spec_accept_rate"] == pytest.approx((3 * 0.5 + 0.1) / 4)
     table = format_metrics(m)
     assert "Accept length (tokens per verify step):" in table and "3.50" in table
+
+
+def test_json_lines_are_strict_json(tmp_path):
+    """json.dumps writes bare NaN / Infinity, which jq and JSON.parse reject: a statistic of
+    nothing measured is null."""
+    from radixserve.bench.metrics import append_jsonl, json_line
+
+    value = {"a": math.nan, "b": [1.0, math.inf, {"c": -math.inf}], "d": (2, "x"), "e": None}
+    assert json.loads(json_line(value)) == {"a": None, "b": [1.0, None, {"c": None}],
+                                            "d": [2, "x"], "e": None}  # fmt: skip
+    path = tmp_path / "out.jsonl"
+    append_jsonl(str(path), {"x": math.nan, "y": 1})
+    assert path.read_text() == '{"x": null, "y": 1}\n'

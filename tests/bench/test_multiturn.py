@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from rs_testing import make_tiny_served_model
 
 from radixserve.bench.multiturn import build_parser, main, make_turns
@@ -42,3 +43,31 @@ def test_hierarchical_cache_beats_the_plain_cache(tmp_path, capsys):
     assert radix["config"] == "radix" and hicache["config"] == "hicache"
     assert hicache["cache_hit_ratio"] > radix["cache_hit_ratio"]
     assert hicache["hicache_host_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "hicache_args, message",
+    [
+        (
+            '{"enable_hierarchical_cach": true}',
+            "--hicache-args: 'enable_hierarchical_cach' is not a ServerArgs field "
+            "(did you mean enable_hierarchical_cache?)",
+        ),
+        ('{"no_such_thing": 1}', "--hicache-args: 'no_such_thing' is not a ServerArgs field"),
+        (
+            '{"enable_hierarchical_cache": true, "hicache_ratio": -1}',
+            "the hicache config: --hicache-ratio must be > 0",
+        ),
+    ],
+)
+def test_bad_hicache_args_are_refused_before_any_run(hicache_args, message, monkeypatch, capsys):
+    """An unknown key was a TypeError traceback from ServerArgs(**kwargs), after the whole
+    radix run."""
+    import radixserve.bench.multiturn as multiturn
+
+    monkeypatch.setattr(multiturn, "run_config", lambda *a: pytest.fail("a config ran"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--hicache-args", hicache_args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err.splitlines()[-1] and "Traceback" not in err
