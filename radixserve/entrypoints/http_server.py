@@ -407,9 +407,9 @@ async def server_info(request: Request) -> Response:
         "dp_size": args.dp_size,
         "disaggregation_mode": args.disaggregation_mode,
     }
-    return json_response(
-        {**dataclasses.asdict(args), **worker, **info, **pids, **_sglang_state(info)}
-    )
+    # (the key stays out: the answer ends up in routers' logs, dashboards, bug reports)
+    shown = {**dataclasses.asdict(args), "api_key": "<set>" if args.api_key else None}
+    return json_response({**shown, **worker, **info, **pids, **_sglang_state(info)})
 
 
 def _sglang_state(info: dict[str, Any]) -> dict[str, Any]:

@@ -454,6 +454,8 @@ def test_api_key(fake_tm, make_client):
         good = {"Authorization": "Bearer sekret"}
         assert client.post("/v1/completions", json={"prompt": "x"}, headers=good).status_code == 200
         assert client.get("/v1/models", headers=good).status_code == 200
+        info = client.get("/server_info", headers=good).json()
+        assert info["api_key"] == "<set>" and "sekret" not in json.dumps(info)  # not shown
 
 
 @pytest.mark.parametrize("outputs_meanwhile", [True, False])
