@@ -97,6 +97,8 @@ class DetokenizerManager:
         }
         surr = self.tokenizer.decode(st.ids[st.surr_offset : st.read_offset], **decode_kw)
         full = self.tokenizer.decode(st.ids[st.surr_offset :], **decode_kw)
+        if finished and full.endswith(REPLACEMENT_CHAR):
+            full = self._cut_in_a_character(st, full, decode_kw)
         if len(full) > len(surr) and (finished or not full.endswith(REPLACEMENT_CHAR)):
             st.decoded += full[len(surr) :]
             st.surr_offset, st.read_offset = st.read_offset, len(st.ids)
@@ -122,6 +124,19 @@ class DetokenizerManager:
         delta = st.decoded[st.sent : end]
         st.sent = end
         return delta
+
+    def _cut_in_a_character(self, st: DecodeStatus, full: str, decode_kw: dict[str, Any]) -> str:
+        """The text of an output that ends inside a character (cut by max_tokens): the
+        characters before the cut, then one U+FFFD. A byte-fallback decoder (Llama 2, Mistral,
+        Gemma) makes a whole run of byte tokens U+FFFD when it is not UTF-8 as a whole: the
+        complete characters before the cut were lost ('你好世' read as 11 U+FFFD)."""
+        ids = st.ids[st.surr_offset :]
+        new = len(st.ids) - st.read_offset  # (the tokens before were decoded whole already)
+        for k in range(1, min(3, new) + 1):  # a UTF-8 character has 4 bytes at most
+            head = self.tokenizer.decode(ids[:-k], **decode_kw)
+            if not head.endswith(REPLACEMENT_CHAR):
+                return head + REPLACEMENT_CHAR
+        return full
 
     def _last_token_len(self, st: DecodeStatus, decode_kw: dict[str, Any]) -> int:
         """How many characters the last token added to the text (decoded after the tokens

@@ -212,6 +212,36 @@ def test_the_first_output_token_keeps_its_leading_space_after_the_prompt(
         assert text == want
 
 
+def test_an_output_cut_inside_a_character_keeps_the_characters_before(byte_fallback_tokenizer):
+    """A byte-fallback decoder makes a byte run that is not UTF-8 as a whole U+FFFD: an output
+    cut by max_tokens inside its last character read 9 x U+FFFD for '日本' and 2 bytes of
+    '語' (non-streamed), or '日本' and several U+FFFD (streamed). Now '日本' and one U+FFFD."""
+    from radixserve.io_struct import BatchTokenIDOutput
+    from radixserve.managers.detokenizer_manager import DetokenizerManager
+
+    tok = byte_fallback_tokenizer
+    prompt = tok.encode("abc", add_special_tokens=False)
+    whole = tok.encode("abc 日本語", add_special_tokens=False)[len(prompt) :]
+    assert all(p.startswith("<0x") for p in tok.convert_ids_to_tokens(whole)[-9:])
+    output = whole[:-1]  # the last character's third byte never came
+    assert set(tok.decode(prompt + output)[len("abc") :]) <= {" ", "\ufffd"}
+    want = tok.decode(prompt + whole)[len(tok.decode(prompt)) : -1] + "\ufffd"
+    assert want.endswith("日本\ufffd")
+    for per_step in (True, False):
+        detok = DetokenizerManager(tok)
+        chunks = [[t] for t in output] if per_step else [output]
+        text = ""
+        for k, chunk in enumerate(chunks):
+            last = k == len(chunks) - 1
+            reason = {"type": "length", "length": len(output)} if last else None
+            out = BatchTokenIDOutput(
+                ["r"], [reason], [chunk], [True], [True], [False], [[]], [1], [1], [0]
+            )
+            out.decode_context = [prompt[-5:] if k == 0 else []]
+            text += detok.handle_batch_token_id_out(out).output_strs[0]
+        assert text == want, per_step
+
+
 def test_the_scheduler_sends_the_prompts_last_tokens_with_the_first_output_only():
     from rs_fake_worker import FakeRun
 
