@@ -25,6 +25,10 @@ from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, M
 from radixserve.sampling_params import SamplingParams
 from radixserve.speculative.spec_info import DraftTree, SpecVerifyInput
 
+# Prompt tokens decoded before a request's output, by the detokenizer and the stop-string match
+# (SGLang's 5): a SentencePiece decoder strips the leading space of the text it decodes.
+DECODE_CONTEXT = 5
+
 EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
@@ -237,7 +241,7 @@ class Req:
         )
         n = max_len + 1
         ids = self.output_ids[-n:]
-        tail = tokenizer.decode(ids, skip_special_tokens=False)
+        tail = self._decode_tail(tokenizer, ids)
         # A window that starts inside a character: a byte-fallback decoder (Llama 2, Mistral,
         # Gemma) makes the whole byte run U+FFFD, the stop's own characters too; start up to
         # 3 tokens earlier (a UTF-8 character has 4 bytes at most).
@@ -245,8 +249,8 @@ class Req:
             if not tail.startswith("\ufffd") or len(ids) == len(self.output_ids):
                 break
             ids = self.output_ids[-(n + extra) :]
-            tail = tokenizer.decode(ids, skip_special_tokens=False)
-        before = tokenizer.decode(ids[:-1], skip_special_tokens=False)
+            tail = self._decode_tail(tokenizer, ids)
+        before = self._decode_tail(tokenizer, ids[:-1], len(ids) == len(self.output_ids))
         new = 0  # where the newest token's text starts (it may complete a character before)
         while new < min(len(tail), len(before)) and tail[new] == before[new]:
             new += 1
@@ -257,6 +261,22 @@ class Req:
         ]
         found = [(i, s) for i, s in found if i >= 0]
         return min(found, key=lambda f: f[0])[1] if found else None
+
+    def _decode_tail(self, tokenizer: Any, ids: list[int], whole: bool | None = None) -> str:
+        """The text of `ids`, the output's last tokens; where they are the whole output
+        (`whole`), decoded after the prompt's last tokens as the detokenizer decodes them (a
+        SentencePiece decoder strips a leading space: a stop string " world" at the start of
+        the output was never matched)."""
+        if whole is None:
+            whole = len(ids) == len(self.output_ids)
+        context = self.origin_input_ids[-DECODE_CONTEXT:] if whole else []
+        if not context:
+            return tokenizer.decode(ids, skip_special_tokens=False)
+        head = tokenizer.decode(context, skip_special_tokens=False)
+        text = tokenizer.decode(context + ids, skip_special_tokens=False)
+        if not text.startswith(head):  # (the prompt ends inside a character)
+            return tokenizer.decode(ids, skip_special_tokens=False)
+        return text[len(head) :]
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"

@@ -12,12 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.io_struct import BatchTokenIDOutput
-from radixserve.managers.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
+from radixserve.managers.schedule_batch import (
+    DECODE_CONTEXT,
+    Req,
+    ScheduleBatch,
+    finish_abort,
+    finish_length,
+)
 from radixserve.model_executor.forward_batch import ForwardMode
 from radixserve.speculative.spec_info import SpecVerifyInput
-
-# Prompt tokens the detokenizer decodes before a request's output (SGLang's 5).
-DECODE_CONTEXT = 5
 
 
 @dataclass

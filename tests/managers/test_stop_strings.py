@@ -242,6 +242,28 @@ def test_an_output_cut_inside_a_character_keeps_the_characters_before(byte_fallb
         assert text == want, per_step
 
 
+@pytest.mark.parametrize("stop", [" fox", " fo"])
+def test_a_stop_string_with_a_leading_space_at_the_start_of_the_output(
+    byte_fallback_tokenizer, stop
+):
+    """A SentencePiece decoder strips the leading space of what it decodes: the output's
+    first tokens, decoded alone for the match, read 'fox', and a stop " fox" there was never
+    matched (the client, sent the text decoded after the prompt, saw ' fox')."""
+    tok = byte_fallback_tokenizer
+    ids = tok.encode("abc the quick fox", add_special_tokens=False)
+    pieces = tok.convert_ids_to_tokens(ids)
+    cut = next(i for i, p in enumerate(pieces) if i > 0 and p.startswith("▁"))
+    prompt, output = ids[:cut], ids[cut:]
+    req = Req("r", prompt, SamplingParams(stop=stop, max_new_tokens=100))
+    for n in range(1, len(output) + 1):
+        req.output_ids = output[:n]
+        req.check_finished(tok)
+        if req.finished():
+            break
+    assert tok.decode(output) == "fox"  # (decoded alone)
+    assert req.finished_reason == finish_stop(stop) and n == len(output)
+
+
 def test_the_scheduler_sends_the_prompts_last_tokens_with_the_first_output_only():
     from rs_fake_worker import FakeRun
 
