@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+_METASPACE = "\u2581"  # SentencePiece's space in its pieces
 
 
 def tokenizer_source(server_args: Any) -> str:
@@ -37,8 +38,9 @@ class TokenStrings:
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's own UTF-8 bytes (OpenAI's logprob `bytes`): a token holding part of a
-        character decodes alone to U+FFFD, so its bytes come from its vocabulary piece (a
-        byte-level BPE's byte alphabet, or a SentencePiece byte token)."""
+        character decodes alone to U+FFFD, and a SentencePiece token alone loses its leading
+        space, so its bytes come from its vocabulary piece (a byte-level BPE's byte alphabet,
+        a SentencePiece byte token, a piece's ▁ as a space)."""
         b = self._bytes.get(token_id)
         if b is None:
             b = self._bytes[token_id] = self._token_bytes(token_id)
@@ -46,12 +48,18 @@ class TokenStrings:
 
     def _token_bytes(self, token_id: int) -> list[int]:
         text = self(token_id)
-        if "\ufffd" not in text:
-            return list(text.encode("utf-8"))
         try:
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
         except Exception:  # (a tokenizer without pieces)
             piece = None
+        if "\ufffd" not in text:
+            if isinstance(piece, str) and _METASPACE in piece:
+                # SentencePiece: decoded alone, a word's leading space is stripped ('▁the'
+                # reads 'the', '▁' reads ''); the bytes a client joins into the text keep it.
+                spaced = piece.replace(_METASPACE, " ")
+                if spaced != text and spaced.lstrip(" ") == text.lstrip(" "):
+                    return list(spaced.encode("utf-8"))
+            return list(text.encode("utf-8"))
         if isinstance(piece, str):
             m = _BYTE_PIECE.fullmatch(piece)
             if m:

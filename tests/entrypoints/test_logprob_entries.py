@@ -50,3 +50,31 @@ def test_completion_entries_report_forbidden_tokens_as_numbers(tokens):
     out = completion_logprobs(tokens, meta, 0, 0)
     assert out.token_logprobs == [-0.5, -9999.0]
     assert all(-9999.0 in top.values() for top in out.top_logprobs)
+
+
+def test_sentencepiece_entries_keep_the_spaces_in_their_bytes(tmp_path):
+    """A SentencePiece token decoded alone loses its leading space ('▁fox' reads 'fox', '▁'
+    reads ''): the bytes a client joins into the text read 'abcthe quickfox'."""
+    from tokenizers import Tokenizer, decoders, normalizers, trainers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(["abc ghi the quick brown fox"] * 20, trainer)
+    tokens = TokenStrings(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>"))
+    text = "abc the quick fox"
+    ids = tokens.tokenizer.encode(text, add_special_tokens=False)
+    pieces = tokens.tokenizer.convert_ids_to_tokens(ids)
+    assert any(p.startswith("▁") and len(p) > 1 for p in pieces) and "▁" in pieces
+    out = chat_logprobs(tokens, _meta(ids), 0)
+    assert bytes(b for e in out.content for b in e.bytes).decode() == " " + text
