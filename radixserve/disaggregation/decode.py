@@ -2,12 +2,16 @@
 
 A request arrives with the prefill server's bootstrap host, port and room. Its life here:
 
-  prealloc     waits until a request row and KV slots for its whole prompt fit (beside what
-               the running requests are expected to need); then the slots are reserved and
-               the prefill server is told where (`reserve`: slots, pool layout, the transfer
-               backend's descriptor)
+  prealloc     the prefill server is told at once that the room is queued here (`queued`:
+               its copy there waits while this side pings, and a differing pool layout is
+               refused now); the request waits until a request row and KV slots for its whole
+               prompt fit (beside what the running requests are expected to need), as long as
+               that takes while the prefill server answers pings (a single server queues as
+               long); then the slots are reserved and the prefill server is told where
+               (`reserve`: slots, pool layout, the transfer backend's descriptor)
   waiting-kv   the prefill server computes the prompt and writes its KV into those slots;
-               `done` brings the first token (and its logprob)
+               `done` brings the first token (and its logprob); --disaggregation-timeout
+               counts from the reservation
   decoding     the request joins the running batch as if it had just prefilled here: its
                first token is streamed, the next step decodes from it
 
@@ -58,11 +62,30 @@ class DecodePrealloc(DisaggSide):
         if self._room_in_use(room):
             self.s._reject(req, f"bootstrap_room {room} is already in use on this server")
             return
-        req.disagg_deadline = time.monotonic() + self.timeout
+        address = self.peer_address(req)
+        try:
+            self.channel.connect(address)
+        except ValueError as e:  # an address ZMQ cannot even parse: this request's fault
+            self.s._reject(req, str(e))
+            return
+        # Set when its slots are reserved: the wait for them is no transfer timeout.
+        req.disagg_deadline = float("inf")
         # The prompt's logprobs are computed on the prefill server: its `done` brings them.
         req.input_token_logprobs, req.input_top_logprobs = [], []
         req.input_logprob_pos = len(req.origin_input_ids)
         self.prealloc.append(req)
+        # Pinged from now on (a silent prefill server fails it, _watch_peers); its copy there
+        # waits for the reservation while those pings come.
+        self.peers.setdefault(address, {"ping": 0.0, "pong": time.monotonic()})
+        self.channel.send(
+            address,
+            {
+                "type": "queued",
+                "room": room,
+                "reply_to": self.channel.address,
+                "layout": self.layout.__dict__,
+            },
+        )
 
     def peer_address(self, req: Req) -> str:
         port = req.bootstrap_port or self.default_port
@@ -84,9 +107,9 @@ class DecodePrealloc(DisaggSide):
 
     def on_aborted(self, req: Req) -> None:
         """A request that ends here before it reserved slots (aborted while queued, refused,
-        out of time): its prefill copy is told to stop. It waited for a reservation until its
-        own timeout (60 s by default; behind SGLang's router the client waited as long for a
-        400 this side had answered at once)."""
+        its prefill server silent): its prefill copy is told to stop. It waited for a
+        reservation until its own timeout (60 s by default; behind SGLang's router the client
+        waited as long for a 400 this side had answered at once)."""
         room = req.bootstrap_room
         if room is None or not req.bootstrap_host or req.disagg_reserved or self._room_in_use(room):
             return  # (reserved: _drop tells the peer; in use: another request's room)
@@ -188,6 +211,7 @@ class DecodePrealloc(DisaggSide):
             req.req_pool_idx = s.req_to_token_pool.alloc(1)[0]
             req.kv_allocated_len = 0
             req.disagg_reserved = True
+            req.disagg_deadline = time.monotonic() + self.timeout  # for its KV, from now
             slots = batch._alloc_slots([req], [0], [n])
             req.last_node = s.tree_cache.root_node
             self.peers.setdefault(address, {"ping": 0.0, "pong": time.monotonic()})
@@ -263,7 +287,7 @@ class DecodePrealloc(DisaggSide):
 
     def _watch_peers(self) -> None:
         now = time.monotonic()
-        busy = {self.peer_address(r) for r in self.waiting_kv.values()}
+        busy = {self.peer_address(r) for r in (*self.waiting_kv.values(), *self.prealloc)}
         busy |= {q[1] for q in self.quarantine.values()}
         for address, peer in list(self.peers.items()):
             if address not in busy:
@@ -283,7 +307,8 @@ class DecodePrealloc(DisaggSide):
                             "KV was on the way",
                             tell_peer=True,
                         )
-                # Those still queued for slots would each reserve and wait out the pings again.
+                # Those still queued for slots would each reserve and wait out the pings again
+                # (the only end of their wait for slots: no timeout while the peer answers).
                 self._fail_queued(
                     lambda r, a=address: self.peer_address(r) == a,
                     f"the prefill server at {address} stopped answering",
@@ -304,10 +329,6 @@ class DecodePrealloc(DisaggSide):
             if now - since > 2 * self.timeout:  # it answers pings but not for this room
                 logger.warning("releasing the slots of room %d: %s never answered", room, address)
                 self._release_quarantine(room)
-        self._fail_queued(
-            lambda r: now > r.disagg_deadline,
-            f"no room in the KV cache for the prompt within {self.timeout:g} s",
-        )
 
     def _fail_queued(self, hit: Any, message: str) -> None:
         """Fail (503) the requests still queued for slots that `hit` picks."""

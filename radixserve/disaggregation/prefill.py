@@ -4,7 +4,11 @@ A request arrives with a bootstrap room (SGLang's router sends the same body to 
 server at the same moment). Its life here:
 
   bootstrap    waits until the decode server's `reserve` for its room arrives (either may come
-               first); then it joins the waiting queue, max_new_tokens forced to 1
+               first); then it joins the waiting queue, max_new_tokens forced to 1. The decode
+               server announces the room (`queued`) as soon as its copy arrives there, then
+               reserves once KV slots fit; a queued copy waits here as long as that decode
+               server keeps pinging (a loaded decode server queues, as one server would),
+               --disaggregation-timeout without a reservation or a ping otherwise
   prefill      scheduled as usual: chunked, radix-cached, batched with others
   transferring its first token is sampled and streamed to this server's client (the router
                drops that response); its prompt KV stays held, off the tree, while a worker
@@ -12,7 +16,9 @@ server at the same moment). Its life here:
                the first token, and the KV goes to this server's radix tree
 
 Failures (the decode side aborts, pairing or transfer times out, the transfer fails, a client
-aborts here) end the request here with an error and tell the decode side `failed`.
+aborts here) end the request here with an error and tell the decode side `failed`. A room the
+decode side's KV layout was refused for (page size, dtype, layers differ) is remembered: a copy
+arriving after the refusal is refused at once (400), not left to wait out the timeout.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ class PrefillBootstrap(DisaggSide):
         self.sending: list[tuple[Req, concurrent.futures.Future]] = []
         self.cancelled: dict[int, float] = {}  # rooms the decode side gave up, since when
         self.ended: dict[int, tuple[float, str]] = {}  # rooms ended here before pairing: why
+        self.refused: dict[int, tuple[float, str]] = {}  # rooms whose layout was refused: why
+        # Rooms a decode server queued for KV slots (`queued`, before its `reserve`): since when,
+        # and its address; their copies here wait while it pings.
+        self.queued: dict[int, tuple[float, str]] = {}
         # Decode servers (their channel addresses) a transfer failed to, since when; and when
         # each last pinged. One that has not pinged since gets no more tries (_send), so a dead
         # decode server does not hold the transfer thread a failed write (~1 s) per request.
@@ -66,6 +76,11 @@ class PrefillBootstrap(DisaggSide):
         room = req.bootstrap_room
         if self._room_in_use(room):
             self.s._reject(req, f"bootstrap_room {room} is already in use on this server")
+            return
+        refused = self.refused.pop(room, None)
+        if refused is not None:  # its decode server's reservation came first and was refused
+            self.cancelled.pop(room, None)
+            self.s._finish_queued_abort(req, refused[1], status_code=400)
             return
         if self.cancelled.pop(room, None) is not None:  # given up before it came
             self.s._finish_queued_abort(req, "the decode server aborted the request")
@@ -159,8 +174,11 @@ class PrefillBootstrap(DisaggSide):
         if room is None or self._room_in_use(room):
             return  # (in use: another request's room, refused as a duplicate)
         arrived = self.reservations.pop(room, None)
+        queued = self.queued.pop(room, None)
         if arrived is not None:
             self._fail_reservation(arrived[1], message)
+        elif queued is not None:  # its decode copy leaves the slot queue at once
+            self._fail_reservation({"room": room, "reply_to": queued[1]}, message)
         else:
             self.ended[room] = (time.monotonic(), message)
 
@@ -197,6 +215,8 @@ class PrefillBootstrap(DisaggSide):
             kind = msg.get("type")
             if kind == "reserve":
                 self._on_reserve(msg)
+            elif kind == "queued":
+                self._on_queued(msg)
             elif kind == "abort":
                 self._on_decode_abort(msg)
             elif kind == "ping":  # (answered by the channel's own thread)
@@ -204,13 +224,37 @@ class PrefillBootstrap(DisaggSide):
         self._finish_transfers()
         self._expire()
 
-    def _on_reserve(self, msg: dict[str, Any]) -> None:
+    def _on_queued(self, msg: dict[str, Any]) -> None:
+        """A decode server holds the room's copy in its queue for KV slots: this room's copy
+        here waits for the reservation while that server pings (`_expire`)."""
+        room = msg["room"]
         error = self.layout.mismatch(msg.get("layout", {}))
         if error is not None:
-            self._fail_reservation(msg, error)
-            req = self.waiting.pop(msg["room"], None)
-            if req is not None:
-                self.s._finish_queued_abort(req, error, status_code=400)
+            self._refuse(msg, error)
+            return
+        ended = self.ended.pop(room, None)
+        if ended is not None:  # its request ended here before the decode server queued it
+            self._fail_reservation(msg, ended[1])
+            return
+        self.queued[room] = (time.monotonic(), msg["reply_to"])
+
+    def _refuse(self, msg: dict[str, Any], error: str) -> None:
+        """The decode server's KV layout differs: fail its room there, and here the copy that
+        waits or, remembered until 2 × the timeout passes, the one still to come."""
+        room = msg["room"]
+        self._fail_reservation(msg, error)
+        self.queued.pop(room, None)
+        req = self.waiting.pop(room, None)
+        if req is not None:
+            self.s._finish_queued_abort(req, error, status_code=400)
+        else:
+            self.refused[room] = (time.monotonic(), error)
+
+    def _on_reserve(self, msg: dict[str, Any]) -> None:
+        self.queued.pop(msg["room"], None)
+        error = self.layout.mismatch(msg.get("layout", {}))
+        if error is not None:
+            self._refuse(msg, error)
             return
         ended = self.ended.pop(msg["room"], None)
         if ended is not None:  # its request ended here before the reservation came
@@ -226,6 +270,9 @@ class PrefillBootstrap(DisaggSide):
         """Stop the room's request here. Unless its KV is being written, answer `failed` at
         once: the decode side keeps the room's slots until it knows no write will come."""
         room = msg["room"]
+        self.queued.pop(room, None)
+        if room in self.refused:  # the decode copy ends on the refusal: nothing runs here
+            return
         if not any(r.bootstrap_room == room for r, _ in self.sending):
             self.channel.send(msg["reply_to"], {"type": "failed", "room": room, "error": "aborted"})
             self.cancelled[room] = time.monotonic()  # whatever runs for it sends nothing
@@ -287,22 +334,43 @@ class PrefillBootstrap(DisaggSide):
     def _expire(self) -> None:
         now = time.monotonic()
         for room, req in list(self.waiting.items()):
-            if now > req.disagg_deadline:
-                del self.waiting[room]
-                self.num_failed += 1
-                self.s._finish_queued_abort(
-                    req,
-                    f"no decode server reserved bootstrap_room {room} within {self.timeout:g} s",
-                    status_code=503,
+            queued = self.queued.get(room)
+            if queued is None:
+                if now <= req.disagg_deadline:
+                    continue
+                message = (
+                    f"no decode server reserved bootstrap_room {room} within {self.timeout:g} s"
+                )
+            else:  # queued there for slots: waits while that decode server pings
+                since, peer = queued
+                if now <= max(since, self.pinged.get(peer, 0.0)) + self.timeout:
+                    continue
+                # (on_aborted answers that decode server `failed`, should it still listen)
+                message = (
+                    f"the decode server at {peer} queued bootstrap_room {room} but has not "
+                    f"pinged for {self.timeout:g} s"
+                )
+            del self.waiting[room]
+            self.num_failed += 1
+            self.s._finish_queued_abort(req, message, status_code=503)
+        # Rooms queued there whose copy never came here: the decode server stops waiting.
+        for room, (since, peer) in list(self.queued.items()):
+            if room not in self.waiting and now > since + self.timeout:
+                del self.queued[room]
+                self.cancelled[room] = now  # a copy that comes later ends at once
+                self._fail_reservation(
+                    {"room": room, "reply_to": peer},
+                    f"the prefill server never received the request of room {room}",
                 )
         # Rooms given up, and decode servers that failed or pinged, long ago: forgotten.
         for since in (self.cancelled, self.failed_peers, self.pinged):
             for key, t in list(since.items()):
                 if now > t + 2 * self.timeout:
                     del since[key]
-        for room, (t, _) in list(self.ended.items()):
-            if now > t + 2 * self.timeout:
-                del self.ended[room]
+        for ended in (self.ended, self.refused):
+            for room, (t, _) in list(ended.items()):
+                if now > t + 2 * self.timeout:
+                    del ended[room]
         for room, (t, msg) in list(self.reservations.items()):
             if now > t + self.timeout:
                 del self.reservations[room]

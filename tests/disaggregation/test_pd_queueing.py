@@ -1,0 +1,250 @@
+"""How each side of a P/D pair waits for the other, one scheduler driven step by step in this
+process and its peer played by hand over a bare control channel: a decode server with more
+requests than KV slots queues them as one server would (its prefill peer is told each room is
+queued, the KV timeout counts from the reservation), and a prefill server refuses at once a
+copy whose decode server's KV layout it already refused."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from rs_testing import SchedulerHarness, make_tiny_served_model
+
+from radixserve.disaggregation.channel import ControlChannel
+from radixserve.io_struct import TokenizedGenerateReqInput
+from radixserve.sampling_params import SamplingParams
+from radixserve.utils import free_port
+
+TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_tiny_served_model(str(tmp_path_factory.mktemp("pd_queueing")))
+
+
+def _submit(h: SchedulerHarness, rid: str, prompt: list[int], port: int, room: int) -> None:
+    req = TokenizedGenerateReqInput(
+        rid,
+        None,
+        prompt,
+        SamplingParams(max_new_tokens=4, temperature=0),
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=port,
+        bootstrap_room=room,
+    )
+    h.scheduler.process_input_requests([req])
+
+
+class Peer:
+    """The other side, by hand: collects what arrives, answers pings."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.channel = ControlChannel("127.0.0.1", port, "127.0.0.1")
+        self.seen: list[dict[str, Any]] = []
+
+    def drain(self) -> None:
+        for msg in self.channel.recv_all():
+            if msg.get("type") == "ping":
+                pong = {"type": "pong", "from": msg["to"], "instance": "p"}
+                self.channel.send(msg["reply_to"], pong)
+            self.seen.append(msg)
+
+    def find(self, kind: str, room: int) -> dict[str, Any] | None:
+        return next((m for m in self.seen if m["type"] == kind and m.get("room") == room), None)
+
+
+def _step_until(h: SchedulerHarness, peer: Peer, done: Any, what: str, limit: float = 20) -> None:
+    deadline = time.monotonic() + limit
+    while not done():
+        assert time.monotonic() < deadline, f"no {what}: {peer.seen} {h.finish_reasons()}"
+        h.step()
+        peer.drain()
+        time.sleep(0.01)
+
+
+def _step_for(h: SchedulerHarness, peer: Peer, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        h.step()
+        peer.drain()
+        time.sleep(0.01)
+
+
+def _kv_payload(h: SchedulerHarness, n: int) -> torch.Tensor:
+    """A fake-backend `done` payload for n tokens (zeros: the test checks the queueing)."""
+    pool = h.scheduler.tp_worker.model_runner.token_to_kv_pool
+    bufs = [*pool.k_buffer, *pool.v_buffer]
+    return torch.zeros((len(bufs), n, *bufs[0].shape[1:]), dtype=bufs[0].dtype).view(torch.uint8)
+
+
+def _decode_harness(model: str, timeout: float) -> SchedulerHarness:
+    return SchedulerHarness(
+        model_path=model,
+        max_total_tokens=512,  # one 300-token prompt at a time
+        disable_overlap_schedule=True,
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="fake",
+        disaggregation_timeout=timeout,
+    )
+
+
+def test_a_decode_server_queues_for_slots_and_times_the_kv_from_the_reservation(model):
+    """Two requests in a pool that holds one: the second waited for slots on the deadline set
+    at its arrival, the same that then covered its KV, and failed with 503 ("no KV arrived")
+    where a single server would have queued and served it. Now each room is announced to the
+    prefill server on arrival (`queued`, with the pool layout), and the KV timeout counts
+    from the reservation."""
+    timeout = 2.0
+    peer = Peer()
+    h = _decode_harness(model, timeout)
+    try:
+        _submit(h, "a", list(range(5, 305)), peer.channel.port, 1)
+        _submit(h, "b", list(range(6, 306)), peer.channel.port, 2)
+        _step_until(h, peer, lambda: peer.find("queued", 2) and peer.find("reserve", 1), "queue")
+        queued = peer.find("queued", 1)
+        assert queued["layout"] == h.scheduler.disagg.layout.__dict__
+        reply_to = queued["reply_to"]
+        assert reply_to == h.scheduler.disagg.channel.address
+        done = {"type": "done", "token": 7, "cached_tokens": 0, "payload": _kv_payload(h, 300)}
+        # Each KV comes 0.7 × the timeout after its reservation: the second's, 1.4 × the
+        # timeout after it arrived.
+        _step_for(h, peer, 0.7 * timeout)
+        assert peer.find("reserve", 2) is None  # queued for slots
+        peer.channel.send(reply_to, {**done, "room": 1})
+        _step_until(h, peer, lambda: peer.find("reserve", 2), "second reservation")
+        _step_for(h, peer, 0.7 * timeout)
+        assert "b" not in h.finish_reasons(), h.finish_reasons()
+        peer.channel.send(reply_to, {**done, "room": 2})
+        _step_until(h, peer, lambda: "b" in h.finish_reasons(), "second request's end")
+        reasons = h.finish_reasons()
+        assert [reasons[r]["type"] for r in "ab"] == ["length", "length"], reasons
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+    finally:
+        peer.channel.close()
+        h.scheduler.disagg.close()
+
+
+def test_a_decode_request_queued_behind_a_slow_one_waits_past_the_timeout(model):
+    """The first request's KV never comes: it fails --disaggregation-timeout after its
+    reservation, while the second waited as long for slots (that was a 503, "no room in the
+    KV cache", on a live pair); the second then reserves and has a timeout of its own."""
+    peer = Peer()
+    h = _decode_harness(model, TIMEOUT_S)
+    try:
+        _submit(h, "a", list(range(5, 305)), peer.channel.port, 1)
+        _submit(h, "b", list(range(6, 306)), peer.channel.port, 2)
+        _step_until(h, peer, lambda: peer.find("reserve", 1), "reservation")
+        _step_until(h, peer, lambda: "a" in h.finish_reasons(), "first request's timeout")
+        assert "no KV arrived" in h.finish_reasons()["a"]["message"]
+        _step_until(h, peer, lambda: peer.find("reserve", 2), "second reservation")
+        assert "b" not in h.finish_reasons()
+        reserved = time.monotonic()
+        _step_until(h, peer, lambda: "b" in h.finish_reasons(), "second request's timeout")
+        assert time.monotonic() - reserved > TIMEOUT_S * 0.8
+        assert "no KV arrived" in h.finish_reasons()["b"]["message"]
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+    finally:
+        peer.channel.close()
+        h.scheduler.disagg.close()
+
+
+def _prefill_harness(model: str) -> tuple[SchedulerHarness, int]:
+    port = free_port()
+    h = SchedulerHarness(
+        model_path=model,
+        max_total_tokens=1024,
+        disable_overlap_schedule=True,
+        disaggregation_mode="prefill",
+        disaggregation_bootstrap_port=port,
+        disaggregation_transfer_backend="fake",
+        disaggregation_timeout=TIMEOUT_S,
+    )
+    return h, port
+
+
+def test_a_prefill_copy_queued_on_a_live_decode_server_waits_for_its_reservation(model):
+    """The decode server announced the room (`queued`) and pings: the prefill copy outlives
+    --disaggregation-timeout and runs once the reservation comes (it expired: "no decode
+    server reserved"). Without pings it fails, naming the decode server that went quiet; a
+    room announced whose copy never comes here is answered `failed` after the timeout."""
+    h, port = _prefill_harness(model)
+    decode = Peer()
+    address = f"tcp://127.0.0.1:{port}"
+    try:
+        layout = h.scheduler.disagg.layout.__dict__
+        me = decode.channel.address
+        prompt = list(range(5, 45))
+        for rid, room in (("a", 1), ("b", 2), (None, 4)):  # room 4's copy never comes
+            if rid is not None:
+                _submit(h, rid, prompt, port, room)
+            decode.channel.send(
+                address, {"type": "queued", "room": room, "reply_to": me, "layout": layout}
+            )
+        end = time.monotonic() + 3 * TIMEOUT_S
+        while time.monotonic() < end:  # pings from the decode side, then silence
+            decode.channel.send(address, {"type": "ping", "reply_to": me, "to": address})
+            _step_for(h, decode, 0.1)
+        assert h.finish_reasons() == {}
+        never = decode.find("failed", 4)  # the decode side stops waiting for room 4
+        assert never is not None and "never received" in never["error"], decode.seen
+        decode.channel.send(
+            address,
+            {
+                "type": "reserve",
+                "room": 1,
+                "rid": "a",
+                "reply_to": me,
+                "slots": list(range(len(prompt))),
+                "layout": layout,
+                "desc": {},
+            },
+        )
+        _step_until(h, decode, lambda: decode.find("done", 1), "transfer")
+        _step_until(h, decode, lambda: "b" in h.finish_reasons(), "expiry")
+        reason = h.finish_reasons()["b"]
+        assert reason["status_code"] == 503 and "has not pinged" in reason["message"], reason
+        _step_until(h, decode, lambda: decode.find("failed", 2), "failed")  # told, if it listens
+        assert h.finish_reasons()["a"]["type"] == "length"
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+    finally:
+        decode.channel.close()
+        h.scheduler.disagg.close()
+
+
+@pytest.mark.parametrize("kind", ["reserve", "queued"])
+def test_a_refused_layout_refuses_the_prefill_copy_that_comes_after_it(model, kind):
+    """The decode server's message (its reservation, or its announcement) with another page
+    size reaches the prefill server before the prefill copy of the request: the decode side is
+    answered `failed` at once, and so now is the copy (400, the mismatch), which waited the
+    whole timeout for a 503 that blamed a missing decode server."""
+    h, port = _prefill_harness(model)
+    decode = Peer()
+    address = f"tcp://127.0.0.1:{port}"
+    try:
+        layout = {**h.scheduler.disagg.layout.__dict__, "page_size": 16}
+        prompt = list(range(5, 45))
+        msg = {"type": kind, "room": 3, "reply_to": decode.channel.address, "layout": layout}
+        if kind == "reserve":
+            msg.update(rid="a", slots=list(range(len(prompt))), desc={})
+        decode.channel.send(address, msg)
+        _step_until(h, decode, lambda: decode.find("failed", 3), "refusal")
+        assert "KV pools differ" in decode.find("failed", 3)["error"]
+        _submit(h, "a", prompt, port, 3)
+        h.step()
+        reason = h.finish_reasons().get("a")
+        assert reason is not None, "the copy waits for a reservation already refused"
+        assert reason["status_code"] == 400 and "page_size 16 vs 1" in reason["message"]
+        # The room is forgotten once used: a later copy on it pairs as ever.
+        assert 3 not in h.scheduler.disagg.refused
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+    finally:
+        decode.channel.close()
+        h.scheduler.disagg.close()
