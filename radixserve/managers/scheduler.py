@@ -655,13 +655,22 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 self.tree_cache.cache_unfinished_req(self.chunked_req)
             self.chunked_req.init_next_chunk()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        # An adapter that does not fit beside the running ones (--max-loras-per-batch) gets
+        # its turn once they drain: no request of an adapter is admitted meanwhile, whatever
+        # the policy's order (LPM put the running adapter's requests, cached, first).
+        lora_blocked = any(not adder.lora_fits(r) for r in self.waiting_queue)
         for req in list(self.waiting_queue):
             if adder.new_chunked_req is not None or self.chunked_req is not None:
                 break
             if req.rid in order.held and adder.can_run_list:
                 continue  # in-batch prefix caching: a representative computes it first
-            if not adder.lora_fits(req):
-                continue  # --max-loras-per-batch other adapters are in the batch already
+            if not adder.lora_fits(req) or (lora_blocked and req.lora_id is not None):
+                # --max-loras-per-batch other adapters are in the batch already. Requests of
+                # adapters behind it wait too (SGLang stops admitting there): those of the
+                # running adapters kept them in the batch, and a steady stream of them kept
+                # this one waiting for ever. Base-model requests hold no adapter: they pass.
+                lora_blocked = True
+                continue
             if self.hicache is not None and not self.hicache.prepare(req, adder.rem_total_tokens):
                 continue  # its prefix is loading from the host / storage tier
             if not order.matched:

@@ -320,6 +320,31 @@ def test_at_most_max_loras_per_batch_adapters_in_a_step(tiny):
     _assert_drained(h)
 
 
+def test_a_steady_stream_of_one_adapter_does_not_starve_another(tiny):
+    """--max-loras-per-batch 1: a request of adapter c behind running requests of a waited
+    while a's later requests, one a step, were admitted past it (300 steps, no token); now
+    a's requests behind it wait and c runs once the running ones finish."""
+    h = _harness(tiny, max_loras_per_batch=1)
+    prompt = tiny["prompts"][0]
+    _submit(h, "a0", prompt, "a")
+    h.step()
+    _submit(h, "c0", prompt, "c")
+    _submit(h, "base0", prompt, None)  # base-model requests join any step
+    done = None  # the step c0 finished at
+    for i in range(1, 6 * NEW):
+        _submit(h, f"a{i}", prompt, "a")
+        h.step()
+        if h.results().get("c0"):
+            done = i
+            break
+    assert done is not None and done <= 3 * NEW, done  # a0's turn, then its own
+    h.run_until_idle()
+    res = h.results()
+    assert res["c0"] == tiny["refs"]["c"][0] and res["base0"] == tiny["refs"][None][0]
+    assert all(res[f"a{i}"] == tiny["refs"]["a"][0] for i in range(done + 1))
+    _assert_drained(h)
+
+
 def test_adapters_never_share_cached_kv(tiny):
     """One prompt under a, then b, then a and none: b and none reuse nothing of a's KV (it was
     computed with a's deltas); the second a reuses its own."""
