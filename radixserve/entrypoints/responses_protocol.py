@@ -26,6 +26,7 @@ from radixserve.entrypoints.openai_protocol import (
 from radixserve.managers.tokenizer_manager import RequestError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 ITEM_KEYS = {
@@ -88,6 +89,7 @@ class ResponsesRequest(RoutingFields):
     reasoning: ReasoningConfig | None = None
     store: bool = True
     previous_response_id: str | None = None
+    # OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512 (stored with the response)
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None
@@ -123,6 +125,21 @@ class ResponsesRequest(RoutingFields):
         if isinstance(v, dict) and v.get("type") != "function":
             msg = "tool_choice of type '{kind}' is not supported (only function tools)"
             raise PydanticCustomError("unsupported", msg, {"kind": str(v.get("type"))})
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_METADATA_PAIRS:
+            msg = "at most {n} key-value pairs, got {got}"
+            raise PydanticCustomError("metadata", msg, {"n": MAX_METADATA_PAIRS, "got": len(v)})
+        for key, value in v.items():
+            if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                msg = "keys of at most {k} characters and values of at most {v}: '{key}'"
+                bounds = {"k": MAX_METADATA_KEY, "v": MAX_METADATA_VALUE, "key": key[:80]}
+                raise PydanticCustomError("metadata", msg, bounds)
         return v
 
     @field_validator("truncation", mode="before")

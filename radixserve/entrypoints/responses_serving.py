@@ -199,7 +199,10 @@ class ResponsesServing:
             raise RequestError(f"Previous response with id '{previous_id}' not found.")
         self.stored.move_to_end(previous_id)
         response, items = self.stored[previous_id]
-        return items + response["output"]
+        # A call cut by max_output_tokens has half its arguments: not a call to answer (its
+        # arguments, not JSON, made the conversation impossible to continue: a 400).
+        cut = [it for it in response["output"] if _is_cut_call(it)]
+        return items + [it for it in response["output"] if not any(it is c for c in cut)]
 
     async def create(self, req: ResponsesRequest, request: Request | None) -> Response:
         history = self._history(req.previous_response_id)
@@ -287,7 +290,9 @@ class ResponsesServing:
             response.error = {"code": "request_aborted", "message": "the request was aborted"}
         response.output = builder.finish("incomplete" if reason == "length" else "completed")
         prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
-        reasoning = len(self.tm.tokenizer.encode(builder.reasoning)) if builder.reasoning else 0
+        reasoning = 0  # (re-encoded: its tokens; no BOS a tokenizer adds to a prompt)
+        if builder.reasoning:
+            reasoning = len(self.tm.tokenizer.encode(builder.reasoning, add_special_tokens=False))
         response.usage = ResponseUsage(
             input_tokens=prompt,
             input_tokens_details=InputTokensDetails(
@@ -347,6 +352,10 @@ class ResponsesServing:
             yield event(e)
         kind = {"incomplete": "response.incomplete", "failed": "response.failed"}
         yield event({"type": kind.get(body["status"], "response.completed"), "response": body})
+
+
+def _is_cut_call(item: dict[str, Any]) -> bool:
+    return item.get("type") == "function_call" and item.get("status") == "incomplete"
 
 
 def _first(*values: Any) -> Any:

@@ -265,6 +265,43 @@ def test_reasoning_becomes_a_reasoning_item(responses_client):
     assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "message"]
 
 
+def test_a_response_cut_inside_a_call_can_be_continued(responses_client, fake_tm):
+    """A call cut by max_output_tokens is stored with half its arguments: continuing that
+    response was a 400 'previous_response.1.arguments: not valid JSON'. The cut call is left
+    out of the conversation; the text before it stays."""
+    reply = "Let me look.\n" + CALL_TEXT[: CALL_TEXT.index('"tz"') + 3]
+    args = dict(tool_call_parser="qwen25", chat_template=QWEN25_TEMPLATE)
+    with responses_client(reply, **args) as client:
+        body = {"input": [USER], "tools": [TIME_TOOL], "max_output_tokens": 500}
+        first = client.post(RESPONSES, json=body).json()
+        assert first["status"] == "incomplete"
+        assert [(o["type"], o["status"]) for o in first["output"]] == [
+            ("message", "completed"),
+            ("function_call", "incomplete"),
+        ]
+        more = {"input": "go on", "previous_response_id": first["id"], "tools": [TIME_TOOL]}
+        r = client.post(RESPONSES, json=more)
+        assert r.status_code == 200, r.text
+        messages, _ = fake_tm.template_calls[-1]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1]["content"] == "Let me look." and "tool_calls" not in messages[1]
+
+
+def test_reasoning_tokens_count_no_bos(responses_client, fake_tm, monkeypatch):
+    """Re-encoded with the prompt's special tokens, a Llama-style tokenizer counted its BOS."""
+    seen = []
+    encode = fake_tm.tokenizer.encode
+
+    def spy(text, **kwargs):
+        seen.append(kwargs)
+        return encode(text)
+
+    monkeypatch.setattr(fake_tm.tokenizer, "encode", spy)
+    with responses_client("<think>Blue.</think>Yes.", reasoning_parser="qwen3") as client:
+        client.post(RESPONSES, json={"input": "Why?"})
+    assert {"add_special_tokens": False} in seen
+
+
 def test_logprobs_when_included(responses_client):
     body = {"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
     with responses_client() as client:
@@ -334,6 +371,10 @@ def test_an_error_mid_stream_is_an_error_event_then_response_failed(
             "not valid JSON",
         ),  # fmt: skip
         ({"input": []}, "at least one input item"),
+        # OpenAI's metadata bounds (a client pinned 4 MB per stored response)
+        ({"metadata": {str(i): "v" for i in range(17)}}, "at most 16 key-value pairs"),
+        ({"metadata": {"k" * 65: "v"}}, "keys of at most 64"),
+        ({"metadata": {"k": "v" * 513}}, "values of at most 512"),
         ({"model": "no-such-model"}, "does not exist"),
     ],
 )
