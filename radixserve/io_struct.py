@@ -28,9 +28,10 @@ class GenerateReqInput:
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    # (each a value for every prompt, or a list of one per prompt of a batch: SGLang's)
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
     extra_key: str | None = None
     priority: int | None = None
@@ -73,9 +74,9 @@ class GenerateReqInput:
             sampling_params=sp[i] if isinstance(sp, list) else sp,
             rid=rid[i] if isinstance(rid, list) else None if rid is None else f"{rid}_{i}",
             stream=self.stream,
-            return_logprob=self.return_logprob,
-            top_logprobs_num=self.top_logprobs_num,
-            logprob_start_len=self.logprob_start_len,
+            return_logprob=_item(self.return_logprob, i),
+            top_logprobs_num=_item(self.top_logprobs_num, i),
+            logprob_start_len=_item(self.logprob_start_len, i),
             return_text_in_logprobs=self.return_text_in_logprobs,
             extra_key=self.extra_key,
             priority=self.priority,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import logging
 import multiprocessing as mp
 import queue
@@ -31,7 +32,7 @@ from radixserve.managers.data_parallel_controller import (
 )
 from radixserve.managers.detokenizer_manager import run_detokenizer_process
 from radixserve.managers.scheduler_process import run_scheduler_process
-from radixserve.managers.tokenizer_manager import TokenizerManager, detached
+from radixserve.managers.tokenizer_manager import RequestError, TokenizerManager, detached
 from radixserve.managers.tokenizer_utils import load_tokenizer_for
 from radixserve.utils import PortArgs, zmq_socket
 
@@ -276,6 +277,18 @@ def create_tokenizer_manager(
     )
 
 
+# Engine.generate parameters of SGLang's that ask for what is not served here: accepted at the
+# value that asks for nothing (RL frameworks pass them so), refused otherwise.
+SGLANG_NOOP_KWARGS: dict[str, Any] = {
+    "image_data": None,
+    "audio_data": None,
+    "video_data": None,
+    "token_ids_logprob": None,
+    "custom_logit_processor": None,
+    "return_hidden_states": False,
+}
+
+
 class Engine:
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
         if server_args is None:
@@ -354,6 +367,10 @@ class Engine:
         stream: bool,
         **extra: Any,
     ) -> GenerateReqInput:
+        for name, default in SGLANG_NOOP_KWARGS.items():
+            value = extra.pop(name, default)
+            if value != default:
+                raise RequestError(f"{name} is not supported")
         return GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -473,7 +490,13 @@ class Engine:
         return {"success": out.success, "message": out.message}
 
     def get_server_info(self) -> dict[str, Any]:
-        return self._run(self.tokenizer_manager.get_server_info())
+        """The server's arguments and figures, as SGLang's Engine and /get_server_info give
+        them (internal_states, version; it gave the scheduler's figures alone)."""
+        from radixserve.entrypoints.openai_api import resolved_model_path
+
+        info = self._run(self.tokenizer_manager.get_server_info())
+        view = server_info_view(self.server_args, info)
+        return {**view, "model_path": resolved_model_path(self.server_args)}
 
     def shutdown(self) -> None:
         """Stop the processes, cancel what runs on the loop, stop the loop (its thread closes
@@ -552,3 +575,36 @@ def _shutdown_at_exit(ref: weakref.ref) -> None:
     engine = ref()
     if engine is not None:
         engine.shutdown()
+
+
+def server_info_view(args: ServerArgs, info: dict[str, Any]) -> dict[str, Any]:
+    """/get_server_info's and Engine.get_server_info's answer: the arguments (not the API key:
+    the answer ends up in routers' logs, dashboards, bug reports), what SGLang's router reads
+    besides them (the parallel layout, the P/D role), the scheduler's figures `info`, and
+    SGLang's version and internal_states."""
+    shown = {**dataclasses.asdict(args), "api_key": "<set>" if args.api_key else None}
+    layout = {
+        "tp_size": args.tp_size,
+        "dp_size": args.dp_size,
+        "disaggregation_mode": args.disaggregation_mode,
+    }
+    return {**shown, **layout, **info, **_sglang_state(info)}
+
+
+def _sglang_state(info: dict[str, Any]) -> dict[str, Any]:
+    """What SGLang's tools read from /get_server_info besides the flat figures: its version
+    and, per data-parallel replica, `internal_states` (bench_serving and the router's mini
+    load balancer take the generation throughput and speculative accept length from them)."""
+    from radixserve import __version__
+
+    states = [
+        {
+            "dp_rank": r.get("dp_rank", 0),
+            "last_gen_throughput": r.get("gen_throughput", 0.0),
+            "avg_spec_accept_length": r.get("spec_accept_length")
+            if r.get("spec_verify_ct")
+            else None,
+        }
+        for r in info.get("replicas") or [info]
+    ]
+    return {"version": __version__, "internal_states": states}

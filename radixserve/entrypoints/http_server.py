@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from radixserve.args import ServerArgs
 from radixserve.entrypoints.dashboard import router as dashboard_router
+from radixserve.entrypoints.engine import server_info_view
 from radixserve.entrypoints.http_utils import (
     SSE_DONE,
     SSE_HEADERS,
@@ -398,37 +398,8 @@ async def server_info(request: Request) -> Response:
             "scheduler_pids": [p.pid for p in st.procs.schedulers],  # per TP rank / DP replica
             "detokenizer_pid": st.procs.detokenizer.pid,
         }
-    args = st.server_args
-    # What SGLang's router reads besides the arguments: the model (never null: it names the
-    # model the router routes to), the parallel layout, the P/D role.
-    worker = {
-        **_model_fields(st),
-        "tp_size": args.tp_size,
-        "dp_size": args.dp_size,
-        "disaggregation_mode": args.disaggregation_mode,
-    }
-    # (the key stays out: the answer ends up in routers' logs, dashboards, bug reports)
-    shown = {**dataclasses.asdict(args), "api_key": "<set>" if args.api_key else None}
-    return json_response({**shown, **worker, **info, **pids, **_sglang_state(info)})
-
-
-def _sglang_state(info: dict[str, Any]) -> dict[str, Any]:
-    """What SGLang's tools read from /get_server_info besides the flat figures: its version
-    and, per data-parallel replica, `internal_states` (bench_serving and the router's mini
-    load balancer take the generation throughput and speculative accept length from them)."""
-    from radixserve import __version__
-
-    states = [
-        {
-            "dp_rank": r.get("dp_rank", 0),
-            "last_gen_throughput": r.get("gen_throughput", 0.0),
-            "avg_spec_accept_length": r.get("spec_accept_length")
-            if r.get("spec_verify_ct")
-            else None,
-        }
-        for r in info.get("replicas") or [info]
-    ]
-    return {"version": __version__, "internal_states": states}
+    # The model never null: it names the model SGLang's router routes to.
+    return json_response({**server_info_view(st.server_args, info), **_model_fields(st), **pids})
 
 
 @router.get("/get_load")

@@ -381,6 +381,11 @@ def _one_prompt_source(schema: dict[str, Any]) -> None:
     ]
 
 
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+LogprobStart = Annotated[int, Field(ge=-1)]
+PER_PROMPT_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len")
+
+
 class GenerateRequest(RoutingFields):
     """Body of the native `/generate` endpoint. `model_dump()` gives fields of `GenerateReqInput`
     (not the accepted no-op fields), with only the sampling params the client set, so that
@@ -392,9 +397,10 @@ class GenerateRequest(RoutingFields):
     sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
-    logprob_start_len: int = Field(-1, ge=-1)  # -1: no prompt logprobs
+    # (a value for every prompt, or a list of one per prompt of a batch: SGLang's)
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: TopLogprobs | list[TopLogprobs] = 0
+    logprob_start_len: LogprobStart | list[LogprobStart] = -1  # -1: no prompt logprobs
     return_text_in_logprobs: bool = False
     priority: int | None = None
     lora_path: str | list[str | None] | None = None  # a LoRA adapter's name, or one per prompt
@@ -429,7 +435,7 @@ class GenerateRequest(RoutingFields):
             raise PydanticCustomError("prompt", "give exactly one of text and input_ids")
         prompts: Any = self.text if self.text is not None else self.input_ids
         single = isinstance(prompts, str) or not prompts or isinstance(prompts[0], int)
-        for name in ("sampling_params", "rid"):
+        for name in ("sampling_params", "rid", *PER_PROMPT_LOGPROB_FIELDS):
             value = getattr(self, name)
             if isinstance(value, list) and (single or len(value) != len(prompts)):
                 n = 1 if single else len(prompts)

@@ -38,22 +38,36 @@ def _expect(name: str, value: Any, ok: bool, what: str) -> None:
         raise RequestError(f"{name} must be {what}, got {value!r}")
 
 
+def _expect_per_prompt(obj: GenerateReqInput, name: str, ok: Any, what: str) -> None:
+    """A field that takes one value for every prompt, or (a batch) a list of one per prompt."""
+    value = getattr(obj, name)
+    if not isinstance(value, list):
+        _expect(name, value, ok(value), what)
+        return
+    prompts = None if _prompts_unknown(obj) or obj.is_single else obj.batch_size
+    _expect(name, value, len(value) == prompts, f"{what}, or a list of one per prompt")
+    for v in value:
+        _expect(name, v, ok(v), what)
+
+
+def _prompts_unknown(obj: GenerateReqInput) -> bool:
+    return obj.text is None and obj.input_ids is None
+
+
 def verify_request_fields(obj: GenerateReqInput) -> None:
     """Types and ranges of the request's own fields (sampling params are SamplingParams')."""
     _expect("stream", obj.stream, isinstance(obj.stream, bool), "a boolean")
-    _expect("return_logprob", obj.return_logprob, isinstance(obj.return_logprob, bool), "a boolean")
-    n_top = obj.top_logprobs_num
-    _expect(
+    _expect_per_prompt(obj, "return_logprob", lambda v: isinstance(v, bool), "a boolean")
+    _expect_per_prompt(
+        obj,
         "top_logprobs_num",
-        n_top,
-        _is_int(n_top) and 0 <= n_top <= MAX_TOP_LOGPROBS,
+        lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
         f"an integer in [0, {MAX_TOP_LOGPROBS}]",
     )
-    start = obj.logprob_start_len
-    _expect(
+    _expect_per_prompt(
+        obj,
         "logprob_start_len",
-        start,
-        _is_int(start) and start >= -1,
+        lambda v: _is_int(v) and v >= -1,
         "-1 (no prompt logprobs) or a prompt position >= 0",
     )
     _expect(

@@ -425,3 +425,46 @@ def test_the_socket_directory_of_a_killed_engine_goes_at_the_next_start(tmp_path
         import shutil
 
         shutil.rmtree(new.ipc_dir)
+
+
+def test_server_info_is_sglangs_shape(engine):
+    """Engine.get_server_info gave the scheduler's figures alone: SGLang's scripts read
+    internal_states[0]["avg_spec_accept_length"], the arguments, the version from it."""
+    info = engine.get_server_info()
+    assert info["internal_states"][0]["dp_rank"] == 0 and info["version"]
+    assert info["tp_size"] == info["dp_size"] == 1 and info["dtype"] == "float32"
+    assert info["model_path"] and info["api_key"] is None
+    assert info["running"] == 0 and "available_tokens" in info
+
+
+def test_logprob_fields_per_prompt_and_sglangs_named_parameters(engine):
+    """A list of one value per prompt for return_logprob / logprob_start_len /
+    top_logprobs_num (SGLang's), and SGLang's generate parameters at the values that ask for
+    nothing (image_data=None, ...): each was refused."""
+    out = engine.generate(
+        input_ids=[[5, 6, 7], [8, 9, 10, 11]],
+        sampling_params={"max_new_tokens": 2, "temperature": 0},
+        return_logprob=[True, False],
+        logprob_start_len=[0, -1],
+        top_logprobs_num=[2, 0],
+        image_data=None,
+        token_ids_logprob=None,
+        custom_logit_processor=None,
+        return_hidden_states=False,
+    )
+    first, second = (o["meta_info"] for o in out)
+    assert len(first["input_token_logprobs"]) == 3 and len(first["output_token_logprobs"]) == 2
+    assert all(len(top) == 2 for top in first["output_top_logprobs"])
+    assert "output_token_logprobs" not in second or not second["output_token_logprobs"]
+    alone = engine.generate(
+        input_ids=[5, 6, 7],
+        sampling_params={"max_new_tokens": 2, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+    )["meta_info"]
+    assert first["output_token_logprobs"] == alone["output_token_logprobs"]
+    with pytest.raises(RequestError, match="return_logprob must be a boolean, or a list of one"):
+        engine.generate(input_ids=[[5], [6]], return_logprob=[True])
+    with pytest.raises(RequestError, match="image_data is not supported"):
+        engine.generate(prompt="hi", image_data="cat.png")

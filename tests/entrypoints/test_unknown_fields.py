@@ -207,6 +207,19 @@ def test_generate_takes_null_as_the_default_and_sglangs_frontend_fields(client, 
         _assert_400_naming(r, field, "not implemented")
 
 
+def test_generate_takes_the_logprob_fields_per_prompt(client, fake_tm):
+    body = {"text": ["ab", "cd"], "return_logprob": [True, False], "top_logprobs_num": [2, 0]}
+    r = client.post(GENERATE, json={**body, "logprob_start_len": [0, -1]})
+    assert r.status_code == 200, r.text
+    req = fake_tm.requests[-1]
+    assert req.return_logprob == [True, False] and req.logprob_start_len == [0, -1]
+    assert req[0].top_logprobs_num == 2 and req[1].top_logprobs_num == 0
+    r = client.post(GENERATE, json={"text": ["ab", "cd"], "return_logprob": [True]})
+    _assert_400_naming(r, "return_logprob is a list of 1 for 2 prompt(s)")
+    r = client.post(GENERATE, json={"text": ["ab", "cd"], "top_logprobs_num": [2, 10**6]})
+    _assert_400_naming(r, "top_logprobs_num")
+
+
 def test_text_modalities_and_reasoning_effort_pass(fake_tm, make_client, template_kwargs):
     seen = template_kwargs
     with make_client(fake_tm) as client:
