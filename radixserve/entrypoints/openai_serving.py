@@ -144,9 +144,10 @@ class OpenAIServing:
         adapters = self.lora_paths
         if name in adapters:
             return name
-        base, sep, adapter = name.rpartition(":")
-        if sep and base in self.model_names and adapter in adapters:
-            return adapter
+        # (either side may hold colons: a served name "llama3:8b", an adapter "team:v2")
+        for i, c in enumerate(name):
+            if c == ":" and name[:i] in self.model_names and name[i + 1 :] in adapters:
+                return name[i + 1 :]
         raise RequestError(f"The model `{name}` does not exist.", 404)
 
     @property

@@ -24,6 +24,7 @@ def _adapter(path: str) -> str:
 @pytest.fixture
 def served(tmp_path, fake_tm, make_client):
     paths = {"ad1": _adapter(str(tmp_path / "one")), "ad2": _adapter(str(tmp_path / "two"))}
+    paths["team:v3"] = _adapter(str(tmp_path / "three"))  # (a name with a colon)
     tm = fake_tm
     tm.lora_paths = dict(paths)
     with make_client(tm) as client:
@@ -42,6 +43,8 @@ def test_the_model_or_lora_path_picks_the_adapter(served, path):
         ({"model": f"{base}:ad2"}, "ad2", f"{base}:ad2"),
         ({"lora_path": "ad2"}, "ad2", base),
         ({"model": "ad1", "lora_path": "ad1"}, "ad1", "ad1"),
+        ({"model": "team:v3"}, "team:v3", "team:v3"),
+        ({"model": f"{base}:team:v3"}, "team:v3", f"{base}:team:v3"),  # (was a 404)
     ]:
         r = client.post(path, json={**body, **extra, "max_tokens": 2})
         assert r.status_code == 200, r.text
@@ -85,12 +88,13 @@ def test_streamed_chunks_name_the_adapter(served):
 def test_models_lists_the_adapters(served):
     client, _, paths, base = served
     data = client.get("/v1/models").json()["data"]
-    assert [m["id"] for m in data] == [base, "ad1", "ad2"]
+    assert [m["id"] for m in data] == [base, "ad1", "ad2", "team:v3"]
     assert data[1]["parent"] == base and data[1]["root"] == paths["ad1"]
     one = client.get("/v1/models/ad2").json()
     assert one["id"] == "ad2" and one["root"] == paths["ad2"] and one["parent"] == base
     assert client.get(f"/v1/models/{base}").json()["id"] == base
     assert client.get("/v1/models/nope").status_code == 404
+    assert client.get(f"/v1/models/{base}:team:v3").json()["id"] == "team:v3"
 
 
 def test_generate_passes_lora_path(served):
