@@ -355,6 +355,38 @@ def save_byte_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+def make_sentencepiece_tokenizer() -> Any:
+    """A Llama-2-style tokenizer (SentencePiece BPE, ▁ for spaces, byte fallback: a character
+    out of the vocabulary is its UTF-8 bytes as <0xXX> tokens; decoding strips the text's
+    leading space), built here."""
+    from tokenizers import Tokenizer, decoders, normalizers, trainers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(["abc ghi the quick brown fox"] * 20, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+
+
 def file_storage_flags(directory: Any) -> dict[str, Any]:
     """The flags of a hierarchical cache with a file storage tier in `directory`, 32-token
     blocks."""

@@ -382,17 +382,18 @@ async def create_response(request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> Response:
-    try:
-        return json_response(_serving(request).get(response_id))
-    except RequestError as e:
-        return error_response(str(e), e.status_code)
+    return _stored(_serving(request).get, response_id)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
+    return _stored(_serving(request).delete, response_id)
+
+
+def _stored(call: Any, response_id: str) -> Response:
     try:
-        return json_response(_serving(request).delete(response_id))
-    except RequestError as e:
+        return json_response(call(response_id))
+    except RequestError as e:  # (an unknown id: 404)
         return error_response(str(e), e.status_code)
 
 

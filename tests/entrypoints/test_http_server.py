@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -88,6 +89,14 @@ class ServerProcess:
         self.stop()
         pytest.fail(f"server not healthy within {STARTUP_TIMEOUT_S} s:\n{self.log()[-3000:]}")
 
+    def running(self) -> Iterator[ServerProcess]:
+        """For a fixture (`yield from ServerProcess(...).running()`): ready, then stopped."""
+        try:
+            self.wait_ready()
+            yield self
+        finally:
+            self.stop()
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL to the whole session (server and children) no matter what."""
         try:
@@ -137,12 +146,7 @@ def tokenizer(default_tokenizer):
 
 @pytest.fixture(scope="class")
 def server(tmp_path_factory, default_model_path):
-    proc = ServerProcess(str(tmp_path_factory.mktemp("server")))
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    yield from ServerProcess(str(tmp_path_factory.mktemp("server"))).running()
 
 
 @pytest.fixture(scope="class")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from rs_testing import save_byte_tokenizer
+from rs_testing import make_sentencepiece_tokenizer, save_byte_tokenizer
 
 from radixserve.entrypoints.openai_api import chat_logprobs, completion_logprobs
 from radixserve.managers.tokenizer_utils import TokenStrings
@@ -52,26 +52,10 @@ def test_completion_entries_report_forbidden_tokens_as_numbers(tokens):
     assert all(-9999.0 in top.values() for top in out.top_logprobs)
 
 
-def test_sentencepiece_entries_keep_the_spaces_in_their_bytes(tmp_path):
+def test_sentencepiece_entries_keep_the_spaces_in_their_bytes():
     """A SentencePiece token decoded alone loses its leading space ('▁fox' reads 'fox', '▁'
     reads ''): the bytes a client joins into the text read 'abcthe quickfox'."""
-    from tokenizers import Tokenizer, decoders, normalizers, trainers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
-    tok.train_from_iterator(["abc ghi the quick brown fox"] * 20, trainer)
-    tokens = TokenStrings(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>"))
+    tokens = TokenStrings(make_sentencepiece_tokenizer())
     text = "abc the quick fox"
     ids = tokens.tokenizer.encode(text, add_special_tokens=False)
     pieces = tokens.tokenizer.convert_ids_to_tokens(ids)

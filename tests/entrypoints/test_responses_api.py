@@ -11,10 +11,8 @@ check that a stream closed early frees its KV slots.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 from typing import Any
 
 import httpx
@@ -393,31 +391,14 @@ def test_the_route_is_in_the_openapi_document(responses_client):
 
 
 # -- served: a tiny model -----------------------------------------------------------------------
-def _free_port_in_range(first: int = 31600, last: int = 31699) -> int:
-    for port in range(first, last + 1):
-        with contextlib.closing(socket.socket()) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    pytest.skip("no free port in 31600-31699")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from rs_testing import make_tiny_served_model
 
     # (room for 4000 tokens: a long request is still running when its client leaves)
     model = make_tiny_served_model(str(tmp_path_factory.mktemp("tiny")), context=8192)
-    port = _free_port_in_range()
-    proc = ServerProcess(str(tmp_path_factory.mktemp("server")), "--model-path", model, "--served-model-name", MODEL, "--port", str(port))  # fmt: skip
-    proc.port, proc.url = port, f"http://127.0.0.1:{port}"  # (the later --port wins)
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    logs = str(tmp_path_factory.mktemp("server"))
+    yield from ServerProcess(logs, "--model-path", model, "--served-model-name", MODEL).running()
 
 
 @pytest.fixture(scope="module")

@@ -341,15 +341,10 @@ GREEDY = {"temperature": 0.0, "max_tokens": 80}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_path):
-    proc = ServerProcess(
+    yield from ServerProcess(
         str(tmp_path_factory.mktemp("tools")),
         *("--chat-template", QWEN25_TEMPLATE, "--tool-call-parser", "qwen25"),
-    )
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+    ).running()
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,22 @@ tail decoded for the match must span the string's bytes, not its characters."""
 from __future__ import annotations
 
 import pytest
-from rs_testing import save_byte_tokenizer
+from rs_testing import make_sentencepiece_tokenizer, save_byte_tokenizer
 
 from radixserve.managers.schedule_batch import Req, finish_stop
 from radixserve.sampling_params import SamplingParams
+
+
+def _run_to_stop(tok, prompt: list[int], ids: list[int], **sp) -> tuple[Req, int]:
+    """A request fed `ids` a token a step, as decode steps append them, until it finishes (or
+    they run out): it and how many it took."""
+    req = Req("r", prompt, SamplingParams(**sp))
+    for n in range(1, len(ids) + 1):
+        req.output_ids = ids[:n]
+        req.check_finished(tok)
+        if req.finished():
+            break
+    return req, n
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +37,7 @@ def test_a_stop_string_ends_the_request_at_its_last_token(byte_tokenizer, stop):
     first = stop if isinstance(stop, str) else stop[1]
     ids = byte_tokenizer.encode("hello, " + first, add_special_tokens=False)
     assert len(ids) == len(("hello, " + first).encode())  # one token a byte
-    req = Req("r", [5], SamplingParams(stop=stop, max_new_tokens=100))
-    for n in range(1, len(ids) + 1):  # token by token, as decode steps append them
-        req.output_ids = ids[:n]
-        req.check_finished(byte_tokenizer)
-        if req.finished():
-            break
+    req, n = _run_to_stop(byte_tokenizer, [5], ids, stop=stop, max_new_tokens=100)
     assert req.finished_reason == finish_stop(first)
     assert n == len(ids)
 
@@ -59,12 +66,9 @@ def test_a_stop_string_written_before_min_new_tokens_does_not_count_later(byte_t
     characters than min_new_tokens tokens) or not at all (streamed, where it had been sent).
     Now the next one ends it (vLLM's rule), the text cut there either way."""
     ids = byte_tokenizer.encode("ab STOP cd STOP ef", add_special_tokens=False)
-    req = Req("r", [5], SamplingParams(stop="STOP", min_new_tokens=9, max_new_tokens=100))
-    for n in range(1, len(ids) + 1):
-        req.output_ids = ids[:n]
-        req.check_finished(byte_tokenizer)
-        if req.finished():
-            break
+    req, n = _run_to_stop(
+        byte_tokenizer, [5], ids, stop="STOP", min_new_tokens=9, max_new_tokens=100
+    )
     assert req.finished_reason == finish_stop("STOP")
     assert n == len("ab STOP cd STOP")  # the second one, not at min_new_tokens (9)
     for per_step in (True, False):
@@ -72,38 +76,8 @@ def test_a_stop_string_written_before_min_new_tokens_does_not_count_later(byte_t
 
 
 @pytest.fixture(scope="module")
-def byte_fallback_tokenizer(tmp_path_factory):
-    """A Llama-2-style tokenizer (SentencePiece BPE, ▁ for spaces, byte fallback: a character
-    out of the vocabulary is its UTF-8 bytes as <0xXX> tokens), built here."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, normalizers, trainers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
-    tok.train_from_iterator(["abc ghi the quick brown fox"] * 20, trainer)
-    spec = json.loads(tok.to_str())
-    vocab = spec["model"]["vocab"]
-    for b in range(256):
-        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-    return fast
+def byte_fallback_tokenizer():
+    return make_sentencepiece_tokenizer()
 
 
 @pytest.mark.parametrize(
@@ -119,12 +93,7 @@ def test_a_stop_string_of_byte_tokens_after_other_byte_tokens(
     tok = byte_fallback_tokenizer
     ids = tok.encode(text, add_special_tokens=False)
     assert sum(p.startswith("<0x") for p in tok.convert_ids_to_tokens(ids)) >= 6
-    req = Req("r", [5], SamplingParams(stop=stop, max_new_tokens=100))
-    for n in range(1, len(ids) + 1):
-        req.output_ids = ids[:n]
-        req.check_finished(tok)
-        if req.finished():
-            break
+    req, n = _run_to_stop(tok, [5], ids, stop=stop, max_new_tokens=100)
     assert req.finished_reason == finish_stop(stop)
     assert tok.decode(ids[:n]) == upto
 
@@ -143,12 +112,7 @@ def test_a_token_completing_two_stops_ends_at_the_first_in_the_text(stops):
     """Trimmed at the stop first in the list, the other (earlier in the text) stayed in the
     output: 'It is done.' for stop ['"', '.']."""
     tok = PieceTokenizer()
-    req = Req("r", [5], SamplingParams(stop=stops, max_new_tokens=100))
-    for n in range(1, 6):
-        req.output_ids = [1, 2, 3, 4, 5][:n]
-        req.check_finished(tok)
-        if req.finished():
-            break
+    req, n = _run_to_stop(tok, [5], [1, 2, 3, 4, 5], stop=stops, max_new_tokens=100)
     assert n == 4 and req.finished_reason == finish_stop(".")
     assert _detokenize(tok, [1, 2, 3, 4], ".", per_step=False) == "It is done"
 
@@ -170,15 +134,30 @@ def test_a_token_holding_the_stop_twice_is_cut_at_the_first(ids, stop, text):
     """The request ends at the first occurrence in the token that completes the stop; the
     text was cut at the last ('Yes\n' for stop '\n' and the token '\n\n')."""
     tok = DoubledTokenizer()
-    req = Req("r", [5], SamplingParams(stop=stop, max_new_tokens=100))
-    for n in range(1, len(ids) + 1):
-        req.output_ids = ids[:n]
-        req.check_finished(tok)
-        if req.finished():
-            break
+    req, n = _run_to_stop(tok, [5], ids, stop=stop, max_new_tokens=100)
     assert req.finished_reason == finish_stop(stop)
     for per_step in (True, False):
         assert _detokenize(tok, ids[:n], stop, per_step) == text
+
+
+def _detokenize_after(tok, prompt: list[int], output: list[int], per_step: bool) -> str:
+    """The text the detokenizer gives for `output` after `prompt`, ended by length: fed a token
+    a step (streamed) or all at the end."""
+    from radixserve.io_struct import BatchTokenIDOutput
+    from radixserve.managers.detokenizer_manager import DetokenizerManager
+
+    detok = DetokenizerManager(tok)
+    chunks = [[t] for t in output] if per_step else [output]
+    text = ""
+    for k, chunk in enumerate(chunks):
+        last = k == len(chunks) - 1
+        reason = {"type": "length", "length": len(output)} if last else None
+        out = BatchTokenIDOutput(
+            ["r"], [reason], [chunk], [True], [True], [False], [[]], [1], [1], [0]
+        )
+        out.decode_context = [prompt[-5:] if k == 0 else []]
+        text += detok.handle_batch_token_id_out(out).output_strs[0]
+    return text
 
 
 def test_the_first_output_token_keeps_its_leading_space_after_the_prompt(
@@ -187,9 +166,6 @@ def test_the_first_output_token_keeps_its_leading_space_after_the_prompt(
     """A SentencePiece decoder strips the leading space of the text it decodes: the output
     decoded alone lost its first space ('the the' after 'abc', and the prompt plus the text
     read 'abcthe the'). It is decoded after the prompt's last tokens now, as SGLang does."""
-    from radixserve.io_struct import BatchTokenIDOutput
-    from radixserve.managers.detokenizer_manager import DetokenizerManager
-
     tok = byte_fallback_tokenizer
     ids = tok.encode("abc the quick fox", add_special_tokens=False)
     pieces = tok.convert_ids_to_tokens(ids)
@@ -198,27 +174,13 @@ def test_the_first_output_token_keeps_its_leading_space_after_the_prompt(
     want = tok.decode(ids)[len(tok.decode(prompt)) :]
     assert want.startswith(" ") and not tok.decode(output).startswith(" ")
     for per_step in (True, False):
-        detok = DetokenizerManager(tok)
-        chunks = [[t] for t in output] if per_step else [output]
-        text = ""
-        for k, chunk in enumerate(chunks):
-            last = k == len(chunks) - 1
-            reason = {"type": "length", "length": len(output)} if last else None
-            out = BatchTokenIDOutput(
-                ["r"], [reason], [chunk], [True], [True], [False], [[]], [1], [1], [0]
-            )
-            out.decode_context = [prompt[-5:] if k == 0 else []]
-            text += detok.handle_batch_token_id_out(out).output_strs[0]
-        assert text == want
+        assert _detokenize_after(tok, prompt, output, per_step) == want, per_step
 
 
 def test_an_output_cut_inside_a_character_keeps_the_characters_before(byte_fallback_tokenizer):
     """A byte-fallback decoder makes a byte run that is not UTF-8 as a whole U+FFFD: an output
     cut by max_tokens inside its last character read 9 x U+FFFD for '日本' and 2 bytes of
     '語' (non-streamed), or '日本' and several U+FFFD (streamed). Now '日本' and one U+FFFD."""
-    from radixserve.io_struct import BatchTokenIDOutput
-    from radixserve.managers.detokenizer_manager import DetokenizerManager
-
     tok = byte_fallback_tokenizer
     prompt = tok.encode("abc", add_special_tokens=False)
     whole = tok.encode("abc 日本語", add_special_tokens=False)[len(prompt) :]
@@ -228,18 +190,7 @@ def test_an_output_cut_inside_a_character_keeps_the_characters_before(byte_fallb
     want = tok.decode(prompt + whole)[len(tok.decode(prompt)) : -1] + "\ufffd"
     assert want.endswith("日本\ufffd")
     for per_step in (True, False):
-        detok = DetokenizerManager(tok)
-        chunks = [[t] for t in output] if per_step else [output]
-        text = ""
-        for k, chunk in enumerate(chunks):
-            last = k == len(chunks) - 1
-            reason = {"type": "length", "length": len(output)} if last else None
-            out = BatchTokenIDOutput(
-                ["r"], [reason], [chunk], [True], [True], [False], [[]], [1], [1], [0]
-            )
-            out.decode_context = [prompt[-5:] if k == 0 else []]
-            text += detok.handle_batch_token_id_out(out).output_strs[0]
-        assert text == want, per_step
+        assert _detokenize_after(tok, prompt, output, per_step) == want, per_step
 
 
 @pytest.mark.parametrize("stop", [" fox", " fo"])
@@ -254,12 +205,7 @@ def test_a_stop_string_with_a_leading_space_at_the_start_of_the_output(
     pieces = tok.convert_ids_to_tokens(ids)
     cut = next(i for i, p in enumerate(pieces) if i > 0 and p.startswith("▁"))
     prompt, output = ids[:cut], ids[cut:]
-    req = Req("r", prompt, SamplingParams(stop=stop, max_new_tokens=100))
-    for n in range(1, len(output) + 1):
-        req.output_ids = output[:n]
-        req.check_finished(tok)
-        if req.finished():
-            break
+    req, n = _run_to_stop(tok, prompt, output, stop=stop, max_new_tokens=100)
     assert tok.decode(output) == "fox"  # (decoded alone)
     assert req.finished_reason == finish_stop(stop) and n == len(output)
 
