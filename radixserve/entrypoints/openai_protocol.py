@@ -417,8 +417,7 @@ class GenerateRequest(RoutingFields):
     def _null_is_the_default(cls, data: Any) -> Any:
         """As SGLang: null for a field with a default (what its frontend sends) is the default."""
         if isinstance(data, dict):
-            defaulted = ("stream", "return_logprob", "top_logprobs_num", "logprob_start_len")
-            defaulted += ("return_text_in_logprobs",)
+            defaulted = ("stream", "return_text_in_logprobs", *PER_PROMPT_LOGPROB_FIELDS)
             data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
         return data
 

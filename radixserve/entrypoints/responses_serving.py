@@ -201,8 +201,7 @@ class ResponsesServing:
         response, items = self.stored[previous_id]
         # A call cut by max_output_tokens has half its arguments: not a call to answer (its
         # arguments, not JSON, made the conversation impossible to continue: a 400).
-        cut = [it for it in response["output"] if _is_cut_call(it)]
-        return items + [it for it in response["output"] if not any(it is c for c in cut)]
+        return items + [it for it in response["output"] if not _is_cut_call(it)]
 
     async def create(self, req: ResponsesRequest, request: Request | None) -> Response:
         history = self._history(req.previous_response_id)

@@ -10,6 +10,7 @@ no_stop_trim. Control messages (cache flush, server info, errors) pass straight 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,10 +145,8 @@ class DetokenizerManager:
         window = st.ids[-(LAST_TOKEN_WINDOW + 1) :]
         after = self.tokenizer.decode(window, **decode_kw)
         before = self.tokenizer.decode(window[:-1], **decode_kw)
-        same = 0  # (the last token may complete a character the tokens before it began)
-        while same < min(len(after), len(before)) and after[same] == before[same]:
-            same += 1
-        return len(after) - same
+        # (the last token may complete a character the tokens before it began)
+        return len(after) - len(os.path.commonprefix((after, before)))
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

@@ -44,14 +44,11 @@ def _expect_per_prompt(obj: GenerateReqInput, name: str, ok: Any, what: str) -> 
     if not isinstance(value, list):
         _expect(name, value, ok(value), what)
         return
-    prompts = None if _prompts_unknown(obj) or obj.is_single else obj.batch_size
+    given = obj.text is not None or obj.input_ids is not None  # (else refused below)
+    prompts = obj.batch_size if given and not obj.is_single else None
     _expect(name, value, len(value) == prompts, f"{what}, or a list of one per prompt")
     for v in value:
         _expect(name, v, ok(v), what)
-
-
-def _prompts_unknown(obj: GenerateReqInput) -> bool:
-    return obj.text is None and obj.input_ids is None
 
 
 def verify_request_fields(obj: GenerateReqInput) -> None:

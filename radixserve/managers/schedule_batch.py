@@ -13,6 +13,7 @@ ForwardBatch. filter_batch / merge_batch keep every per-request list aligned (in
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -251,9 +252,8 @@ class Req:
             ids = self.output_ids[-(n + extra) :]
             tail = self._decode_tail(tokenizer, ids)
         before = self._decode_tail(tokenizer, ids[:-1], len(ids) == len(self.output_ids))
-        new = 0  # where the newest token's text starts (it may complete a character before)
-        while new < min(len(tail), len(before)) and tail[new] == before[new]:
-            new += 1
+        # Where the newest token's text starts (it may complete a character before).
+        new = len(os.path.commonprefix((tail, before)))
         # Of those it completes, the one that starts first in the text (not in the list): the
         # text is cut there.
         found = [
