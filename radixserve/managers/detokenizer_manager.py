@@ -31,6 +31,7 @@ class DecodeStatus:
     surr_offset: int = 0
     read_offset: int = 0
     decoded: str = ""  # text confirmed complete so far
+    prompt_text: str | None = None  # the prompt's last tokens' text, until the first output
     sent: int = 0  # characters of `decoded` already sent
 
 
@@ -82,9 +83,13 @@ class DetokenizerManager:
 
     def _decode_one(self, out: BatchTokenIDOutput, i: int, rid: str) -> str:
         st = self.states.get(rid)
+        decode_kw = {
+            "skip_special_tokens": out.skip_special_tokens[i],
+            "spaces_between_special_tokens": out.spaces_between_special_tokens[i],
+        }
         if st is None:  # the first message: decoded after the prompt's last tokens
             context = out.decode_context[i] if i < len(out.decode_context) else []
-            st = self.states[rid] = DecodeStatus(list(context), 0, len(context))
+            st = self.states[rid] = self._start(list(context), decode_kw)
         finished = out.finished_reasons[i]
         new_ids = out.output_ids[i]
         if finished and not out.no_stop_trim[i]:
@@ -92,17 +97,21 @@ class DetokenizerManager:
             if isinstance(matched, int) and new_ids and new_ids[-1] == matched:
                 new_ids = new_ids[:-1]  # the stop token's own text is not output
         st.ids.extend(new_ids)
-        decode_kw = {
-            "skip_special_tokens": out.skip_special_tokens[i],
-            "spaces_between_special_tokens": out.spaces_between_special_tokens[i],
-        }
         surr = self.tokenizer.decode(st.ids[st.surr_offset : st.read_offset], **decode_kw)
         full = self.tokenizer.decode(st.ids[st.surr_offset :], **decode_kw)
         if finished and full.endswith(REPLACEMENT_CHAR):
             full = self._cut_in_a_character(st, full, decode_kw)
-        if len(full) > len(surr) and (finished or not full.endswith(REPLACEMENT_CHAR)):
-            st.decoded += full[len(surr) :]
+        # The first text starts where it parts from the prompt's: inside the prompt's last
+        # character where the output completes it (then whole, not U+FFFD).
+        start = (
+            len(surr)
+            if st.prompt_text is None
+            else len(os.path.commonprefix((st.prompt_text, full)))
+        )
+        if len(full) > start and (finished or not full.endswith(REPLACEMENT_CHAR)):
+            st.decoded += full[start:]
             st.surr_offset, st.read_offset = st.read_offset, len(st.ids)
+            st.prompt_text = None
         stops = out.stop_strs[i]
         if finished:
             self.states.pop(rid, None)
@@ -125,6 +134,20 @@ class DetokenizerManager:
         delta = st.decoded[st.sent : end]
         st.sent = end
         return delta
+
+    def _start(self, context: list[int], decode_kw: dict[str, Any]) -> DecodeStatus:
+        """A request's state before its first output: decoded after `context`, the prompt's
+        last tokens. Where they end inside a character, its tokens are read again with the
+        output's (a byte-fallback decoder makes a byte run that starts inside a character all
+        U+FFFD)."""
+        text = self.tokenizer.decode(context, **decode_kw)
+        read = len(context)
+        if text.endswith(REPLACEMENT_CHAR):  # (or with a U+FFFD of its own)
+            for k in range(1, min(3, len(context)) + 1):  # a character has 4 bytes at most
+                if not self.tokenizer.decode(context[:-k], **decode_kw).endswith(REPLACEMENT_CHAR):
+                    read = len(context) - k
+                    break
+        return DecodeStatus(context, 0, read, prompt_text=text)
 
     def _cut_in_a_character(self, st: DecodeStatus, full: str, decode_kw: dict[str, Any]) -> str:
         """The text of an output that ends inside a character (cut by max_tokens): the

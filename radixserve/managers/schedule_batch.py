@@ -274,9 +274,8 @@ class Req:
             return tokenizer.decode(ids, skip_special_tokens=False)
         head = tokenizer.decode(context, skip_special_tokens=False)
         text = tokenizer.decode(context + ids, skip_special_tokens=False)
-        if not text.startswith(head):  # (the prompt ends inside a character)
-            return tokenizer.decode(ids, skip_special_tokens=False)
-        return text[len(head) :]
+        # (where the prompt ends inside a character, the output's text starts with it whole)
+        return text[len(os.path.commonprefix((head, text))) :]
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, in={len(self.origin_input_ids)}, out={len(self.output_ids)})"

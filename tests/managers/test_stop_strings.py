@@ -193,6 +193,29 @@ def test_an_output_cut_inside_a_character_keeps_the_characters_before(byte_fallb
         assert _detokenize_after(tok, prompt, output, per_step) == want, per_step
 
 
+@pytest.mark.parametrize("tokenizer", ["byte_tokenizer", "byte_fallback_tokenizer"])
+@pytest.mark.parametrize("bytes_in_prompt", [1, 2])
+def test_a_prompt_ending_inside_a_character(request, tokenizer, bytes_in_prompt):
+    """A prompt of token ids that ends inside a character (a continuation cut mid-character,
+    an RL rollout): the output lost the character its first tokens completed ('本語' for
+    'abc' + one byte of '日' prompted, '日本語' wanted). The text and the stop-string match
+    both start with it whole."""
+    tok = request.getfixturevalue(tokenizer)
+    head = tok.encode("abc ", add_special_tokens=False)
+    tail = tok.encode("abc 日本語", add_special_tokens=False)[len(head) :]
+    assert len(tail) == 9  # one token a byte
+    prompt, output = head + tail[:bytes_in_prompt], tail[bytes_in_prompt:]
+    for per_step in (True, False):
+        assert _detokenize_after(tok, prompt, output, per_step) == "日本語", per_step
+    req, n = _run_to_stop(tok, prompt, output, stop="日本", max_new_tokens=100)
+    assert req.finished_reason == finish_stop("日本") and n == 6 - bytes_in_prompt
+    # A prompt ending with a U+FFFD of its own keeps it.
+    prompt = tok.encode("abc \ufffd", add_special_tokens=False)
+    output = tok.encode("abc \ufffd日本語", add_special_tokens=False)[len(prompt) :]
+    for per_step in (True, False):
+        assert _detokenize_after(tok, prompt, output, per_step) == "日本語", per_step
+
+
 @pytest.mark.parametrize("stop", [" fox", " fo"])
 def test_a_stop_string_with_a_leading_space_at_the_start_of_the_output(
     byte_fallback_tokenizer, stop
