@@ -214,7 +214,6 @@ class DecodePrealloc(DisaggSide):
             req.disagg_deadline = time.monotonic() + self.timeout  # for its KV, from now
             slots = batch._alloc_slots([req], [0], [n])
             req.last_node = s.tree_cache.root_node
-            self.peers.setdefault(address, {"ping": 0.0, "pong": time.monotonic()})
             self.waiting_kv[req.bootstrap_room] = req
             self.channel.send(
                 address,
