@@ -1,5 +1,5 @@
-"""OpenAI's Responses API, served: `POST /v1/responses`, `GET|DELETE /v1/responses/{id}`, for
-text models.
+"""OpenAI's Responses API, served: `POST /v1/responses`, `GET|DELETE /v1/responses/{id}`,
+`GET /v1/responses/{id}/input_items` and `POST /v1/responses/{id}/cancel`, for text models.
 
 A request runs as its Chat Completions request (`responses_protocol.to_chat_request`) through
 the chat path's machinery: `chat_to_generate` (template, tool schemas, json_schema), the
@@ -52,6 +52,8 @@ from radixserve.managers.tokenizer_manager import RequestError
 logger = logging.getLogger(__name__)
 
 MAX_STORED_RESPONSES = 1024
+ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+ITEM_ID_PREFIX["reasoning"] = "rs"
 
 
 def _item_id(prefix: str) -> str:
@@ -186,6 +188,41 @@ class ResponsesServing:
         del self.stored[response_id]
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
+    def input_items(self, response_id: str, query: Any) -> dict[str, Any]:
+        """A page of the items a stored response was generated from (those of the responses
+        before it too), newest first unless `order` is asc; `after` / `before` name an item."""
+        self.get(response_id)
+        items = self.stored[response_id][1]
+        limit = query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise RequestError(f"limit: an integer from 1 to 100, got {limit!r}")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise RequestError(f"order: 'asc' or 'desc', got {order!r}")
+        if order == "desc":
+            items = items[::-1]
+        ids = [it["id"] for it in items]
+        start, end = 0, len(items)
+        for name in ("after", "before"):
+            if name in query and query[name] not in ids:
+                raise RequestError(f"{name}: no input item {query[name]!r} in this response")
+        if "after" in query:
+            start = ids.index(query["after"]) + 1
+        if "before" in query:
+            end = ids.index(query["before"])
+        page = items[start:end][: int(limit)]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + len(page) < end,
+        }
+
+    def cancel(self, response_id: str) -> dict[str, Any]:
+        self.get(response_id)  # (responses run in the request that creates them)
+        raise RequestError("Cannot cancel a synchronous response: only background ones can be.")
+
     def _store(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         self.stored[response["id"]] = (response, items)
         while len(self.stored) > MAX_STORED_RESPONSES:
@@ -217,7 +254,7 @@ class ResponsesServing:
         parsing = ChatParsing.for_request(chat, serving.tool_call_parser, serving.reasoning_parser)
         response = self._response(req, model)
         gen = self.tm.generate_request(obj, None)
-        context = history + items
+        context = history + [listed_item(it) for it in items]
         if not req.stream:
             out = await collect(gen, request)
             if out is None:
@@ -353,6 +390,21 @@ class ResponsesServing:
         yield event({"type": kind.get(body["status"], "response.completed"), "response": body})
 
 
+def listed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item (checked by `to_chat_request`) as an item object, as stored and listed:
+    with an id, a status and, for a message, content parts (still a valid input item)."""
+    kind = item.get("type", "message")
+    listed = {"id": _item_id(ITEM_ID_PREFIX[kind]), "type": kind, **item}
+    if kind == "message" and isinstance(item["content"], str):
+        assistant = item["role"] == "assistant"
+        part = {"type": "output_text", "text": item["content"], "annotations": []}
+        listed["content"] = [part if assistant else {"type": "input_text", "text": item["content"]}]
+    if kind == "reasoning":
+        listed.setdefault("summary", [])
+    listed.setdefault("status", "completed")
+    return listed
+
+
 def _is_cut_call(item: dict[str, Any]) -> bool:
     return item.get("type") == "function_call" and item.get("status") == "incomplete"
 
@@ -389,9 +441,19 @@ async def delete_response(response_id: str, request: Request) -> Response:
     return _stored(_serving(request).delete, response_id)
 
 
-def _stored(call: Any, response_id: str) -> Response:
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request) -> Response:
+    return _stored(_serving(request).input_items, response_id, request.query_params)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> Response:
+    return _stored(_serving(request).cancel, response_id)
+
+
+def _stored(call: Any, response_id: str, *args: Any) -> Response:
     try:
-        return json_response(call(response_id))
+        return json_response(call(response_id, *args))
     except RequestError as e:  # (an unknown id: 404)
         return error_response(str(e), e.status_code)
 

@@ -148,6 +148,58 @@ def test_stored_responses_get_delete_and_the_lru_bound(responses_client, monkeyp
         assert client.get(f"{RESPONSES}/{unstored['id']}").status_code == 404
 
 
+def test_input_items_list_the_context_with_ids_in_pages(responses_client):
+    """GET /v1/responses/{id}/input_items: the items the response was generated from (the
+    responses before it too), newest first by default, paged by after / before / limit; an
+    item listed goes back as input unchanged."""
+    items = [
+        {"role": "user", "content": "one"},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+    ]
+    with responses_client() as client:
+        first = client.post(RESPONSES, json={"input": items, "instructions": "Sys."}).json()
+        second = client.post(
+            RESPONSES, json={"input": "two", "previous_response_id": first["id"]}
+        ).json()
+        url = f"{RESPONSES}/{second['id']}/input_items"
+        listed = client.get(url, params={"order": "asc"}).json()
+        assert listed["object"] == "list" and listed["has_more"] is False
+        data = listed["data"]
+        assert [it["type"] for it in data] == [
+            "message", "function_call", "function_call_output", "message", "message"
+        ]  # fmt: skip
+        assert data[0]["content"] == [{"type": "input_text", "text": "one"}]
+        assert data[3] == first["output"][0]  # the first response's answer
+        assert data[4]["role"] == "user" and data[4]["content"][0]["text"] == "two"
+        assert all(data[k]["status"] == "completed" for k in (0, 1, 2, 4))
+        ids = [it["id"] for it in data]
+        assert len(set(ids)) == 5 and ids[1].startswith("fc_") and ids[0].startswith("msg_")
+        assert (listed["first_id"], listed["last_id"]) == (ids[0], ids[-1])
+        # the same list again (ids are stable), newest first, in pages of two
+        got, after = [], None
+        for _ in range(5):
+            page = client.get(url, params={"limit": 2, **({"after": after} if after else {})})
+            page = page.json()
+            got += page["data"]
+            after = page["last_id"]
+            if not page["has_more"]:
+                break
+        assert [it["id"] for it in got] == ids[::-1]
+        before = client.get(url, params={"before": ids[3], "order": "asc"}).json()
+        assert [it["id"] for it in before["data"]] == ids[:3]
+        # listed items are input items
+        r = client.post(RESPONSES, json={"input": data})
+        assert r.status_code == 200, r.text
+        for bad in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_x"}):
+            r = client.get(url, params=bad)
+            assert r.status_code == 400 and next(iter(bad)) in r.json()["error"]["message"]
+        assert client.get(f"{RESPONSES}/resp_x/input_items").status_code == 404
+        # (responses run within their request: nothing to cancel)
+        assert client.post(f"{RESPONSES}/{second['id']}/cancel").status_code == 400
+        assert client.post(f"{RESPONSES}/resp_x/cancel").status_code == 404
+
+
 # -- fast: response and stream shapes -----------------------------------------------------------
 def test_response_shape_and_echoed_parameters(responses_client, fake_tm):
     body = {
@@ -480,6 +532,17 @@ class TestServed:
         assert second.usage.input_tokens == chat.usage.prompt_tokens
         assert second.output_text == chat.choices[0].message.content
         assert client.responses.retrieve(second.id).output_text == second.output_text
+
+    def test_sdk_lists_input_items(self, client):
+        first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3, **GREEDY)
+        second = client.responses.create(
+            model=MODEL, input="More", previous_response_id=first.id, max_output_tokens=3
+        )
+        pages = client.responses.input_items.list(second.id, limit=1, order="asc")
+        items = list(pages)  # (the SDK follows the pages)
+        assert [it.type for it in items] == ["message"] * 3
+        assert [it.role for it in items] == ["user", "assistant", "user"]
+        assert items[1].id == first.output[0].id and items[2].content[0].text == "More"
 
     def test_json_schema_format_gives_valid_json(self, client):
         r = client.responses.create(
