@@ -308,8 +308,9 @@ class ServerArgs:
     stream_interval: int = _f(1, "Stream every N tokens.")
     max_queued_requests: int | None = _f(
         None,
-        "Requests allowed to wait beyond --max-running-requests; past it a request gets HTTP "
-        "503 with Retry-After at once (default: no bound).",
+        "New requests allowed to wait for admission (beyond --max-running-requests, or for "
+        "KV cache room); past it the latest get HTTP 503 with Retry-After at once (default: "
+        "no bound).",
     )
     log_level: str = _f("info", "Logging level.")
     watchdog_timeout: float = _f(300.0, "Seconds a child may stay silent before the server exits.")

@@ -49,7 +49,6 @@ NODE_LOCAL_ARGS = frozenset(
         "api_key",
         "disable_dashboard",
         "enable_metrics",
-        "max_queued_requests",
         "log_level",
         "num_threads",
         "watchdog_timeout",

@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response, StreamingResponse
 
 from radixserve.args import ServerArgs
@@ -75,6 +76,7 @@ WARMUP_TIMEOUT_S = 300.0
 WARMUP_FLUSH_S = 10.0
 WATCHDOG_INTERVAL_S = 0.5
 GRACEFUL_SHUTDOWN_S = 3
+WARMING_UP = "the server is starting: its warm-up request still runs"
 SHUTTING_DOWN = "the server is shutting down"  # what requests cut short by a stop are told
 # How long an idle keep-alive connection stays open: longer than clients keep idle connections
 # in their pools (httpx, and so the OpenAI SDK: 5 s; aiohttp: 15 s). At uvicorn's default of
@@ -97,6 +99,10 @@ class AppState:
     failure: str | None = None  # set by the watchdog: why the server is going down
     exit_code: int = 0
     tokenizer_dir: str | None = None  # what /model_info and /server_info report
+    warming_up: bool = False  # the warm-up request still runs: /health answers 503
+
+    def __post_init__(self) -> None:
+        self.warming_up = self.procs is not None  # (a real server warms up before "ready")
 
     def tokenizer_path(self) -> str:
         return (
@@ -192,7 +198,10 @@ async def _announce_ready(state: AppState) -> None:
         await asyncio.sleep(0.05)
     args = state.server_args
     if state.procs is not None:
-        await _warm_up(state)
+        try:
+            await _warm_up(state)
+        finally:
+            state.warming_up = False
         logger.info("%s", startup_summary(args, state.procs.scheduler_info))
     logger.info("radixserve ready on http://%s:%d", args.host, args.port)
 
@@ -261,8 +270,11 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 when the children live and the scheduler answers; 503 (with the reason) otherwise."""
+    """200 when the children live and the scheduler answers; 503 (with the reason) otherwise,
+    and while the warm-up request runs (a router or readiness probe sends traffic at 200)."""
     st = _state(request)
+    if st.warming_up:
+        return error_response(WARMING_UP, 503)
     ping = asyncio.ensure_future(st.tokenizer_manager.get_server_info())
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     try:
@@ -286,6 +298,8 @@ async def health_generate(request: Request) -> Response:
     reaches us while it waits (SGLang's rule); 503 if neither happens in time. A probe refused
     because the queue is full (--max-queued-requests) waits for the others' output instead: a
     busy server is a healthy one."""
+    if _state(request).warming_up:
+        return error_response(WARMING_UP, 503)
     tm = _tm(request)
     start = time.monotonic()
     obj = GenerateReqInput(
@@ -603,6 +617,15 @@ def build_app(
     install_error_handlers(app)
     if server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=server_args.api_key)
+    # Outermost: browser pages of any origin may call the API (SGLang's policy); a preflight
+    # is answered before the key check, and a 401 carries the CORS headers too.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=["*"],
+        allow_credentials=True,
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
     return app
 
 

@@ -230,7 +230,12 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # (rstrip: "/dashboard/" is open too; routing redirects it without the slash)
-        if scope["type"] == "http" and scope["path"].rstrip("/") not in OPEN_PATHS:
+        # (a CORS preflight carries no credentials; CORSMiddleware answers it before this)
+        if (
+            scope["type"] == "http"
+            and scope["method"] != "OPTIONS"
+            and scope["path"].rstrip("/") not in OPEN_PATHS
+        ):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(auth, self.expected):
                 response = error_response("invalid or missing API key", 401)

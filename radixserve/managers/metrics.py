@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in its own CollectorRegistry (never the global one).
 
 The TokenizerManager calls `on_request` when it dispatches a request and `on_output` for every
-output it receives; the HTTP server calls `update_from_server_info` with the scheduler's
+output it receives (a user's request: the server's own warm-up and health probes are not
+counted); the HTTP server calls `update_from_server_info` with the scheduler's
 `get_server_info()` snapshot when `/metrics` is scraped, then serves `render()`.
 """
 
@@ -49,7 +50,6 @@ _GAUGES = {
 _COUNTERS = {
     "cached_tokens": ("cached_tokens", "Prompt tokens served from the prefix cache."),
     "num_retractions": ("num_retracted_requests", "Requests retracted for lack of KV slots."),
-    "num_aborted": ("num_aborted_requests", "Requests aborted."),
     "spec_verify_ct": ("spec_verify_steps", "Request-steps that verified draft tokens."),
     "spec_draft_tokens": ("spec_draft_tokens", "Draft tokens proposed."),
     "spec_accepted_tokens": ("spec_accepted_tokens", "Draft tokens accepted."),
@@ -100,6 +100,7 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of dispatched requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_finished = counter("num_finished_reqs", "Requests finished (any reason).")
+        self.num_aborted = counter("num_aborted_requests", "Requests aborted (any cause).")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram(
             "inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS
@@ -128,6 +129,8 @@ class ServerMetrics:
                     self.itl.observe(per_token)
         if finished_reason is not None:
             self.num_finished.inc()
+            if finished_reason.get("type") == "abort":
+                self.num_aborted.inc()
             self.e2e.observe(max(now - state.created, 0.0))
 
     # -- scrape -----------------------------------------------------------------------------------

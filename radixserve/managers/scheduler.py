@@ -599,11 +599,28 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self.poll_disaggregation()
         self.release_aborted()
         new_batch = self.get_new_batch_prefill()
+        self.refuse_past_queue_limit()
         if new_batch is not None:
             return new_batch
         if self.running_batch.is_empty():
             return None
         return self.update_running_batch(self.running_batch)
+
+    def refuse_past_queue_limit(self) -> None:
+        """--max-queued-requests: new requests that this round could not start wait, up to
+        that many; the latest to arrive past it get a 503 now (SGLang bounds its waiting queue
+        alike). Retracted requests are not new: they always wait."""
+        limit = self.server_args.max_queued_requests
+        if limit is None:
+            return
+        new = [r for r in self.waiting_queue if not r.admitted]
+        if len(new) <= limit:
+            return
+        new.sort(key=lambda r: r.arrival_time)
+        for req in new[limit:]:
+            self.waiting_queue.remove(req)
+            message = f"the request queue is full ({limit} waiting, --max-queued-requests)"
+            self._finish_queued_abort(req, message + "; retry later", status_code=503)
 
     def poll_disaggregation(self) -> None:
         """The peer's messages; on the decode side, requests whose KV arrived join the running

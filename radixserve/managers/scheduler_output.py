@@ -22,6 +22,10 @@ from radixserve.managers.schedule_batch import (
 from radixserve.model_executor.forward_batch import ForwardMode
 from radixserve.speculative.spec_info import SpecVerifyInput
 
+# A request that does not stream still sends its tokens this often (SGLang's
+# DEFAULT_FORCE_STREAM_INTERVAL), so that output flows from a server busy with long ones.
+FORCE_STREAM_INTERVAL = 50
+
 
 @dataclass
 class BatchSnapshot:
@@ -134,15 +138,17 @@ class SchedulerOutputMixin:
             self.chunked_req = None
 
     def stream_output(self, reqs: list[Req]) -> None:
-        """Send each request's new tokens (streaming requests every `stream_interval` tokens,
-        the others once they finish)."""
+        """Send each request's new tokens: streaming requests every `stream_interval` tokens,
+        the others every FORCE_STREAM_INTERVAL (SGLang's: the server shows progress, and
+        /health_generate sees output from a server busy with long ones) and when they finish."""
         interval = self.server_args.stream_interval
         out = BatchTokenIDOutput([], [], [], [], [], [], [], [], [], [])
         for req in reqs:
             if not req.finished():
-                if not req.stream:
-                    continue
-                if (len(req.output_ids) - req.sent_len) < interval and req.sent_len > 0:
+                due = interval if req.stream else FORCE_STREAM_INTERVAL
+                if (len(req.output_ids) - req.sent_len) < due and (
+                    req.sent_len > 0 or not req.stream
+                ):
                     continue
             self._append_output(out, req)
         if out.rids:

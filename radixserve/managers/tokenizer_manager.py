@@ -546,7 +546,9 @@ class TokenizerManager:
                     continue
                 state.event.clear()
                 if state.error is not None:
-                    raise RequestError(state.error["message"], state.error["status_code"])
+                    code = state.error["status_code"]
+                    retry = {"Retry-After": str(RETRY_AFTER_S)} if code == 503 else None
+                    raise RequestError(state.error["message"], code, retry)
                 # Decide on this snapshot: more output (the finish, even) can arrive while the
                 # consumer holds it, and must then be yielded on the next round, not skipped.
                 finished = state.finished

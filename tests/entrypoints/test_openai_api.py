@@ -458,6 +458,47 @@ def test_api_key(fake_tm, make_client):
         assert info["api_key"] == "<set>" and "sekret" not in json.dumps(info)  # not shown
 
 
+def test_cors_preflight_and_headers_with_and_without_a_key(fake_tm, make_client):
+    """A browser page on another origin could not call the server: the preflight was a 405
+    (a 401 with --api-key), and no answer carried Access-Control-Allow-Origin. SGLang allows
+    every origin; so do we, and a preflight needs no key."""
+    origin = {"Origin": "http://localhost:5173"}
+    preflight = {
+        **origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    for key in (None, "sekret"):
+        with make_client(fake_tm, api_key=key) as client:
+            r = client.options("/v1/chat/completions", headers=preflight)
+            assert r.status_code == 200, (key, r.status_code)
+            assert r.headers["access-control-allow-origin"] == origin["Origin"]
+            assert "POST" in r.headers["access-control-allow-methods"]
+            assert "authorization" in r.headers["access-control-allow-headers"].lower()
+            auth = {"Authorization": f"Bearer {key}"} if key else {}
+            r = client.post("/v1/completions", json={"prompt": "x"}, headers={**origin, **auth})
+            assert r.status_code == 200
+            assert r.headers["access-control-allow-origin"] == origin["Origin"]
+            if key:  # (the refusal is readable by the page too)
+                r = client.post("/v1/completions", json={"prompt": "x"}, headers=origin)
+                assert r.status_code == 401 and "access-control-allow-origin" in r.headers
+
+
+def test_health_is_503_while_the_warm_up_runs(fake_tm, make_client):
+    """/health answered 200 before the warm-up request had finished: a router or readiness
+    probe sent traffic into the warm-up and its cache flush. 503 until it is done, as SGLang
+    answers while starting."""
+    with make_client(fake_tm) as client:
+        state = client.app.state.rs
+        state.warming_up = True
+        for path in ("/health", "/health_generate"):
+            r = client.get(path)
+            assert r.status_code == 503 and "warm-up" in r.json()["error"]["message"]
+        state.warming_up = False
+        assert client.get("/health").status_code == 200
+        assert client.get("/health_generate").status_code == 200
+
+
 @pytest.mark.parametrize("outputs_meanwhile", [True, False])
 def test_health_generate_when_the_queue_is_full(
     fake_tm, make_client, monkeypatch, outputs_meanwhile

@@ -343,3 +343,41 @@ def test_a_request_outgrowing_the_pool_ends_with_the_same_tokens_in_both_loops()
         got[overlap] = run.tokens()["grow"]
         assert run.reasons()["grow"]["type"] == "abort"
     assert got[True] == got[False] == expected_output([3] * 40, 200)[: len(got[False])]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_queued_requests_bounds_the_requests_waiting_for_kv(overlap):
+    """--max-queued-requests bounded only the requests in flight against
+    --max-running-requests: on a server whose KV pool, not its running slots, was full, 19
+    waited with a bound of 4. Now the new requests a round cannot start wait up to the bound,
+    the latest past it get a 503; retracted ones are not new and always wait."""
+    run = Run(total_tokens=200, max_running=16, overlap=overlap, max_queued_requests=2)
+    for i in range(10):
+        run.submit(f"r{i}", [10 + i] * 40, max_new=100)
+    run.step()
+    reasons = run.reasons()
+    refused = sorted(rid for rid, r in reasons.items() if r.get("status_code") == 503)
+    waiting = [r for r in run.s.waiting_queue if not r.admitted]
+    assert len(waiting) == 2 and refused  # (40-token prompts: 200 slots start 4 at most)
+    assert refused == [f"r{i}" for i in range(10 - len(refused), 10)]  # the latest
+    assert "--max-queued-requests" in reasons[refused[0]]["message"]
+    run.drain()
+    run.check_complete(aborted=set(refused))  # (the others all ran to the end)
+    assert run.s.stats.num_retractions > 0
+
+
+def test_a_request_that_does_not_stream_sends_its_tokens_every_50():
+    """A request that does not stream sent nothing until it finished: a server busy with
+    long ones showed no output, and /health_generate answered 503 after 60 s. It sends every
+    50 tokens now, as SGLang does."""
+    run = Run(total_tokens=1024, overlap=False)
+    sent = []
+    send = run.s.send_output
+    run.s.send_output = lambda out: (sent.append([len(i) for i in out.output_ids]), send(out))
+    run.submit("r", [5, 6, 7], max_new=120)
+    run.submit("s", [8, 9], max_new=3, stream=True)
+    run.drain()
+    sizes = [n for out in sent for n in out]
+    assert sum(sizes) == 123 and sizes.count(1) == 3  # the stream: a token at a time
+    assert sorted(n for n in sizes if n != 1) == [20, 50, 50]
+    run.check_complete()

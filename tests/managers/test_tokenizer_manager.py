@@ -181,6 +181,7 @@ def test_a_request_whose_client_went_away_still_counts_in_the_metrics():
         assert value(metrics, "num_finished_reqs_total") == 1
         assert value(metrics, "generation_tokens_total") == 3
         assert value(metrics, "e2e_request_latency_seconds_count") == 1
+        assert value(metrics, "num_aborted_requests_total") == 1
         assert "r" not in tm._draining  # the rid is free again
 
     run(body())
@@ -203,7 +204,17 @@ def test_the_servers_own_probe_is_not_counted_as_a_request():
         await _settle()
         await sockets.inbox.put(_output("probe", "a", [1], LENGTH))
         await task
-        for name in ("num_requests_total", "prompt_tokens_total", "generation_tokens_total"):
+        # one that /health_generate cancels (it was queued behind others): no abort counted,
+        # where aborts had outnumbered the requests
+        queued = GenerateReqInput(input_ids=[0], rid="queued", log_metrics=False)
+        task = asyncio.create_task(_collect(tm, queued))
+        await _settle()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await sockets.inbox.put(_output("queued", "", [], {"type": "abort", "message": "gone"}))
+        await _settle()
+        names = ("num_requests_total", "prompt_tokens_total", "generation_tokens_total")
+        for name in (*names, "num_aborted_requests_total"):
             assert value(metrics, name) == 0, name
         assert value(metrics, "time_to_first_token_seconds_count") == 0
         assert tm.latency_window.snapshot()["finished_requests"] == 0
