@@ -60,6 +60,15 @@ class SamplingParams:
             return cls()
         if isinstance(d, SamplingParams):
             return d
+        d = dict(d)
+        # SGLang's names (its Engine scripts send them): sampling_seed is seed; stop regexes and
+        # custom logit processors are not implemented, and accepted only empty.
+        seed = d.pop("sampling_seed", None)
+        if seed is not None and d.get("seed") is None:
+            d["seed"] = seed
+        for name, empty in (("stop_regex", (None, [], "")), ("custom_params", (None, {}))):
+            if name in d and d.pop(name) not in empty:
+                raise SamplingParamsError(f"{name} is not supported (not implemented)")
         known = cls.__dataclass_fields__
         unknown = [k for k in d if k not in known or k == "stop_strs"]
         if unknown:

@@ -468,3 +468,17 @@ def test_logprob_fields_per_prompt_and_sglangs_named_parameters(engine):
         engine.generate(input_ids=[[5], [6]], return_logprob=[True])
     with pytest.raises(RequestError, match="image_data is not supported"):
         engine.generate(prompt="hi", image_data="cat.png")
+
+
+def test_sglangs_sampling_param_names(engine):
+    """The offline Engine refused SGLang's sampling_seed, and the empty stop_regex and
+    custom_params its scripts send, that /generate accepts: an SGLang script failed here."""
+    params = {"max_new_tokens": 4, "temperature": 1.0}
+    want = engine.generate(input_ids=[5, 6, 7], sampling_params={**params, "seed": 3})
+    got = engine.generate(
+        input_ids=[5, 6, 7],
+        sampling_params={**params, "sampling_seed": 3, "stop_regex": [], "custom_params": None},
+    )
+    assert got["output_ids"] == want["output_ids"]
+    with pytest.raises(RequestError, match="stop_regex is not supported"):
+        engine.generate(input_ids=[5], sampling_params={"stop_regex": ["a+"]})
