@@ -273,6 +273,13 @@ def check_context_length(cfg: ModelConfig, context_length: int | None, warn: boo
     tens of GB), so that is refused unless RADIXSERVE_ALLOW_LONGER_CONTEXT=1 says it is meant
     (SGLang's SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN)."""
     trained = cfg.max_position_embeddings
+    window = cfg.attention_window
+    if window is not None and (context_length or trained) > window:
+        raise ValueError(
+            f"sliding-window attention ({cfg.architecture}, sliding_window {window}) is not "
+            f"implemented: every layer here attends to the whole context, which is the same "
+            f"within the window only; serve --context-length {window} or less"
+        )
     if not context_length or context_length <= trained:
         return False
     if rope_scaling_type(cfg.rope_scaling) == "dynamic":

@@ -38,6 +38,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # A sliding window (some layer slides): up to this many tokens its attention is the full
+    # attention computed here, which is as far as it is served (check_context_length).
+    attention_window: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -67,7 +70,13 @@ class ModelConfig:
         rope_scaling = _pin_original_positions(
             rope_scaling, max_positions, cfg.get("original_max_position_embeddings")
         )
-        _refuse_what_the_model_does_not_compute(cfg, arch, rope_scaling, max_positions)
+        _refuse_what_the_model_does_not_compute(cfg, arch, rope_scaling)
+        linear = rope_scaling if rope_scaling_type(rope_scaling) == "linear" else {}
+        if linear and linear.get("original_max_position_embeddings") is None:
+            # Linear scaling stretches the positions it was trained on by its factor: that is
+            # its context (SGLang's and vLLM's rule; Vicuna 16k says 4096 positions, factor 4).
+            max_positions = int(max_positions * float(linear["factor"]))
+        window = cfg.get("sliding_window") if any(sliding_layers(cfg)) else None
         attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -91,6 +100,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            attention_window=window,
             hf_config=dict(cfg),
         )
 
@@ -148,7 +158,7 @@ def sliding_layers(cfg: dict[str, Any]) -> list[bool]:
 
 
 def _refuse_what_the_model_does_not_compute(
-    cfg: dict[str, Any], arch: str, scaling: dict[str, Any] | None, max_positions: int
+    cfg: dict[str, Any], arch: str, scaling: dict[str, Any] | None
 ) -> None:
     """Config fields of these architectures that change the model's output and that the model
     here does not implement: refused at load rather than served with other tokens."""
@@ -176,10 +186,8 @@ def _refuse_what_the_model_does_not_compute(
             f"rope_scaling type {rope_type!r} is not supported; supported: "
             + ", ".join(SUPPORTED_ROPE_TYPES[:-1])
         )
-    # Sliding-window attention; a window as long as the context is full attention.
+    # Sliding-window attention: the full attention here computes it within the window only
+    # (check_context_length serves no more).
     window = cfg.get("sliding_window")
-    if any(sliding_layers(cfg)) and (window is None or window < max_positions):
-        raise ValueError(
-            f"sliding-window attention ({arch}, sliding_window {window}) is not supported: "
-            "every layer here attends to the whole context"
-        )
+    if any(sliding_layers(cfg)) and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding-window layers ({arch}) need a sliding_window, got {window!r}")

@@ -18,8 +18,10 @@ from radixserve.sampling_params import SamplingParams
 ATOL = 1e-3
 
 
-def _runner(model_path: str) -> ModelRunner:
-    args = ServerArgs(model_path=model_path, dtype="float32", device="cpu", max_total_tokens=2048)
+def _runner(model_path: str, **kwargs) -> ModelRunner:
+    args = ServerArgs(
+        model_path=model_path, dtype="float32", device="cpu", max_total_tokens=2048, **kwargs
+    )
     return ModelRunner(args.resolve())
 
 
@@ -37,8 +39,8 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-def _check_model(model_path: str, vocab: int) -> None:
-    runner = _runner(model_path)
+def _check_model(model_path: str, vocab: int, **kwargs) -> None:
+    runner = _runner(model_path, **kwargs)
     hf = load_hf_reference(model_path)
     cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
     gen = torch.Generator().manual_seed(0)
@@ -214,18 +216,7 @@ def test_dynamic_ntk_past_the_positions_is_refused(tmp_path, monkeypatch):
     "arch, fields, message",
     [
         ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-        (
-            "qwen2",
-            {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0},
-            "sliding-window attention",
-        ),
-        (
-            "qwen3",
-            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
-            "sliding-window attention",
-        ),
         ("llama", _rope("default", partial_rotary_factor=0.5), "partial_rotary_factor"),
-        ("mistral", {"sliding_window": 32}, "sliding-window attention"),  # (Mistral 7B v0.1)
     ],
 )
 def test_configs_the_model_cannot_compute_are_refused(tmp_path, arch, fields, message):
@@ -235,6 +226,47 @@ def test_configs_the_model_cannot_compute_are_refused(tmp_path, arch, fields, me
     path = make_tiny_model_dir(str(tmp_path / "m"), arch, **fields)
     with pytest.raises(ValueError, match=message):
         load_model_config(path, "safetensors")
+
+
+@pytest.mark.parametrize(
+    "arch, fields",
+    [
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 200, "max_window_layers": 0}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 200, "max_window_layers": 1}),
+        ("mistral", {"sliding_window": 200}),  # (Mistral 7B v0.1: 4096 of 32768 positions)
+    ],
+)
+def test_a_sliding_window_model_is_served_within_its_window(tmp_path, monkeypatch, arch, fields):
+    """The full attention here is the sliding one within the window: such a model was refused
+    whatever --context-length (Mistral 7B v0.1 could not be served), and one whose window
+    was its positions was served past the window with --context-length (other logits than
+    transformers' from there). It is served up to the window, refused past it."""
+    from radixserve.model_loader.loader import (
+        ALLOW_LONGER_CONTEXT_ENV,
+        check_context_length,
+        load_model_config,
+    )
+
+    monkeypatch.setenv(ALLOW_LONGER_CONTEXT_ENV, "1")
+    path = make_tiny_model_dir(str(tmp_path / "m"), arch, **fields)  # (1024 positions)
+    cfg = load_model_config(path, "safetensors")
+    for context in (None, 201, 2048):
+        with pytest.raises(ValueError, match="sliding-window .* --context-length 200 or less"):
+            check_context_length(cfg, context)
+    assert not check_context_length(cfg, 200)
+    _check_model(path, vocab=320, context_length=200)
+
+
+def test_linear_rope_scaling_serves_its_factor_times_the_positions(tmp_path):
+    """Linear scaling stretches the trained positions by its factor (Vicuna 16k: 4096
+    positions, factor 4): the context was the positions alone, 16k prompts refused that
+    transformers runs. SGLang and vLLM serve the factor times them."""
+    path = make_tiny_model_dir(
+        str(tmp_path / "m"), "llama", max_position_embeddings=40, **_rope("linear", factor=4.0)
+    )
+    runner = _runner(path)
+    assert runner.context_len == 160
+    _check_model(path, vocab=320)  # (prompts of up to 122 tokens)
 
 
 def test_a_longer_context_leaves_yarns_frequencies_alone(tmp_path, monkeypatch):
