@@ -245,8 +245,11 @@ def _text_of(part: ChatContentPart, where: str, role: str) -> str:
         raise RequestError(f"{where}: unsupported content part type {part.type!r}; only text")
     if part.text is None:
         raise RequestError(f"{where}.text is required (a string)")
-    if part.model_extra:
-        raise RequestError(f"unsupported field(s) in a text part: {', '.join(part.model_extra)}")
+    # (cache_control: Anthropic's prompt-caching mark, which LiteLLM passes on; the prefix
+    # cache here needs none)
+    extra = [k for k in part.model_extra or {} if k != "cache_control"]
+    if extra:
+        raise RequestError(f"unsupported field(s) in a text part: {', '.join(extra)}")
     return part.text
 
 
@@ -283,6 +286,8 @@ def chat_to_generate(
         if req.messages[-1].role != "assistant":
             raise RequestError("continue_final_message needs the last message to be an assistant's")
         kwargs.update(add_generation_prompt=False, continue_final_message=True)
+    elif not req.add_generation_prompt:
+        kwargs["add_generation_prompt"] = False
     input_ids = tokenizer_manager.apply_chat_template(chat_messages(req), **kwargs)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_new, defaults)

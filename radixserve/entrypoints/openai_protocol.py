@@ -297,6 +297,7 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     # The last message, the assistant's, is continued: no end of turn, no generation prompt.
     continue_final_message: bool = False
+    add_generation_prompt: bool = True  # (vLLM's) false: the template's assistant opening too
     # With --reasoning-parser: false puts the reasoning in content; stream_reasoning false
     # sends the reasoning as one delta once it is complete. Without one: no-ops.
     separate_reasoning: bool = True

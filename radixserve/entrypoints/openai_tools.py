@@ -265,6 +265,7 @@ class ChoiceParser:
         self.detector = detector
         self.parallel_tool_calls = parallel_tool_calls
         self.made_calls = False
+        self._arguments: dict[int, str] = {}  # each call sent: its arguments so far
         self._ids: dict[int, str] = {}
         self._sent_text = False  # some content other than whitespace went out
         self._held_ws = ""  # trailing whitespace of the content: sent once text follows it
@@ -290,12 +291,19 @@ class ChoiceParser:
             if isinstance(p, CallDelta):
                 if self.parallel_tool_calls or p.index == 0:
                     self.made_calls = True
+                    self._arguments[p.index] = self._arguments.get(p.index, "") + p.arguments
                     out.append(p)
             elif text := self._content(p):
                 out.append(text)
         if final and not self.made_calls and self._held_ws:
             out.append(self._held_ws)  # without calls the content is the text as it is
         return out
+
+    @property
+    def calls_complete(self) -> bool:
+        """Whether every call sent has its whole arguments (a stop string, EOS or stop token
+        can end the output inside one: then the choice did not finish by calling)."""
+        return all(arguments_complete(a) for a in self._arguments.values())
 
     def _content(self, text: str) -> str:
         """What to send of a piece of content, as `ChatParsing.parse` reads the whole: once
@@ -344,6 +352,14 @@ class ChoiceParser:
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
+
+
+def arguments_complete(arguments: str) -> bool:
+    """Whether a call's arguments are whole: a JSON object, not one cut short."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def final_finish_reason(reason: str | None, made_calls: bool) -> str | None:

@@ -38,7 +38,12 @@ from radixserve.entrypoints.http_utils import (
     parse_body,
 )
 from radixserve.entrypoints.openai_api import chat_logprobs, chat_to_generate, finish_reason
-from radixserve.entrypoints.openai_tools import ChatParsing, ReasoningText, new_call_id
+from radixserve.entrypoints.openai_tools import (
+    ChatParsing,
+    ReasoningText,
+    arguments_complete,
+    new_call_id,
+)
 from radixserve.entrypoints.responses_protocol import (
     InputTokensDetails,
     OutputTokensDetails,
@@ -149,6 +154,8 @@ class OutputBuilder:
             return
         item["status"] = status
         if item["type"] == "function_call":
+            if not arguments_complete(item["arguments"]):  # (cut by a stop string, say)
+                item["status"] = "incomplete"
             done = {"arguments": item["arguments"], "name": item["name"]}
             self._event("response.function_call_arguments.done", item, **done)
         else:

@@ -43,6 +43,7 @@ class FakeTokenizerManager:
         self.context_len = 256
         self.vocab_size = 0x3000
         self.reply = reply
+        self.finish: dict[str, Any] | None = None  # how the reply ends (None: by length)
         self.requests: list[GenerateReqInput] = []
         self.template_calls: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []
         self.rid_to_state: dict[str, Any] = {}
@@ -77,7 +78,9 @@ class FakeTokenizerManager:
             "prompt_tokens": self._prompt_len(single),
             "completion_tokens": k,
             "cached_tokens": 0,
-            "finish_reason": {"type": "length", "length": k} if k == total else None,
+            "finish_reason": (self.finish or {"type": "length", "length": k})
+            if k == total
+            else None,
             "e2e_latency": 0.01,
         }
         if single.return_logprob:

@@ -315,16 +315,20 @@ def test_reasoning_becomes_a_reasoning_item(responses_client):
     assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "message"]
 
 
-def test_a_response_cut_inside_a_call_can_be_continued(responses_client, fake_tm):
+@pytest.mark.parametrize("by", ["length", "stop"])
+def test_a_response_cut_inside_a_call_can_be_continued(responses_client, fake_tm, by):
     """A call cut by max_output_tokens is stored with half its arguments: continuing that
     response was a 400 'previous_response.1.arguments: not valid JSON'. The cut call is left
-    out of the conversation; the text before it stays."""
+    out of the conversation; the text before it stays. So is one cut by a stop string (it
+    was stored "completed", and the next turn was that 400)."""
     reply = "Let me look.\n" + CALL_TEXT[: CALL_TEXT.index('"tz"') + 3]
     args = dict(tool_call_parser="qwen25", chat_template=QWEN25_TEMPLATE)
     with responses_client(reply, **args) as client:
+        if by == "stop":
+            fake_tm.finish = {"type": "stop", "matched": "CET"}
         body = {"input": [USER], "tools": [TIME_TOOL], "max_output_tokens": 500}
         first = client.post(RESPONSES, json=body).json()
-        assert first["status"] == "incomplete"
+        assert first["status"] == ("incomplete" if by == "length" else "completed")
         assert [(o["type"], o["status"]) for o in first["output"]] == [
             ("message", "completed"),
             ("function_call", "incomplete"),

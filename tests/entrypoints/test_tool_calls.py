@@ -119,6 +119,36 @@ def test_auto_stream_sends_content_then_name_then_arguments(tools_client):
     assert [x for x in reasons if x] == ["length"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_a_stop_string_does_not_finish_with_tool_calls(tools_client, stream):
+    """A stop string (or EOS) inside a call's arguments: the stream finished with
+    "tool_calls" and arguments that are not JSON (a client's json.loads failed), where the
+    whole message is the text, finishing with "stop". Both say "stop" and the match now."""
+    client, tm = tools_client
+    tm.reply = 'Ok.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "'
+    tm.finish = {"type": "stop", "matched": "CET"}
+    body = {"messages": [USER], "tools": TOOLS, "stream": stream}
+    r = client.post(CHAT, json=body)
+    if stream:
+        choices = [c["choices"][0] for c in _sse(r) if c["choices"]]
+        [last] = [c for c in choices if c["finish_reason"]]
+        calls = [tc for c in choices for tc in c["delta"].get("tool_calls") or []]
+        assert calls  # (a call once committed is sent: it cannot be taken back)
+    else:
+        last = r.json()["choices"][0]
+        assert "tool_calls" not in last["message"]
+    assert (last["finish_reason"], last["matched_stop"]) == ("stop", "CET")
+    tm.reply = CALL_TEXT  # a whole call, then EOS: "tool_calls"
+    tm.finish = {"type": "stop", "matched": 2}
+    r = client.post(CHAT, json=body)
+    reasons = (
+        [c["choices"][0]["finish_reason"] for c in _sse(r) if c["choices"]]
+        if stream
+        else [r.json()["choices"][0]["finish_reason"]]
+    )
+    assert [x for x in reasons if x] == ["tool_calls"]
+
+
 def test_none_leaves_the_text_and_the_template_without_tools(tools_client):
     client, tm = tools_client
     r = client.post(CHAT, json={"messages": [USER], "tools": TOOLS, "tool_choice": "none"})

@@ -166,6 +166,22 @@ def test_an_assistant_refusal_part_is_its_text(client, fake_tm):
     assert r.status_code == 400 and "'refusal'" in r.text
 
 
+def test_litellms_cache_control_and_vllms_add_generation_prompt(client, fake_tm):
+    """A text part with Anthropic's cache_control mark (LiteLLM passes it on) and vLLM's
+    add_generation_prompt were 400s; vLLM takes both. Other extra keys still are."""
+    part = {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}
+    r = client.post(CHAT, json={"messages": [{"role": "user", "content": [part]}]})
+    assert r.status_code == 200, r.text
+    assert fake_tm.template_calls[-1][0] == [{"role": "user", "content": "hi"}]
+    assert "add_generation_prompt" not in fake_tm.template_calls[-1][1]  # (true: the default)
+    r = client.post(CHAT, json={"messages": [USER], "add_generation_prompt": False})
+    assert r.status_code == 200, r.text
+    assert fake_tm.template_calls[-1][1]["add_generation_prompt"] is False
+    part = {**part, "cache_contrl": 1}
+    r = client.post(CHAT, json={"messages": [{"role": "user", "content": [part]}]})
+    assert r.status_code == 400 and "cache_contrl" in r.text
+
+
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_null_is_the_default_where_openai_allows_it(client, fake_tm, path):
     """OpenAI's spec types n, stream, logprobs and echo as "... or null": 400 before."""
