@@ -35,6 +35,7 @@ from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_loader.loader import (
     detect_load_format,
     load_model,
+    load_model_config,
     resolve_model_path,
     to_torch_dtype,
 )
@@ -252,7 +253,10 @@ class ModelRunner:
         per_token = MHATokenToKVPool.bytes_per_token(
             cfg.num_hidden_layers, kv_heads, cfg.head_dim, kv_dtype
         )
-        total = sa.max_total_tokens or self._profile_max_num_tokens(per_token)
+        draft_per_token, draft_weights = self._draft_footprint(kv_dtype)
+        total = sa.max_total_tokens or self._profile_max_num_tokens(
+            per_token + draft_per_token, reserved=draft_weights
+        )
         if self.tp.world_size > 1:  # every rank schedules the same slots: the smallest pool
             total = self.tp.min_int(total)
         total = max(sa.page_size, total // sa.page_size * sa.page_size)
@@ -292,10 +296,15 @@ class ModelRunner:
 
     def share_target_pools(self, target: ModelRunner) -> None:
         cfg = self.model_config
-        if cfg.vocab_size != target.model_config.vocab_size:
+        sizes = cfg.vocab_size, target.model_config.vocab_size
+        # Embedding tables padded past one tokenizer (Qwen2.5-0.5B's 151936 rows, 7B's 152064)
+        # differ only in rows no token uses: the draft's logits take the target's width.
+        words = len(self.tokenizer) if self.tokenizer is not None else None
+        if sizes[0] != sizes[1] and (words is None or min(sizes) < words):
             raise ValueError(
-                f"the draft model's vocabulary ({cfg.vocab_size} tokens) differs from the "
-                f"target's ({target.model_config.vocab_size}): they must share a tokenizer"
+                f"the draft model's vocabulary ({sizes[0]} tokens) differs from the target's "
+                f"({sizes[1]}){'' if words is None else f', and the tokenizer has {words}'}: "
+                "they must share a tokenizer"
             )
         if cfg.max_position_embeddings < target.context_len:
             raise ValueError(
@@ -317,13 +326,29 @@ class ModelRunner:
             self.server_args.page_size,
         )
 
-    def _profile_max_num_tokens(self, per_token: int) -> int:
+    def _draft_footprint(self, kv_dtype: torch.dtype) -> tuple[int, int]:
+        """(KV bytes per token, weight bytes) of a STANDALONE draft model: it is loaded after
+        this pool is sized and gets a pool of as many tokens, so both come out of the same
+        --mem-fraction-static budget (they were allocated past it: a draft's KV as large as
+        the target's went on top). Its weights are estimated from its shapes."""
+        sa = self.server_args
+        if sa.speculative_algorithm != "STANDALONE" or not sa.speculative_draft_model_path:
+            return 0, 0
+        path = resolve_model_path(sa.speculative_draft_model_path, "--speculative-draft-model-path")
+        cfg = load_model_config(path, detect_load_format(path, sa.load_format))
+        per_token = MHATokenToKVPool.bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype
+        )
+        return per_token, _param_count(cfg) * self.dtype.itemsize
+
+    def _profile_max_num_tokens(self, per_token: int, reserved: int = 0) -> int:
+        """KV slots in --mem-fraction-static of the free memory, less `reserved` bytes."""
         fraction = self.server_args.mem_fraction_static or 0.2
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
         else:
             free = _mem_available_bytes()
-        return max(1024, int(free * fraction) // per_token)
+        return max(1024, (int(free * fraction) - reserved) // per_token)
 
     # -- forward --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -398,6 +423,16 @@ def create_attention_backend(name: str, device: str) -> AttentionBackend:
                 raise
             logger.warning("attention backend: torch_native, since %s", exc)
     return TorchNativeAttnBackend(device)
+
+
+def _param_count(cfg: ModelConfig) -> int:
+    """A model's parameters, from its shapes (embeddings, attention, MLP; norms are noise)."""
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    q = cfg.num_attention_heads * cfg.head_dim
+    layer = h * (2 * q + 2 * kv) + 3 * h * cfg.intermediate_size
+    return (
+        cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_hidden_layers * layer
+    )
 
 
 def _mem_available_bytes() -> int:

@@ -230,6 +230,22 @@ def test_penalties_and_logprobs_match_plain_decoding(tiny_llama_dir, algo, tops)
         assert [[t for _, t in row] for row in got[rid][2]] == [[t for _, t in row] for row in tops]
 
 
+@pytest.mark.parametrize(
+    "params",
+    [{"logit_bias": {"44": 3.0}}, {"frequency_penalty": 0.8}, {"repetition_penalty": 1.5}],
+)
+def test_the_draft_model_drafts_with_the_requests_logits_processors(tiny_llama_dir, params):
+    """The draft model drafted without the request's penalties and logit_bias, which the
+    target's verify applies: with the target as its own draft, 2% of drafts were accepted
+    with a logit_bias, about 20% with a penalty, instead of all."""
+    got, h = _run(tiny_llama_dir, _prompts()[:4], params, **_spec("STANDALONE", tiny_llama_dir))
+    want, _ = _run(tiny_llama_dir, _prompts()[:4], params)
+    assert got == want
+    stats = h.scheduler.stats
+    assert stats.spec_draft_tokens > 50
+    assert stats.spec_accepted_tokens / stats.spec_draft_tokens > 0.9, params
+
+
 def _logprob_req(rid, ids, params, top):
     from radixserve.io_struct import TokenizedGenerateReqInput
     from radixserve.sampling_params import SamplingParams
@@ -373,3 +389,63 @@ def test_the_engine_refuses_a_missing_draft_before_starting(tmp_path):
             speculative_algorithm="STANDALONE",
             speculative_draft_model_path=str(tmp_path / "no-such-draft"),
         )
+
+
+def test_the_draft_models_kv_and_weights_fit_the_memory_budget(tiny_llama_dir, monkeypatch):
+    """The KV pool was sized from free memory for the target alone; the draft model's
+    weights and its own pool of as many tokens came on top, past --mem-fraction-static (on a
+    GPU: out of memory at start). Both come out of the budget now."""
+    import torch
+
+    from radixserve.args import ServerArgs
+    from radixserve.mem_cache.memory_pool import MHATokenToKVPool
+    from radixserve.model_executor import model_runner
+
+    free = 256 * 2**20
+    monkeypatch.setattr(model_runner, "_mem_available_bytes", lambda: free)
+
+    def runner(**kw):
+        args = ServerArgs(
+            model_path=tiny_llama_dir, device="cpu", dtype="float32", mem_fraction_static=0.5, **kw
+        )
+        return model_runner.ModelRunner(args.resolve())
+
+    plain = runner()
+    target = runner(**_spec("STANDALONE", tiny_llama_dir))
+    cfg = target.model_config
+    per_token = MHATokenToKVPool.bytes_per_token(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32
+    )
+    weights = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    budget = free // 2
+    assert (
+        plain.max_total_num_tokens * per_token
+        <= budget
+        < (plain.max_total_num_tokens + 1) * per_token
+    )
+    # the draft (the target itself here): its KV per token and its weights, within the budget
+    used = target.max_total_num_tokens * 2 * per_token + weights
+    assert budget - 2 * per_token < used <= budget + weights // 20  # (weights: estimated)
+
+
+def test_a_draft_with_a_padded_vocabulary_drafts_for_the_same_tokenizer(tmp_path):
+    """A draft whose embedding table is padded to another size than the target's, one
+    tokenizer (Qwen2.5-0.5B: 151936 rows, for Qwen2.5-7B: 152064), was refused as "they must
+    share a tokenizer". Its logits take the target's width; an id past its table (a target
+    padding row) reads its last row. One smaller than the tokenizer is still refused."""
+    from radixserve.model_loader.weights import load_tokenizer
+
+    target = make_tiny_model_dir(str(tmp_path / "target"), "llama")  # (320 rows)
+    save_byte_tokenizer(target, 300)
+    tok = load_tokenizer(target)
+    prompts = [[*p[:-1], 315] for p in _prompts()[:4]]  # (315: a padding row of the target)
+    want, _ = _run(target, prompts, tokenizer=tok)
+    for rows in (384, 310):
+        draft = make_tiny_model_dir(str(tmp_path / f"d{rows}"), "llama", vocab_size=rows)
+        save_byte_tokenizer(draft, 300)
+        got, h = _run(target, prompts, tokenizer=tok, **_spec("STANDALONE", "", draft))
+        assert got == want and h.scheduler.stats.spec_verify_ct > 0, rows
+    draft = make_tiny_model_dir(str(tmp_path / "d290"), "llama", vocab_size=290)
+    save_byte_tokenizer(draft, 300)
+    with pytest.raises(ValueError, match=r"\(290 tokens\) differs .* the tokenizer has 300"):
+        _run(target, prompts, tokenizer=tok, **_spec("STANDALONE", "", draft))
