@@ -279,6 +279,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             return
         sp = req.sampling_params
         room = self.context_len - len(req.origin_input_ids)
+        req.open_ended = sp.max_new_tokens is None
         if sp.max_new_tokens is None or sp.max_new_tokens > room:
             sp.max_new_tokens = room  # never generate past the context window
         if self.grammar_manager.key_of(req) is not None:

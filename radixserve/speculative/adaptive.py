@@ -12,7 +12,8 @@ all when plain decode is better (`select`):
   over 1 + E_i, times the step's cost): a step is as long for every request in it, so drafts
   for some are paid by all, and a batch of requests that speculate unevenly must not end
   later than it would have plainly (measured: 32 clients at once were 13% slower with
-  per-step tokens per second as the only rule).
+  per-step tokens per second as the only rule). Where a request has no end but EOS (no
+  max_tokens), the batch's end is unknown: tokens per second again.
 
 Both inputs are measured, never assumed:
 * t(T) is the wall time of the target forwards the engine runs (plain decode and verify steps
@@ -202,7 +203,8 @@ class SpecController:
         the next. Without, the running requests are all there is, and they are done when the
         slowest is: what counts is the time until then, remaining tokens over speed, so no
         request is slowed down for another's gain (drafting for some requests makes the step
-        longer for all)."""
+        longer for all). That needs each request's end: with one that runs until EOS (no
+        max_tokens), tokens per second count again."""
         if sum(t.num_drafts for t in trees) == 0:
             return None
         if not self.adaptive:
@@ -215,7 +217,10 @@ class SpecController:
             for i, r in enumerate(reqs):
                 if r.spec.plain_steps >= PROBE_INTERVAL:
                     alphas[i] = max(alphas[i], 0.5)
-        pick = self._best_rate if backlog else self._best_makespan
+        # (the batch's end is unknown while a request runs to EOS: one without max_tokens,
+        # "finishing last" by the context's end, kept every request from speculating)
+        known_ends = not any(getattr(r, "open_ended", False) for r in reqs)
+        pick = self._best_makespan if known_ends and not backlog else self._best_rate
         keep = pick(reqs, trees, alphas, plain)
         if keep is None:
             return None

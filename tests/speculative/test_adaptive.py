@@ -57,6 +57,25 @@ def test_untried_large_batches_decode_plainly_until_their_cost_is_measured():
     assert 32 < verified <= 64
 
 
+@pytest.mark.parametrize("open_ended", [False, True])
+def test_a_request_without_max_tokens_does_not_stop_the_others_speculating(open_ended):
+    """Without a backlog the controller shortens the batch's end, the last request's: one
+    that cannot draft (a grammar) and has no max_tokens, so "finishes" at the context's end,
+    kept every request from speculating (5 repetitive requests took 94 steps instead of 49).
+    Its end is EOS, unknown: then tokens per second decide."""
+    ctrl = SpecController(max_drafts=4)
+    ctrl.record_forward(2, 0.080)
+    ctrl.record_forward(6, 0.085)
+    last = _Req(remaining=8000)
+    last.open_ended = open_ended
+    fast = _Req(remaining=100, alpha_hits=6)
+    chosen = ctrl.select([last, fast], [DraftTree.chain([7]), DraftTree.chain([7, 8, 9, 10, 11])])
+    if open_ended:
+        assert chosen is not None and chosen[1].num_drafts > 0
+    else:  # (a known end that no draft brings closer: plain decode, as designed)
+        assert chosen is None
+
+
 def test_a_draft_with_no_acceptance_is_never_verified_once_priced():
     ctrl = SpecController(max_drafts=4)
     ctrl.record_forward(1, 0.080)
