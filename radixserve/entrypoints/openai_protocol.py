@@ -52,7 +52,6 @@ NOOP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((None, []), LEGACY_FUNCTIONS),
     "function_call": ((None, "none"), LEGACY_FUNCTIONS),
     "suffix": ((None, ""), "insertion is not implemented"),
-    "continuous_usage_stats": ((False,), "usage comes in the last chunk only"),
     "audio": ((None,), "text only"),
     "modalities": ((None, ["text"]), "text only"),
     "return_hidden_states": ((False,), ""),

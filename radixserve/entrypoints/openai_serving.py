@@ -401,11 +401,17 @@ class OpenAIServing:
         choice that ended without one), the usage chunk if asked for, and [DONE]. Errors after
         the first byte become an error event."""
         cursors = [ChoiceCursor() for _ in range(num_choices)]
+        # (SGLang's and vLLM's: each chunk says the usage of its choice so far)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         try:
             for chunk in preamble:
+                if continuous:  # (the role's chunk: nothing generated yet)
+                    chunk.usage = make_usage([{**first["meta_info"], "completion_tokens": 0}], 1)
                 yield sse_event(chunk)
             async for out in chain(first, gen):
                 for chunk in on_output(out.get("index", 0), cursors[out.get("index", 0)], out):
+                    if continuous:
+                        chunk.usage = make_usage([out["meta_info"]], 1)
                     yield sse_event(chunk)
         except RequestError as e:
             yield sse_event(error_body(str(e), e.status_code))

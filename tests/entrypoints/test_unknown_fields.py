@@ -5,6 +5,7 @@ right type. Runs the real app around the fake TokenizerManager of conftest.py.""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -328,15 +329,28 @@ def test_router_generate_stream_and_only_set_sampling_params(client, fake_tm):
         (GENERATE, {"background": True}, "background is not supported"),
         (GENERATE, {"return_bytes": True}, "return_bytes is not supported"),
         (GENERATE, {"return_entropy": True}, "return_entropy is not supported"),
-        (
-            CHAT,
-            {"stream_options": {"continuous_usage_stats": True}},
-            "continuous_usage_stats is not supported",
-        ),
     ],
 )
 def test_router_field_asking_for_more_is_400(client, path, extra, message):
     _assert_400_naming(_post(client, path, {**BASE[path], **extra}), message)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, fake_tm, path):
+    """stream_options.continuous_usage_stats (SGLang's and vLLM's) was a 400."""
+    fake_tm.reply = "abc"
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**BASE[path], "stream": True, "stream_options": options}
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 3 and len(counts) >= 3
+    prompt = chunks[-1]["usage"]["prompt_tokens"]  # (the final usage chunk)
+    assert all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
+    assert all(
+        c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in chunks
+    )
 
 
 def test_prompt_logprob_fields_reach_the_tokenizer_manager(client, fake_tm):
