@@ -237,8 +237,8 @@ class ChatParsing:
         reasoning = None
         if reasoning_parser is not None:
             reasoning, text = reasoning_parser.parse(text)
-        if detector is None:
-            return ParsedMessage(text, reasoning or None, None)
+        if detector is None:  # (all of it reasoning: no content, as SGLang answers)
+            return ParsedMessage(text or (None if reasoning else text), reasoning or None, None)
         result = detector.parse(text)
         calls = result.calls if self.parallel_tool_calls else result.calls[:1]
         if not calls:

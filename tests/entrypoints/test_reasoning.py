@@ -96,6 +96,13 @@ def test_deepseek_r1_output_starts_inside_the_reasoning(make_reasoning_client):
         assert (message["reasoning_content"], message["content"]) == ("Thinking hard.", "Done.")
 
 
+def test_an_answer_that_is_all_reasoning_has_null_content(make_reasoning_client):
+    """A reply cut inside its reasoning has no content: null, as SGLang answers ("" here)."""
+    with make_reasoning_client("Thinking hard and", reasoning_parser="deepseek-r1") as c:
+        message = c.post(CHAT, json={"messages": [USER]}).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Thinking hard and", None)
+
+
 def test_tool_call_after_the_reasoning(make_reasoning_client):
     reply = '<think>Use the tool.</think>\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     tools = [{"type": "function", "function": {"name": "f"}}]
