@@ -159,7 +159,10 @@ class DetokenizerManager:
         for k in range(1, min(3, new) + 1):  # a UTF-8 character has 4 bytes at most
             head = self.tokenizer.decode(ids[:-k], **decode_kw)
             if not head.endswith(REPLACEMENT_CHAR):
-                return head + REPLACEMENT_CHAR
+                # The whole text where it keeps those characters: a byte-level token can hold
+                # more than the cut character's first byte (' ' and it: 'Ġè'), which the
+                # head alone lost (and a stop string ", " its space: ",\ufffd" leaked).
+                return full if full.startswith(head) else head + REPLACEMENT_CHAR
         return full
 
     def _last_token_len(self, st: DecodeStatus, decode_kw: dict[str, Any]) -> int:

@@ -244,3 +244,21 @@ def test_the_scheduler_sends_the_prompts_last_tokens_with_the_first_output_only(
     run.drain()
     contexts = [c for out in sent for c in out.decode_context]
     assert contexts == [prompt[-5:], [], []]
+
+
+@pytest.mark.parametrize("stop", [None, ": "])
+def test_a_cut_inside_a_character_keeps_the_space_its_token_began_with(default_tokenizer, stop):
+    """SmolLM2's 'Ġè' is a space and the first byte of a 3-byte character: an output cut
+    after it dropped the space ('\\nParent:' + U+FFFD, tokenizer.decode keeps it), and a stop
+    string ": " then leaked ':' and U+FFFD (its occurrence was not found to cut)."""
+    tok = default_tokenizer
+    ids = [198, 17806, 42, 25792, 228]  # (the real model's sample: seed 122, temperature 1)
+    assert tok.convert_ids_to_tokens(ids)[-2:] == ["Ġè", "Ĭ"]  # (2 of a character's 3 bytes)
+    prompt = tok.encode("Translate to Chinese: good morning, friend.")
+    for per_step in (True, False):
+        got = (
+            _detokenize_after(tok, prompt, ids, per_step)
+            if stop is None
+            else (_detokenize(tok, ids, stop, per_step))
+        )
+        assert got == ("\nParent: \ufffd" if stop is None else "\nParent"), per_step
