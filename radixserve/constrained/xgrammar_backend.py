@@ -183,6 +183,11 @@ class XGrammarBackend:
                 unenforced = sorted(set(unenforced_keywords(schema)))
             except RecursionError:
                 unenforced = []
+            if not unenforced:
+                try:
+                    unenforced = sorted(set(ignored_siblings(rewrite_for_xgrammar(schema))))
+                except RecursionError:
+                    pass
             if unenforced:
                 return (
                     "invalid json grammar: the schema uses keywords that constrained decoding "
@@ -500,6 +505,110 @@ def unenforced_keywords(schema: object, path: str = "#") -> Iterator[str]:
         yield from unenforced_keywords(container[key], f"{path}/{sub_path}")
 
 
+# Keywords that only name or describe (pydantic writes them beside $ref, enum, anyOf, ...).
+_ANNOTATIONS = frozenset(
+    ("title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly")
+    + ("$schema", "$id", "$anchor", "$comment", "$defs", "definitions")
+)
+# Keywords xgrammar 0.2.9 reads alone, ignoring the keywords beside them in their schema.
+_ALONE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")
+
+
+def _constraints(schema: dict, but: str) -> dict:
+    """The keywords of `schema` that constrain its value, but `but` and annotations."""
+    return {k: v for k, v in schema.items() if k != but and k not in _ANNOTATIONS}
+
+
+def ignored_siblings(schema: object, path: str = "#") -> Iterator[str]:
+    """`keywords beside X at path` where a schema (as rewrite_for_xgrammar leaves it) still
+    constrains its value beside a keyword xgrammar reads alone: they would not be enforced
+    (`properties` beside `anyOf` generated a string for an integer, and "stop")."""
+    if not isinstance(schema, dict):
+        return
+    for key in _ALONE:
+        if key in schema:
+            beside = sorted(_constraints(schema, key))
+            if beside:
+                yield f"{', '.join(beside)} beside {key} at {path}"
+            break
+    for sub_path, container, key in _subschema_slots(schema):
+        yield from ignored_siblings(container[key], f"{path}/{sub_path}")
+
+
+def _merge(a: dict, b: dict) -> dict | None:
+    """One schema that means `a` and `b` both, or None where that needs more than putting
+    their keywords together (the same keyword with other values; names that one's
+    additionalProperties or patternProperties rule on and the other's properties add)."""
+    out = dict(a)
+    for key, value in b.items():
+        if key not in out or out[key] == value or key in _ANNOTATIONS:
+            out.setdefault(key, value)
+        elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
+            out[key] = out[key] + [n for n in value if n not in out[key]]
+        elif key == "properties" and isinstance(value, dict) and isinstance(out[key], dict):
+            both = set(value) & set(out[key])
+            if any(value[n] != out[key][n] for n in both):
+                return None
+            out[key] = {**out[key], **value}
+        else:
+            return None
+    for one, other in ((a, b), (b, a)):  # (each rules on the names its properties lack)
+        rules = "additionalProperties" in one or "patternProperties" in one
+        if rules and set(other.get("properties") or {}) - set(one.get("properties") or {}):
+            return None
+    return out
+
+
+def _json_type(value: Any, kind: Any) -> bool:
+    kinds = kind if isinstance(kind, list) else [kind]
+    checks = {
+        "null": value is None,
+        "boolean": isinstance(value, bool),
+        "integer": isinstance(value, int)
+        and not isinstance(value, bool)
+        or isinstance(value, float)
+        and value.is_integer(),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "string": isinstance(value, str),
+        "array": isinstance(value, list),
+        "object": isinstance(value, dict),
+    }
+    return any(checks.get(k, False) for k in kinds)
+
+
+def _fold_siblings(out: dict) -> dict:
+    """`out` (a copy) with the keywords beside one that xgrammar reads alone folded into it,
+    where that keeps the schema's meaning: into each branch of anyOf / oneOf (S and one of
+    the Bi is one of S-and-Bi), into allOf's one schema, and a `type` beside enum / const as
+    the values of that type. What is left is refused (ignored_siblings)."""
+    for key in ("anyOf", "oneOf"):
+        branches = out.get(key)
+        siblings = _constraints(out, key)
+        if isinstance(branches, list) and siblings:
+            merged = [_merge(siblings, b) if isinstance(b, dict) else None for b in branches]
+            if all(m is not None for m in merged):
+                kept = {k: v for k, v in out.items() if k not in siblings}
+                return {**kept, key: merged}
+            return out
+    one = out.get("allOf")
+    if isinstance(one, list) and len(one) == 1 and isinstance(one[0], dict):
+        siblings = _constraints(out, "allOf")
+        merged = _merge(siblings, one[0])
+        if merged is not None:
+            kept = {k: v for k, v in out.items() if k not in siblings and k != "allOf"}
+            folded = {**kept, **merged}
+            return _fold_siblings(folded) if any(k in merged for k in _ALONE) else folded
+        return out
+    values = out["enum"] if isinstance(out.get("enum"), list) else None
+    if values is None and "const" in out:
+        values = [out["const"]]
+    if values is not None and "type" in out and set(_constraints(out, "type")) <= {"enum", "const"}:
+        kind = out.pop("type")
+        out.pop("const", None)
+        out["enum"] = [v for v in values if _json_type(v, kind)]
+    return out
+
+
 # A JSON string's characters, written unescaped: no quote, backslash or control character.
 _PLAIN_CHAR = '[^"\\\\\\x00-\\x1f]'
 
@@ -524,10 +633,14 @@ def rewrite_for_xgrammar(schema: Any) -> Any:
       allowed either) without them.
     - each name `required` lists and `properties` does not added to `properties` as any value
       (where no other keyword constrains the object's other names: unenforced_keywords
-      refuses the rest), which xgrammar then requires."""
+      refuses the rest), which xgrammar then requires.
+    - the keywords beside anyOf / oneOf / allOf / enum / const folded into them where that
+      keeps the meaning (`_fold_siblings`): xgrammar reads those alone."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    if any(key in out for key in _ALONE):  # (first: the branches then get the rest too)
+        out = _fold_siblings(out)
     for key in (*_SUBSCHEMA, *_SUBSCHEMA_MAPS):  # copied before their slots are replaced
         if isinstance(out.get(key), (dict, list)):
             out[key] = type(out[key])(out[key])

@@ -222,4 +222,34 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
             "required": ["level", "ratio"],
         },
     ),
+    # Keywords beside one xgrammar reads alone (anyOf, allOf, enum), folded into it: they were
+    # dropped, and "b" came out a string, "a" was missing, 1 was in a string enum.
+    (
+        "properties_beside_anyof_of_required",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+        },
+    ),
+    (
+        "required_beside_allof",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "allOf": [{"properties": {"c": {"type": "string"}}, "required": ["c"]}],
+        },
+    ),
+    (
+        "type_beside_enum_and_anyof",
+        {
+            "type": "object",
+            "properties": {
+                "kind": {"type": "string", "enum": ["x", 1, "y"]},
+                "code": {"type": "string", "anyOf": [{"maxLength": 2}, {"pattern": "^z+$"}]},
+            },
+            "required": ["kind", "code"],
+        },
+    ),
 ]

@@ -420,6 +420,35 @@ def test_schemas_with_keywords_that_would_not_be_enforced_are_refused(backend, s
     assert message is not None and "cannot enforce" in message and needle in message
 
 
+@pytest.mark.parametrize(
+    "schema, needle",
+    [
+        (
+            {"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "maximum": 6},
+            "maximum beside $ref at #",
+        ),
+        ({"type": "string", "enum": ["aaa", "b"], "maxLength": 2}, "beside enum at #"),
+        (  # (additionalProperties false, and a branch adds a name: not one schema)
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}},
+                "additionalProperties": False,
+                "anyOf": [{"properties": {"b": {"type": "string"}}, "required": ["b"]}],
+            },
+            "beside anyOf at #",
+        ),
+    ],
+)
+def test_keywords_beside_one_read_alone_are_folded_or_refused(backend, schema, needle):
+    """xgrammar reads anyOf / oneOf / allOf / $ref / enum / const alone: what sits beside them
+    was dropped (served, ending with "stop", not matching). Folded in where that keeps the
+    meaning (SCHEMAS: *_beside_*), refused where not; annotations beside them are fine."""
+    message = backend.validate("json", json.dumps(schema))
+    assert message is not None and "cannot enforce" in message and needle in message
+    described = {"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "description": "d"}
+    assert backend.validate("json", json.dumps(described)) is None
+
+
 def test_keywords_that_are_enforced_or_only_name_things_are_accepted(backend):
     for schema in (
         {"type": "integer", "multipleOf": 3},
