@@ -299,7 +299,9 @@ class _CompilePool:
     def abandon(self, future: Future) -> None:
         """Its waiter gave up: while it runs, its thread is not one of the workers."""
         with self._lock:
-            if future in self._pending and future.running():
+            # (once per compile: every request for a schema waits on its one future, and a
+            # thread per waiter that gave up made 41 threads of 40 timed-out requests)
+            if future in self._pending and future.running() and future not in self._abandoned:
                 self._abandoned.add(future)
                 if len(self._abandoned) <= self.MAX_ABANDONED:
                     self._start_thread()

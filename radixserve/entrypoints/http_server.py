@@ -450,14 +450,19 @@ class DetokenizeBody(BaseModel):
 
 
 @router.post("/tokenize")
+@router.post("/v1/tokenize", operation_id="tokenize_v1")
 async def tokenize(request: Request) -> Response:
-    """SGLang's /tokenize: token ids of a prompt (or of each prompt of a list)."""
+    """SGLang's /tokenize: token ids of a prompt (or of each prompt of a list). On a worker
+    thread, past the length no prompt could have (TokenizerManager.encode): a long text must
+    not hold the loop that serves every other request."""
     body = await parse_body(request, TokenizeBody)
     st = _state(request)
     st.openai.check_model(body.model)  # type: ignore[union-attr]
-    tok = _tm(request).tokenizer
+    tm = _tm(request)
+    encode = getattr(tm, "encode", tm.tokenizer.encode)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    ids = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+    kw = {"add_special_tokens": body.add_special_tokens}
+    ids = await asyncio.to_thread(lambda: [encode(p, **kw) for p in prompts])
     single = isinstance(body.prompt, str)
     return json_response(
         {
@@ -469,6 +474,7 @@ async def tokenize(request: Request) -> Response:
 
 
 @router.post("/detokenize")
+@router.post("/v1/detokenize", operation_id="detokenize_v1")
 async def detokenize(request: Request) -> Response:
     """SGLang's /detokenize: the text of token ids (or of each list of a list)."""
     body = await parse_body(request, DetokenizeBody)

@@ -66,18 +66,35 @@ def sse_event(data: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+# Past this a body is refused unread (a 50 MB prompt's parse and tokenization took the
+# server's memory until the kernel killed it): more than any context's worth of text.
+MAX_BODY_BYTES = 64 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
     """Parse a JSON body whatever its Content-Type (curl -d sends a form type). A client that
     leaves before its body has arrived raises starlette's ClientDisconnect: a 499, nothing
-    logged (install_error_handlers)."""
-    data = loads_json(await request.body())
+    logged (install_error_handlers). One past MAX_BODY_BYTES is a 413, read no further."""
+    data = loads_json(await _read_body(request))
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestError(validation_message(e.errors())) from None
+
+
+async def _read_body(request: Request) -> bytes:
+    too_large = RequestError(f"the body is larger than {MAX_BODY_BYTES >> 20} MiB", 413)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def loads_json(raw: bytes) -> Any:
@@ -213,7 +230,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(str(exc.detail), exc.status_code)
+        return error_response(str(exc.detail), exc.status_code, exc.headers)  # (405: Allow)
 
     @app.exception_handler(Exception)
     async def on_error(_: Request, exc: Exception) -> Response:

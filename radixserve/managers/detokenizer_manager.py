@@ -176,13 +176,21 @@ class DetokenizerManager:
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string.
+    Only where the stop's first character is are candidates tried, first to last (the first
+    that matches is the longest): a try of every length cost a stream with 200 stops of 3000
+    characters a quarter of a second a token, in the process that detokenizes for all."""
     best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
+    for s in set(stops):
+        if len(s) < 2:
+            continue
+        tail = text[-(len(s) - 1) :]
+        i = tail.find(s[0])
+        while 0 <= i < len(tail) - best:
+            if s.startswith(tail[i:]):
+                best = len(tail) - i
                 break
+            i = tail.find(s[0], i + 1)
     return best
 
 

@@ -173,6 +173,7 @@ class TokenizerManager:
         self._recv_now: Any = None  # a synchronous view of recv_from_detokenizer
         self._await_task: asyncio.Task | None = None  # a socket stand-in's receiving (tests)
         self.token_strings = TokenStrings(tokenizer)  # return_text_in_logprobs
+        self._max_token_chars: int | None = None  # the longest token's text (see encode)
         self.last_output_time = 0.0  # monotonic time of the last output from the scheduler
 
     def close(self) -> None:
@@ -348,7 +349,7 @@ class TokenizerManager:
             text = None
         else:
             text = obj.text  # type: ignore[assignment]
-            input_ids = self.tokenizer.encode(text)
+            input_ids = self.encode(text)
         if not input_ids:
             raise RequestError("the prompt is empty")
         try:
@@ -425,7 +426,23 @@ class TokenizerManager:
             )
         except Exception as e:  # jinja errors, missing template
             raise RequestError(f"cannot apply the chat template: {e}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        """The text's tokens; a text too long for any of its tokenizations to fit the context
+        is refused first (a 4 MB prompt held the serving loop for 8 s, and every other
+        request with it, to be refused for its length; 50 MB took the server's memory)."""
+        if self._max_token_chars is None:  # (no token decodes to more characters than this)
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_chars = max(map(len, vocab), default=64)
+        # (normalizers may compose a few characters into one: the factor 4 is room for that)
+        limit = self.context_len * self._max_token_chars * 4
+        if self.context_len and len(text) > limit:
+            raise RequestError(
+                f"the prompt has {len(text)} characters: more than the {self.context_len} "
+                "tokens of the context length can hold"
+            )
+        return self.tokenizer.encode(text, **kwargs)
 
     async def tokenize_and_check(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         """tokenize_one, then the grammar check on a worker thread (compiling a large schema

@@ -619,3 +619,27 @@ def test_the_check_validates_the_grammar_the_scheduler_serves(tokenizer):
     finally:
         check.close()
         served.close()
+
+
+def test_a_compile_its_waiters_gave_up_on_takes_one_thread_more_not_one_per_waiter():
+    """Every request for a schema waits on its one compile: each that timed out started
+    another compile thread (40 timed-out requests for one slow schema left 41 threads)."""
+    import threading
+    import time
+
+    from radixserve.constrained.xgrammar_backend import _CompilePool
+
+    pool = _CompilePool(2)
+    release = threading.Event()
+    future = pool.submit(release.wait, 30)
+    for _ in range(500):
+        if future.running():
+            break
+        time.sleep(0.01)
+    before = len(pool._threads)
+    for _ in range(10):
+        pool.abandon(future)
+    assert len(pool._threads) == before + 1
+    release.set()
+    future.result(10)
+    pool.close()

@@ -484,6 +484,20 @@ def test_cors_preflight_and_headers_with_and_without_a_key(fake_tm, make_client)
                 assert r.status_code == 401 and "access-control-allow-origin" in r.headers
 
 
+def test_a_body_past_the_limit_is_413_and_a_405_says_what_is_allowed(fake_tm, make_client):
+    """A body of any size was read whole (with a 50 MB prompt the server was killed for its
+    memory); a 405 had no Allow header (RFC 9110 requires it; plain FastAPI sends it)."""
+    from radixserve.entrypoints import http_utils
+
+    with make_client(fake_tm) as client:
+        big = b'{"prompt": "' + b"a" * http_utils.MAX_BODY_BYTES + b'"}'
+        r = client.post("/v1/completions", content=big)
+        assert r.status_code == 413 and "larger than 64 MiB" in r.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"prompt": "ab"}).status_code == 200
+        r = client.get("/v1/chat/completions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
 def test_health_is_503_while_the_warm_up_runs(fake_tm, make_client):
     """/health answered 200 before the warm-up request had finished: a router or readiness
     probe sent traffic into the warm-up and its cache flush. 503 until it is done, as SGLang

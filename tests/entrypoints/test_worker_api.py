@@ -172,6 +172,16 @@ def test_tokenize_and_detokenize_round_trip(server, tokenizer):
     assert _post(server, "/tokenize", {"prompt": 5}).status_code == 400
     assert _post(server, "/tokenize", {"text": "x"}).status_code == 400
     assert _post(server, "/tokenize", {"prompt": "x", "model": "gpt-4"}).status_code == 404
+    # SGLang's documented names (/tokenize and /detokenize are its aliases)
+    assert _post(server, "/v1/tokenize", {"prompt": text}).json() == out
+    assert _post(server, "/v1/detokenize", {"tokens": out["tokens"]}).json() == back
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_unread(server):
+    """A text longer than the context times the longest token cannot fit: refused before it
+    is tokenized (a 4 MB prompt held the serving loop 8 s to be refused for its length)."""
+    r = _post(server, "/v1/completions", {"prompt": "a " * 3_000_000, "max_tokens": 1})
+    assert r.status_code == 400 and "characters: more than the" in r.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")

@@ -262,3 +262,21 @@ def test_a_cut_inside_a_character_keeps_the_space_its_token_began_with(default_t
             else (_detokenize(tok, ids, stop, per_step))
         )
         assert got == ("\nParent: \ufffd" if stop is None else "\nParent"), per_step
+
+
+def test_the_held_back_tail_is_the_longest_start_of_a_stop():
+    """The hold-back (what a stream keeps until it can no longer become a stop string) tries
+    only where a stop's first character is, not every length; the same lengths as trying
+    every one, over random texts and stops."""
+    import random
+
+    from radixserve.managers.detokenizer_manager import _stop_prefix_len
+
+    def every_length(text: str, stops: list[str]) -> int:
+        return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+    rng = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 6))) for _ in range(3)]
+        assert _stop_prefix_len(text, stops) == every_length(text, stops), (text, stops)

@@ -876,3 +876,34 @@ def test_the_latency_counts_the_checks_before_dispatch():
         assert out["meta_info"]["e2e_latency"] >= 0.3
 
     run(body())
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized():
+    """A 4 MB prompt was tokenized on the serving loop (8 s in which no other request was
+    served) only to be refused for its length; 50 MB took the server's memory. Past what any
+    tokenization could fit (the context times the longest token's characters) it is refused
+    unread; up to it, it is tokenized and measured as before."""
+
+    class Counting(ByteTokenizer):
+        calls = 0
+
+        def get_vocab(self) -> dict[str, int]:
+            return {"ab": 0, "abcd": 1}  # (the longest token: 4 characters)
+
+        def apply_chat_template(self, messages: list, **_: Any) -> str:
+            return "".join(m["content"] for m in messages)
+
+        def encode(self, text: str, **kw: Any) -> list[int]:
+            Counting.calls += 1
+            return super().encode(text, **kw)
+
+    tm, _ = _make_tm()
+    tm.tokenizer = Counting()
+    with pytest.raises(RequestError, match="characters: more than the 256 tokens"):
+        tm.tokenize_one(GenerateReqInput(text="x" * (256 * 4 * 4 + 1)))
+    with pytest.raises(RequestError, match="characters"):
+        tm.apply_chat_template([{"role": "user", "content": "x" * 5000}])
+    assert Counting.calls == 0
+    with pytest.raises(RequestError, match="context"):  # (measured: 300 tokens)
+        tm.tokenize_one(GenerateReqInput(text="x" * 300))
+    assert Counting.calls == 1
