@@ -38,7 +38,12 @@ def _generate(argv: list[str]) -> int:
 
         template = chat_template_source(server_args.chat_template)
     configure_logging(server_args.log_level)
-    with Engine(server_args) as engine:
+    try:
+        engine = Engine(server_args)
+    except RuntimeError as e:  # (the child logged what failed: one line here, no traceback)
+        print(f"radixserve generate: error: {e}", file=sys.stderr)
+        return 1
+    with engine:
         try:
             if ns.raw:
                 out = engine.generate(ns.prompt, params)

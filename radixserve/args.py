@@ -35,8 +35,12 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "fake")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOAD_BALANCE_METHODS = ("prefix_affinity", "round_robin", "shortest_queue")
-# Extra option strings of a field's flag (SGLang's short forms).
-CLI_ALIASES = {"tp_size": ("--tp",), "dp_size": ("--dp",)}
+MAX_THREADS_PER_CPU = 8  # --num-threads past this many per CPU is a typo, not a setting
+# Extra option strings of a field's flag (SGLang's short forms and full names).
+CLI_ALIASES = {
+    "tp_size": ("--tp", "--tensor-parallel-size"),
+    "dp_size": ("--dp", "--data-parallel-size"),
+}
 
 
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -325,7 +329,8 @@ class ServerArgs:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS} (any case)")
         for name in ("api_key", "served_model_name"):
-            if getattr(self, name) == "":
+            value = getattr(self, name)
+            if value is not None and not value.strip():  # (" ": no client could send it)
                 raise ValueError(f"--{_flag(name)} is empty; leave it out for the default")
         if self.chat_template is not None:
             check_chat_template(self.chat_template)
@@ -360,6 +365,13 @@ class ServerArgs:
                 raise ValueError(f"--{_flag(name)} must be >= {low}, got {value}")
         if self.random_seed >= 2**63:
             raise ValueError(f"--random-seed must be < 2**63, got {self.random_seed}")
+        cpus = os.cpu_count() or 1
+        if self.num_threads is not None and self.num_threads > MAX_THREADS_PER_CPU * cpus:
+            # (OpenMP cannot start 100000 threads: the scheduler died of a segfault)
+            raise ValueError(
+                f"--num-threads {self.num_threads} is more than {MAX_THREADS_PER_CPU} per CPU "
+                f"of this machine's {cpus}"
+            )
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk < 1 and chunk != -1:
             raise ValueError(f"--chunked-prefill-size must be >= 1, or -1 to disable, got {chunk}")
@@ -589,6 +601,14 @@ class ServerArgs:
             )
         if self.attention_backend == "cpu_paged" and device != "cpu":
             raise ValueError(f"--attention-backend cpu_paged runs on CPU only, not on {device}")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():  # (found by the scheduler: a traceback at 30 s)
+                build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+                raise ValueError(
+                    f"--device cuda: no CUDA device is available to this torch ({build})"
+                )
         dtype = resolve_dtype(self.dtype, device)
         kv_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         chunk = self.chunked_prefill_size

@@ -727,6 +727,7 @@ def _exit_past_a_running_compile(app: FastAPI | None, code: int) -> None:
 
 def _port_in_use(host: str, port: int) -> str | None:
     """Why uvicorn could not bind host:port (as it binds: SO_REUSEADDR), or None."""
+    import errno
     import socket
 
     try:
@@ -739,6 +740,8 @@ def _port_in_use(host: str, port: int) -> str | None:
         try:
             sock.bind(address)
         except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                return f"{e.strerror or e} (--host {host} is not an address of this machine)"
             return f"{e.strerror or e} (is another server on it? pick another --port)"
     return None
 

@@ -87,7 +87,8 @@ def _byte_level_decoder() -> dict[str, int]:
 def load_tokenizer_for(server_args: Any) -> Any:
     from radixserve.model_loader.weights import load_tokenizer
 
-    return load_tokenizer(tokenizer_source(server_args))
+    trust = bool(getattr(server_args, "trust_remote_code", False))
+    return load_tokenizer(tokenizer_source(server_args), trust_remote_code=trust)
 
 
 def exported_tokenizer_dir(server_args: Any, tokenizer: Any) -> str:
@@ -95,6 +96,7 @@ def exported_tokenizer_dir(server_args: Any, tokenizer: Any) -> str:
     reports (SGLang's router does): the tokenizer's own directory where there is one, else (a
     GGUF file, whose tokenizer lives in its metadata) a copy saved once next to the model
     cache. Falls back to the source path when saving fails."""
+    import hashlib
     import os
     import tempfile
 
@@ -103,7 +105,13 @@ def exported_tokenizer_dir(server_args: Any, tokenizer: Any) -> str:
     source = tokenizer_source(server_args)
     if os.path.isdir(source):
         return source
+    # Named by the file's name and a digest of where it is and its version: two files both
+    # called ggml-model-Q4_1.gguf (llama.cpp's default name) shared one copy, and a server
+    # reported the other model's tokenizer and chat template.
+    stat = os.stat(source)
+    key = f"{os.path.abspath(source)}:{stat.st_size}:{stat.st_mtime_ns}"
     name = os.path.splitext(os.path.basename(source))[0]
+    name += "-" + hashlib.sha256(key.encode()).hexdigest()[:12]
     target = os.path.join(os.path.dirname(default_cache_dir()), "tokenizers", name)
     if os.path.isfile(os.path.join(target, "tokenizer_config.json")):
         return target

@@ -7,6 +7,7 @@ load), or `dummy` (random weights from a config.json, for tests and benchmarks).
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from collections.abc import Iterator
@@ -110,10 +111,28 @@ def check_model_files(server_args: Any) -> None:
     path, load_format = server_args.model_path, server_args.load_format
     check_model_path(path, load_format=load_format)
     check_model_config(path, load_format, server_args.context_length)
+    check_weight_files(path, load_format)
     check_model_path(server_args.tokenizer_path, "--tokenizer-path")
     check_tokenizer_path(path, server_args.tokenizer_path)
     draft = server_args.speculative_draft_model_path
     check_model_path(draft, "--speculative-draft-model-path", load_format)
+
+
+def check_weight_files(path: str | None, load_format: str) -> None:
+    """Refuse, before any process starts, a model directory without weight files or with a
+    safetensors file cut short (a copy or download that did not finish): found by the
+    scheduler instead, it was a traceback after the model began to load."""
+    if path is None or not os.path.isdir(path) or load_format not in ("auto", "safetensors"):
+        return
+    from radixserve.model_loader.weights import check_safetensors_file, safetensors_shards
+
+    shards = safetensors_shards(path)
+    if not shards and not glob.glob(os.path.join(path, "pytorch_model*.bin")):
+        raise FileNotFoundError(
+            f"the model directory {path!r} holds no weights (*.safetensors or pytorch_model*.bin)"
+        )
+    for shard in shards:
+        check_safetensors_file(shard)
 
 
 def _require_exists(path: str, flag: str) -> None:

@@ -101,7 +101,7 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
     """
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory not found: {model_dir}")
-    shards = _safetensors_shards(model_dir)
+    shards = safetensors_shards(model_dir)
     if shards:
         yield from _iter_safetensors(shards)
         return
@@ -113,9 +113,12 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
     yield from _iter_torch_bins(bins)
 
 
-def load_tokenizer(path: str, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str, gguf_file: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a HF directory, a GGUF file (by its name or, named otherwise, its
-    magic: --load-format gguf serves such a file), or ``gguf_file`` inside ``path``."""
+    magic: --load-format gguf serves such a file), or ``gguf_file`` inside ``path``.
+    `trust_remote_code` (--trust-remote-code) runs a directory's own tokenizer class."""
     if gguf_file is not None:
         path = os.path.join(path, gguf_file)
     if path.endswith(".gguf") or is_gguf_file(path):
@@ -124,7 +127,12 @@ def load_tokenizer(path: str, gguf_file: str | None = None) -> PreTrainedTokeniz
         raise FileNotFoundError(f"tokenizer path not found (expected a directory or .gguf): {path}")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # (a damaged tokenizer.json said only "JSONDecodeError: line 111")
+        hint = " (--trust-remote-code runs it)" if "trust_remote_code" in str(e) else ""
+        message = f"cannot load the tokenizer from {path}{hint}: {type(e).__name__}: {e}"
+        raise ValueError(message) from e
 
 
 def is_gguf_file(path: str) -> bool:
@@ -136,7 +144,7 @@ def is_gguf_file(path: str) -> bool:
         return False
 
 
-def _safetensors_shards(model_dir: str) -> list[str]:
+def safetensors_shards(model_dir: str) -> list[str]:
     index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
     if not os.path.isfile(index_path):
         return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -147,6 +155,28 @@ def _safetensors_shards(model_dir: str) -> list[str]:
     if missing:
         raise FileNotFoundError(f"{SAFETENSORS_INDEX} names missing shards: {', '.join(missing)}")
     return shards
+
+
+def check_safetensors_file(path: str) -> None:
+    """Raise ValueError where a safetensors file is not whole: its header (an 8-byte length,
+    then JSON) or the tensor data it describes runs past the file's end."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if 8 + n > size:
+                raise ValueError(f"its header needs {8 + n} bytes")
+            header = json.loads(f.read(n))
+        end = max(
+            (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0
+        )
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path} is not a whole safetensors file ({e})") from None
+    if 8 + n + end > size:
+        raise ValueError(
+            f"{path} is cut short: its tensors end at byte {8 + n + end}, the file at {size} "
+            "(a copy or download that did not finish?)"
+        )
 
 
 def _iter_safetensors(shards: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

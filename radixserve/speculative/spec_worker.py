@@ -267,7 +267,7 @@ def check_same_tokenizer(server_args: ServerArgs, tokenizer: Any) -> None:
         server_args.speculative_draft_model_path, "--speculative-draft-model-path"
     )
     try:
-        draft_tok = load_tokenizer(path)
+        draft_tok = load_tokenizer(path, trust_remote_code=server_args.trust_remote_code)
     except Exception as exc:
         raise ValueError(f"cannot load the draft model's tokenizer from {path}: {exc}") from exc
     if draft_tok.get_vocab() != tokenizer.get_vocab():

@@ -5,6 +5,7 @@ where they can be known then; `generate` renders --chat-template."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -48,7 +49,9 @@ BAD_FLAGS = [
     (["--watchdog-timeout", "nan"], "--watchdog-timeout must be > 0"),
     (["--log-level", "bogus"], "--log-level must be one of"),
     (["--api-key", ""], "--api-key is empty"),
+    (["--api-key", " "], "--api-key is empty"),  # (no client can send it)
     (["--served-model-name", ""], "--served-model-name is empty"),
+    (["--num-threads", "100000"], "--num-threads 100000 is more than 8 per CPU"),  # (segfault)
     (["--enable-hierarchical-cache", "--hicache-ratio", "nan"], "--hicache-ratio must be > 0"),
     (["--enable-hierarchical-cache", "--hicache-ratio", "inf"], "--hicache-ratio must be > 0"),
     (["--node-rank", "5"], "--node-rank 5 needs --nnodes > 5"),
@@ -328,6 +331,76 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, monkeypatch):
         assert "pick another --port" in http_server._port_in_use("127.0.0.1", port)
         assert main(["serve", "--model-path", model, "--port", str(port)]) == 1
     assert http_server._port_in_use("127.0.0.1", port) is None
+
+
+def test_sglangs_full_parallelism_flag_names_are_accepted():
+    """--tensor-parallel-size / --data-parallel-size, SGLang's own names (--tp-size, --tp
+    are its short forms), were unrecognized arguments."""
+    import argparse
+
+    from radixserve.args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--tensor-parallel-size", "1", "--data-parallel-size", "2"])
+    args = ServerArgs.from_cli_args(ns)
+    assert (args.tp_size, args.dp_size) == (1, 2)
+
+
+def test_device_cuda_without_cuda_and_a_host_not_of_this_machine_say_so():
+    """--device cuda on a machine without CUDA failed in the scheduler after 30 s with a
+    traceback; an address not of this machine was blamed on the port."""
+    import torch
+
+    from radixserve.args import ServerArgs
+    from radixserve.entrypoints import http_server
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda: no CUDA device is available"):
+            ServerArgs(device="cuda").resolve()
+    why = http_server._port_in_use("192.0.2.1", 30000)  # (TEST-NET-1: no machine's address)
+    assert why is not None and "--host 192.0.2.1 is not an address of this machine" in why
+
+
+def test_generate_says_in_one_line_why_the_engine_did_not_start(tmp_path, capsys, monkeypatch):
+    """An engine that failed to start (its scheduler's error, logged there) ended generate
+    with the parent's traceback as well."""
+    from rs_testing import make_tiny_served_model
+
+    from radixserve.entrypoints import engine
+
+    def failing(*_: object, **__: object) -> None:
+        raise RuntimeError("the scheduler failed to start: MemoryError: too large")
+
+    monkeypatch.setattr(engine, "Engine", failing)
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    capsys.readouterr()  # (what making the model printed)
+    assert main(["generate", "hi", "--model-path", model]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err == "radixserve generate: error: the scheduler failed to start: MemoryError: too large\n"
+    )
+
+
+@pytest.mark.parametrize("damage", ["no weights", "cut short"])
+def test_a_model_directory_without_whole_weights_is_refused_before_anything_starts(
+    tmp_path, capsys, damage
+):
+    """Missing or truncated weights were found by the scheduler 20-50 s later, a traceback."""
+    from rs_testing import make_tiny_served_model
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    weights = os.path.join(model, "model.safetensors")
+    if damage == "no weights":
+        os.remove(weights)
+    else:
+        os.truncate(weights, os.path.getsize(weights) - 100)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model-path", model])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "holds no weights" in err if damage == "no weights" else "is cut short" in err
+    assert "Traceback" not in err
 
 
 def test_sglang_s_enable_metrics_flag_is_accepted():

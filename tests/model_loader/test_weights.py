@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +144,56 @@ def test_a_checkpoint_short_of_a_fused_part_is_refused(tmp_path: Path, broken: s
         match = f"missing 1 tensors, e.g. \\['model.layers.0.{part}.weight'\\]"
     with pytest.raises(ValueError, match=match):
         load_model(path, "safetensors", "float32", "cpu")
+
+
+def test_tokenizers_with_their_own_code_a_damaged_one_and_exported_copies(tmp_path, monkeypatch):
+    """--trust-remote-code never reached AutoTokenizer (a model with its own tokenizer class
+    could not be served); a damaged tokenizer.json was named by nothing but its JSON error;
+    two GGUF files of one name shared one exported tokenizer copy (the second server
+    reported the first model's tokenizer and chat template)."""
+    from rs_testing import make_tiny_served_model
+
+    from radixserve.args import ServerArgs
+    from radixserve.managers.tokenizer_utils import exported_tokenizer_dir, load_tokenizer_for
+    from radixserve.model_loader.weights import load_tokenizer
+
+    model = make_tiny_served_model(str(tmp_path / "custom"))
+    with open(os.path.join(model, "own_tokenizer.py"), "w") as f:
+        f.write("from transformers import PreTrainedTokenizerFast\n\n\n")
+        f.write("class OwnTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    config_path = os.path.join(model, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "OwnTokenizer"
+    config["auto_map"] = {"AutoTokenizer": [None, "own_tokenizer.OwnTokenizer"]}
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    args = ServerArgs(model_path=model, trust_remote_code=True)
+    assert type(load_tokenizer_for(args)).__name__ == "OwnTokenizer"
+    with pytest.raises(
+        ValueError, match="cannot load the tokenizer from .* \\(--trust-remote-code runs it\\)"
+    ):
+        load_tokenizer_for(ServerArgs(model_path=model))
+
+    with open(os.path.join(model, "tokenizer.json"), "r+") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer from {model}"):
+        load_tokenizer(model)
+
+    class Saved:
+        def __init__(self, marker: str) -> None:
+            self.marker = marker
+
+        def save_pretrained(self, path: str) -> None:
+            with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+                f.write(self.marker)
+
+    monkeypatch.setenv("RADIXSERVE_MODEL_CACHE", str(tmp_path / "cache" / "models"))
+    dirs = []
+    for name in ("a", "b"):
+        gguf = tmp_path / name / "ggml-model-Q4_1.gguf"
+        gguf.parent.mkdir()
+        gguf.write_bytes(b"GGUF" + name.encode())
+        dirs.append(exported_tokenizer_dir(ServerArgs(model_path=str(gguf)), Saved(name)))
+    assert dirs[0] != dirs[1]
+    assert [open(os.path.join(d, "tokenizer_config.json")).read() for d in dirs] == ["a", "b"]
