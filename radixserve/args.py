@@ -436,6 +436,11 @@ class ServerArgs:
             )
         if not (0 < self.hicache_ratio < math.inf and 0 <= self.hicache_size < math.inf):
             raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
+        if self.hicache_size == 0 and self.hicache_ratio < 1:  # (found after the model loaded)
+            raise ValueError(
+                f"--hicache-ratio {self.hicache_ratio:g}: the host tier must hold at least the "
+                "device KV pool (>= 1), or give --hicache-size"
+            )
         block = self.hicache_storage_block_size
         if block == defaults["hicache_storage_block_size"] and block % self.page_size:
             block = -(-block // self.page_size) * self.page_size  # the default, in whole pages

@@ -175,8 +175,11 @@ class Subprocesses:
 
     def silent_child(self) -> tuple[str, float]:
         """The child silent longest, the schedulers' loops or the detokenizer's, and for how
-        many seconds."""
+        many seconds (a data-parallel replica's scheduler by its process name)."""
         scheduler = ("scheduler", self.seconds_since_heartbeat())
+        if len(self.heartbeats) > 1:
+            rank = min(range(len(self.heartbeats)), key=lambda r: self.heartbeats[r].value)
+            scheduler = (f"scheduler of data-parallel replica {rank}", scheduler[1])
         if self.detokenizer is None:
             return scheduler
         detokenizer = ("detokenizer", time.monotonic() - self.detokenizer_heartbeat.value)

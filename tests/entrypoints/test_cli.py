@@ -54,6 +54,7 @@ BAD_FLAGS = [
     (["--num-threads", "100000"], "--num-threads 100000 is more than 8 per CPU"),  # (segfault)
     (["--enable-hierarchical-cache", "--hicache-ratio", "nan"], "--hicache-ratio must be > 0"),
     (["--enable-hierarchical-cache", "--hicache-ratio", "inf"], "--hicache-ratio must be > 0"),
+    (["--enable-hierarchical-cache", "--hicache-ratio", "0.5"], "--hicache-ratio 0.5: the host"),
     (["--node-rank", "5"], "--node-rank 5 needs --nnodes > 5"),
     (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model' does not exist"),
     (["--tokenizer-path", "/nonexistent/tok"], "--tokenizer-path '/nonexistent/tok' does not"),

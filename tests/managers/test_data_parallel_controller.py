@@ -331,6 +331,10 @@ def test_the_watchdog_sees_the_most_silent_replica():
         heartbeats=[SimpleNamespace(value=now), SimpleNamespace(value=now - 60)]
     )
     assert Subprocesses.seconds_since_heartbeat(procs) >= 60  # replica 1 is stuck
+    procs.detokenizer = None  # (the stuck one is named: "the scheduler has been stuck" was all)
+    procs.seconds_since_heartbeat = lambda: Subprocesses.seconds_since_heartbeat(procs)
+    name, silent = Subprocesses.silent_child(procs)
+    assert name == "scheduler of data-parallel replica 1" and silent >= 60
 
 
 @pytest.mark.parametrize("method", ["prefix_affinity", "round_robin", "shortest_queue"])
