@@ -183,16 +183,8 @@ class XGrammarBackend:
                 unenforced = sorted(set(unenforced_keywords(schema)))
             except RecursionError:
                 unenforced = []
-            if not unenforced:
-                try:
-                    unenforced = sorted(set(ignored_siblings(rewrite_for_xgrammar(schema))))
-                except RecursionError:
-                    pass
             if unenforced:
-                return (
-                    "invalid json grammar: the schema uses keywords that constrained decoding "
-                    f"cannot enforce: {', '.join(unenforced)}"
-                )
+                return _unenforced_message(unenforced)
         future = self.get_future((kind, text))
         try:
             result = future.result(timeout)
@@ -222,7 +214,13 @@ class XGrammarBackend:
                 return self.compiler.compile_builtin_json_grammar()
             if kind == "json":
                 try:
-                    text = json.dumps(rewrite_for_xgrammar(json.loads(text)))
+                    schema = rewrite_for_xgrammar(json.loads(text))
+                    # (checked here, once per schema: what is left beside a keyword read
+                    # alone could not be folded in)
+                    ignored = sorted(set(ignored_siblings(schema)))
+                    if ignored:
+                        return InvalidGrammar(key, _unenforced_message(ignored))
+                    text = json.dumps(schema)
                 except (ValueError, RecursionError):
                     pass  # the compiler says what is wrong with it
                 return self.compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
@@ -399,6 +397,13 @@ def build_tokenizer_info(
         vocab_size=vocab_size,
         stop_token_ids=list(eos_token_ids),
         add_prefix_space=detected.add_prefix_space,
+    )
+
+
+def _unenforced_message(keywords: list[str]) -> str:
+    return (
+        "invalid json grammar: the schema uses keywords that constrained decoding cannot "
+        f"enforce: {', '.join(keywords)}"
     )
 
 

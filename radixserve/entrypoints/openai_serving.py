@@ -378,7 +378,8 @@ class OpenAIServing:
             deltas = [DeltaMessage(content=delta or None)]
         else:
             deltas = parser.deltas(parser.feed(delta, final=reason is not None))
-            if parser.made_calls and parser.calls_complete:
+            # (whether the calls are whole matters at the finish only: not parsed per chunk)
+            if parser.made_calls and reason is not None and parser.calls_complete:
                 reason, matched = final_finish_reason(reason, True), None
         chunks = [ChatStreamChoice(index=i, delta=d) for d in deltas or [DeltaMessage()]]
         chunks[0].logprobs = logprobs

@@ -238,7 +238,7 @@ class ChatParsing:
         if reasoning_parser is not None:
             reasoning, text = reasoning_parser.parse(text)
         if detector is None:  # (all of it reasoning: no content, as SGLang answers)
-            return ParsedMessage(text or (None if reasoning else text), reasoning or None, None)
+            return ParsedMessage(None if reasoning and not text else text, reasoning or None, None)
         result = detector.parse(text)
         calls = result.calls if self.parallel_tool_calls else result.calls[:1]
         if not calls:

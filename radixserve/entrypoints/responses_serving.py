@@ -57,8 +57,12 @@ from radixserve.managers.tokenizer_manager import RequestError
 logger = logging.getLogger(__name__)
 
 MAX_STORED_RESPONSES = 1024
-ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
-ITEM_ID_PREFIX["reasoning"] = "rs"
+ITEM_ID_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
 
 
 def _item_id(prefix: str) -> str:
@@ -89,7 +93,8 @@ class OutputBuilder:
                 logprobs = []
             elif p.name is not None:
                 self._close("completed")
-                item = {"id": _item_id("fc"), "type": "function_call", "status": "in_progress"}
+                item = {"id": _item_id(ITEM_ID_PREFIX["function_call"])}
+                item.update(type="function_call", status="in_progress")
                 item.update(call_id=new_call_id(), name=p.name, arguments="")
                 self.calls[p.index] = self._add(item)
                 if p.arguments:
@@ -108,7 +113,7 @@ class OutputBuilder:
         if self.open is not None and self.open["type"] == kind:
             return self.open
         self._close("completed")
-        item: dict[str, Any] = {"id": _item_id("msg" if kind == "message" else "rs")}
+        item: dict[str, Any] = {"id": _item_id(ITEM_ID_PREFIX[kind])}
         item.update(type=kind, status="in_progress")
         if kind == "message":
             item.update(role="assistant", content=[])

@@ -143,27 +143,37 @@ class DetokenizerManager:
         text = self.tokenizer.decode(context, **decode_kw)
         read = len(context)
         if text.endswith(REPLACEMENT_CHAR):  # (or with a U+FFFD of its own)
-            for k in range(1, min(3, len(context)) + 1):  # a character has 4 bytes at most
-                if not self.tokenizer.decode(context[:-k], **decode_kw).endswith(REPLACEMENT_CHAR):
-                    read = len(context) - k
-                    break
+            whole = self._whole_characters(context, len(context), decode_kw)
+            if whole is not None:
+                read = len(context) - whole[0]
         return DecodeStatus(context, 0, read, prompt_text=text)
+
+    def _whole_characters(
+        self, ids: list[int], most: int, decode_kw: dict[str, Any]
+    ) -> tuple[int, str] | None:
+        """The fewest last tokens of `ids` (up to `most`, and 3: a UTF-8 character has 4 bytes
+        at most) whose removal leaves text that does not end inside a character: how many,
+        and that text; None where there are none."""
+        for k in range(1, min(3, most) + 1):
+            head = self.tokenizer.decode(ids[:-k], **decode_kw)
+            if not head.endswith(REPLACEMENT_CHAR):
+                return k, head
+        return None
 
     def _cut_in_a_character(self, st: DecodeStatus, full: str, decode_kw: dict[str, Any]) -> str:
         """The text of an output that ends inside a character (cut by max_tokens): the
         characters before the cut, then one U+FFFD. A byte-fallback decoder (Llama 2, Mistral,
         Gemma) makes a whole run of byte tokens U+FFFD when it is not UTF-8 as a whole: the
         complete characters before the cut were lost ('你好世' read as 11 U+FFFD)."""
-        ids = st.ids[st.surr_offset :]
         new = len(st.ids) - st.read_offset  # (the tokens before were decoded whole already)
-        for k in range(1, min(3, new) + 1):  # a UTF-8 character has 4 bytes at most
-            head = self.tokenizer.decode(ids[:-k], **decode_kw)
-            if not head.endswith(REPLACEMENT_CHAR):
-                # The whole text where it keeps those characters: a byte-level token can hold
-                # more than the cut character's first byte (' ' and it: 'Ġè'), which the
-                # head alone lost (and a stop string ", " its space: ",\ufffd" leaked).
-                return full if full.startswith(head) else head + REPLACEMENT_CHAR
-        return full
+        whole = self._whole_characters(st.ids[st.surr_offset :], new, decode_kw)
+        if whole is None:
+            return full
+        head = whole[1]
+        # The whole text where it keeps those characters: a byte-level token can hold more
+        # than the cut character's first byte (' ' and it: 'Ġè'), which the head alone lost
+        # (and a stop string ", " its space: ",\ufffd" leaked).
+        return full if full.startswith(head) else head + REPLACEMENT_CHAR
 
     def _last_token_len(self, st: DecodeStatus, decode_kw: dict[str, Any]) -> int:
         """How many characters the last token added to the text (decoded after the tokens

@@ -7,7 +7,6 @@ load), or `dummy` (random weights from a config.json, for tests and benchmarks).
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 from collections.abc import Iterator
@@ -124,10 +123,14 @@ def check_weight_files(path: str | None, load_format: str) -> None:
     scheduler instead, it was a traceback after the model began to load."""
     if path is None or not os.path.isdir(path) or load_format not in ("auto", "safetensors"):
         return
-    from radixserve.model_loader.weights import check_safetensors_file, safetensors_shards
+    from radixserve.model_loader.weights import (
+        check_safetensors_file,
+        safetensors_shards,
+        torch_bin_files,
+    )
 
     shards = safetensors_shards(path)
-    if not shards and not glob.glob(os.path.join(path, "pytorch_model*.bin")):
+    if not shards and not torch_bin_files(path):
         raise FileNotFoundError(
             f"the model directory {path!r} holds no weights (*.safetensors or pytorch_model*.bin)"
         )

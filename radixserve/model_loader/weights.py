@@ -105,7 +105,7 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
     if shards:
         yield from _iter_safetensors(shards)
         return
-    bins = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
+    bins = torch_bin_files(model_dir)
     if not bins:
         raise FileNotFoundError(
             f"no *.safetensors or pytorch_model*.bin weight files in {model_dir}"
@@ -142,6 +142,11 @@ def is_gguf_file(path: str) -> bool:
             return f.read(4) == b"GGUF"
     except OSError:  # a directory, or not there
         return False
+
+
+def torch_bin_files(model_dir: str) -> list[str]:
+    """A directory's PyTorch weight files (read where it has no safetensors)."""
+    return sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
 
 
 def safetensors_shards(model_dir: str) -> list[str]:
