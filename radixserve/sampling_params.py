@@ -18,6 +18,14 @@ class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the field."""
 
 
+# SGLang's sampling parameters that radixserve does not implement: (the values that ask for
+# nothing, why another is refused). The Engine (from_dict) and the HTTP bodies share it.
+UNIMPLEMENTED_PARAMS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "stop_regex": ((None, [], ""), "stop strings are; stop regexes are not implemented"),
+    "custom_params": ((None, {}), "custom logit processors are not implemented"),
+}
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int | None = 128
@@ -66,9 +74,9 @@ class SamplingParams:
         seed = d.pop("sampling_seed", None)
         if seed is not None and d.get("seed") is None:
             d["seed"] = seed
-        for name, empty in (("stop_regex", (None, [], "")), ("custom_params", (None, {}))):
+        for name, (empty, why) in UNIMPLEMENTED_PARAMS.items():
             if name in d and d.pop(name) not in empty:
-                raise SamplingParamsError(f"{name} is not supported (not implemented)")
+                raise SamplingParamsError(f"{name} is not supported ({why})")
         known = cls.__dataclass_fields__
         unknown = [k for k in d if k not in known or k == "stop_strs"]
         if unknown:

@@ -27,7 +27,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from radixserve.sampling_params import SamplingParams, logit_bias_key_error
+from radixserve.sampling_params import (
+    UNIMPLEMENTED_PARAMS,
+    SamplingParams,
+    logit_bias_key_error,
+)
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -58,8 +62,7 @@ NOOP_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((False,), ""),
     "return_bytes": ((False,), ""),
     "return_entropy": ((False,), ""),
-    "stop_regex": ((None, [], ""), "stop strings are; stop regexes are not implemented"),
-    "custom_params": ((None, {}), "custom logit processors are not implemented"),
+    **UNIMPLEMENTED_PARAMS,
 }
 
 
