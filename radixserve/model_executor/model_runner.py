@@ -271,6 +271,8 @@ class ModelRunner:
             )
             rows = total
         self.max_running_requests = rows
+        if sa.max_total_tokens or sa.max_running_requests:
+            self._check_pool_fits(total, per_token + draft_per_token, draft_weights)
         # The scheduler's tables stay in host memory on every device: a step copies the rows
         # it reads to the device (ModelWorkerBatch.kv_rows); only the KV itself lives there.
         self.req_to_token_pool = ReqToTokenPool(
@@ -340,6 +342,29 @@ class ModelRunner:
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype
         )
         return per_token, _param_count(cfg) * self.dtype.itemsize
+
+    def _check_pool_fits(self, total: int, per_token: int, reserved: int) -> None:
+        """Refuse at start a --max-total-tokens / --max-running-requests whose pool and request
+        table cannot fit in the free memory: allocated lazily, they were an out-of-memory kill
+        minutes later (the profiled default always fits)."""
+        row_bytes = (self.context_len + 8) * 4  # ReqToTokenPool: int32, in host memory
+        table = (self.max_running_requests + 1) * row_bytes
+        kv = total * per_token + reserved
+        host = _mem_available_bytes()
+        if self.device == "cuda":
+            device_free, _ = torch.cuda.mem_get_info()
+            checks = [(kv, device_free, "GPU "), (table, host, "")]
+        else:
+            checks = [(kv + table, host, "")]
+        for need, free, where in checks:
+            if need > free:
+                fit_tokens = max(0, (free - reserved - (0 if where else table)) // per_token)
+                raise ValueError(
+                    f"--max-total-tokens {total} and --max-running-requests "
+                    f"{self.max_running_requests} need {need / 2**30:.1f} GiB for the KV cache "
+                    f"and request table, but only {free / 2**30:.1f} GiB of {where}memory is "
+                    f"free (about {fit_tokens} tokens of KV fit beside the table); ask for less"
+                )
 
     def _profile_max_num_tokens(self, per_token: int, reserved: int = 0) -> int:
         """KV slots in --mem-fraction-static of the free memory, less `reserved` bytes."""

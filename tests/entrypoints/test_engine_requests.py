@@ -271,6 +271,17 @@ def test_an_engine_that_fails_to_start_leaves_no_thread_behind(tmp_path):
     assert left == []
 
 
+def test_a_pool_larger_than_memory_is_refused_at_start(tmp_path):
+    """--max-running-requests (or --max-total-tokens) past the free memory: the request table
+    was allocated lazily and the scheduler was OOM-killed a minute later ("exited during
+    start-up (code -9)"), taking memory from everything else on the machine."""
+    from radixserve import Engine
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+    with pytest.raises(RuntimeError, match=r"--max-running-requests 100000000 need .* GiB"):
+        Engine(model_path=model, max_total_tokens=10**8, max_running_requests=10**8)
+
+
 def test_ctrl_c_while_an_engine_starts_stops_it_at_once(tmp_path):
     """KeyboardInterrupt in Engine(...) (the model loading for minutes): the loop's thread sat
     in the start-up until the children were ready, so the interrupt became a bare TimeoutError
