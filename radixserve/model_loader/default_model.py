@@ -37,6 +37,12 @@ def default_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "radixserve", "models")
 
 
+def cached_default_model(cache_dir: str | None = None) -> str | None:
+    """The default model's GGUF where it is already in the cache, else None."""
+    target = os.path.join(os.path.abspath(cache_dir or default_cache_dir()), DEFAULT_MODEL_FILE)
+    return target if os.path.isfile(target) else None
+
+
 def ensure_default_model(cache_dir: str | None = None) -> str:
     """Return the path of the default model's GGUF, fetching it into the cache if missing."""
     cache_dir = os.path.abspath(cache_dir or default_cache_dir())

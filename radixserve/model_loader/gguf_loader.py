@@ -21,10 +21,11 @@ import re
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 if TYPE_CHECKING:
@@ -303,17 +304,35 @@ _GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12:
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def read_gguf_architecture(path: str) -> str | None:
-    """general.architecture, read from the header alone (GGUFReader maps and indexes every
-    tensor: seconds for a large file); None where the header is not one this reads (GGUF v2/v3,
-    little-endian)."""
+@dataclass
+class GgufHeader:
+    """What a GGUF's header says without reading its tensors: the scalar and string metadata
+    (arrays skipped) and the size the file must have to hold every tensor it lists."""
+
+    metadata: dict[str, Any]
+    size_needed: int
+
+
+def read_gguf_header(path: str) -> GgufHeader | None:
+    """The header alone (GGUFReader maps and indexes every tensor: seconds for a large file);
+    None where it is not one this reads (GGUF v2/v3, little-endian) or is itself cut short."""
     import struct
+
+    scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
+    scalars.update({10: "<Q", 11: "<q", 12: "<d"})
 
     def take(f: Any, fmt: str) -> Any:
         data = f.read(struct.calcsize(fmt))
         if len(data) != struct.calcsize(fmt):
             raise EOFError
         return struct.unpack(fmt, data)[0]
+
+    def text(f: Any) -> str:
+        n = take(f, "<Q")
+        data = f.read(n)
+        if len(data) != n:
+            raise EOFError
+        return data.decode("utf-8", "replace")
 
     def skip_value(f: Any, kind: int) -> None:
         if kind == _GGUF_STRING:
@@ -332,16 +351,58 @@ def read_gguf_architecture(path: str) -> str | None:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF" or take(f, "<I") not in (2, 3):
                 return None
-            take(f, "<Q")  # tensors
-            for _ in range(take(f, "<Q")):  # metadata pairs (the architecture comes first)
-                key = f.read(take(f, "<Q"))
-                kind = take(f, "<I")
-                if key == b"general.architecture" and kind == _GGUF_STRING:
-                    return f.read(take(f, "<Q")).decode("utf-8", "replace")
-                skip_value(f, kind)
-    except (OSError, EOFError, KeyError, struct.error, OverflowError):
+            n_tensors, n_pairs = take(f, "<Q"), take(f, "<Q")
+            metadata: dict[str, Any] = {}
+            for _ in range(n_pairs):
+                key, kind = text(f), take(f, "<I")
+                if kind == _GGUF_STRING:
+                    metadata[key] = text(f)
+                elif kind in scalars:
+                    metadata[key] = take(f, scalars[kind])
+                else:
+                    skip_value(f, kind)
+            data_end = 0
+            for _ in range(n_tensors):
+                text(f)  # the name
+                numel = 1
+                for _ in range(take(f, "<I")):
+                    numel *= take(f, "<Q")
+                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(take(f, "<I"))]
+                data_end = max(data_end, take(f, "<Q") + numel // block * block_bytes)
+            align = metadata.get("general.alignment", 32)
+            start = -(-f.tell() // align) * align
+    except (OSError, EOFError, KeyError, ValueError, struct.error, OverflowError):
         return None
-    return None
+    return GgufHeader(metadata, start + data_end)
+
+
+def read_gguf_architecture(path: str) -> str | None:
+    """general.architecture, from the header alone (None where it cannot be read)."""
+    header = read_gguf_header(path)
+    return None if header is None else header.metadata.get("general.architecture")
+
+
+def check_gguf_header(path: str, tp_size: int = 1) -> None:
+    """Refuse, before any process starts, a GGUF whose architecture is not served, that is
+    shorter than its tensors (a download that did not finish: GGUFReader said "cannot reshape
+    array" after the start-up), or whose heads --tp-size cannot split."""
+    header = read_gguf_header(path)
+    if header is None:
+        return  # (the loader says what it is)
+    arch = header.metadata.get("general.architecture")
+    check_gguf_architecture(arch)
+    size = os.path.getsize(path)
+    if size < header.size_needed:
+        raise ValueError(
+            f"the GGUF file {path} is cut short: {size} bytes of the {header.size_needed} its "
+            "tensors need (a download or copy that did not finish?)"
+        )
+    heads = header.metadata.get(f"{arch}.attention.head_count")
+    if tp_size > 1 and isinstance(heads, int):
+        from radixserve.distributed.parallel_state import local_head_counts
+
+        kv_heads = header.metadata.get(f"{arch}.attention.head_count_kv", heads)
+        local_head_counts(heads, kv_heads, tp_size)
 
 
 def _metadata(reader: GGUFReader, key: str) -> Any:

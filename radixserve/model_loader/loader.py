@@ -109,7 +109,11 @@ def check_model_files(server_args: Any) -> None:
     draft model's path."""
     path, load_format = server_args.model_path, server_args.load_format
     check_model_path(path, load_format=load_format)
-    check_model_config(path, load_format, server_args.context_length)
+    if path is None:  # the default model, where it is fetched already (else the scheduler does)
+        from radixserve.model_loader.default_model import cached_default_model
+
+        path = cached_default_model()
+    check_model_config(path, load_format, server_args.context_length, server_args.tp_size)
     check_weight_files(path, load_format)
     check_model_path(server_args.tokenizer_path, "--tokenizer-path")
     check_tokenizer_path(path, server_args.tokenizer_path)
@@ -147,27 +151,28 @@ def _require_exists(path: str, flag: str) -> None:
 
 
 def check_model_config(
-    model_path: str | None, load_format: str, context_length: int | None
+    model_path: str | None, load_format: str, context_length: int | None, tp_size: int = 1
 ) -> None:
     """Refuse, before any process starts, a model config that cannot be served (an unknown
-    architecture, a missing field) or a --context-length past its positions: found by the
-    scheduler instead, it was a traceback after seconds of start-up. A GGUF's metadata takes
-    seconds to read, so it is read here only when --context-length needs it."""
+    architecture, a missing field, heads that --tp-size cannot split, a GGUF cut short) or a
+    --context-length past its positions: found by the scheduler instead, it was a traceback
+    after seconds of start-up. A GGUF's full metadata takes seconds to read, so it is read
+    here only when --context-length needs it; its header is enough for the rest."""
     if model_path is None:
         return
     fmt = detect_load_format(model_path, load_format)
-    if fmt == "gguf" and context_length is None:  # its architecture, from the header alone
-        from radixserve.model_loader.gguf_loader import (
-            check_gguf_architecture,
-            read_gguf_architecture,
-        )
+    if fmt == "gguf":
+        from radixserve.model_loader.gguf_loader import check_gguf_header
 
-        arch = read_gguf_architecture(model_path)
-        if arch is not None:
-            check_gguf_architecture(arch)
-        return
+        check_gguf_header(model_path, tp_size)
+        if context_length is None:
+            return
     cfg = load_model_config(model_path, fmt)
     check_context_length(cfg, context_length, warn=False)
+    if tp_size > 1:
+        from radixserve.distributed.parallel_state import local_head_counts
+
+        local_head_counts(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size)
 
 
 def detect_load_format(model_path: str, load_format: str) -> str:

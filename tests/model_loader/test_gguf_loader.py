@@ -7,6 +7,7 @@ the real default model.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -371,6 +372,43 @@ def test_an_unsupported_architecture_is_refused_before_start(tmp_path: Path) -> 
     assert read_gguf_architecture(str(tiny)) == "qwen2"
     check_model_config(str(tiny), "auto", None)
     assert read_gguf_architecture(__file__) is None  # not a GGUF: the loader says what it is
+
+
+def test_a_cut_short_gguf_and_heads_tp_cannot_split_are_refused_before_start(
+    tmp_path: Path,
+) -> None:
+    """A GGUF whose download did not finish was found by the scheduler 40 s into the start-up
+    (GGUFReader's "cannot reshape array of size ..."), and --tp-size against the heads only
+    when the model was built: the header says both."""
+    from radixserve.model_loader.gguf_loader import read_gguf_header
+    from radixserve.model_loader.loader import check_model_config
+
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny, "llama", tie=False)
+    size = tiny.stat().st_size
+    header = read_gguf_header(str(tiny))
+    assert header is not None and header.size_needed == size  # (no padding after the last)
+    assert header.metadata["llama.attention.head_count"] == HEADS
+    check_model_config(str(tiny), "auto", None, tp_size=2)  # 4 heads, 2 KV heads: splits
+    with pytest.raises(ValueError, match=f"{HEADS} attention heads, which --tp-size 3"):
+        check_model_config(str(tiny), "auto", None, tp_size=3)
+    with pytest.raises(ValueError, match="which --tp-size 3 does not divide"):
+        check_model_config(str(tiny), "auto", 64, tp_size=3)  # (the full-config path too)
+    with open(tiny, "r+b") as f:
+        f.truncate(size - 1)
+    with pytest.raises(ValueError, match=f"cut short: {size - 1} bytes of the {size}"):
+        check_model_config(str(tiny), "auto", None)
+
+
+def test_heads_tp_cannot_split_are_refused_before_start_for_a_directory(tmp_path: Path) -> None:
+    from rs_testing import make_tiny_model_dir
+
+    from radixserve.model_loader.loader import check_model_config
+
+    model = make_tiny_model_dir(str(tmp_path / "m"))
+    heads = json.loads((Path(model) / "config.json").read_text())["num_attention_heads"]
+    with pytest.raises(ValueError, match=f"{heads} attention heads, which --tp-size {heads + 1}"):
+        check_model_config(model, "auto", None, tp_size=heads + 1)
 
 
 def test_missing_file_names_the_path(tmp_path: Path) -> None:
