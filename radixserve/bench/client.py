@@ -127,6 +127,12 @@ def raise_for_auth(resp: httpx.Response) -> None:
     raise AuthError(f"HTTP 401 from {where}: {fix}")
 
 
+def raise_aborted(message: str | None) -> None:
+    """A request the server aborted (by /abort_request, a shutdown, ...) did not finish: it is
+    a failure, not a success with its output cut short."""
+    raise ServerError("the server aborted the request" + (f": {message}" if message else ""))
+
+
 class NativeParser:
     """Events of `/generate`: cumulative `text` and `meta_info.completion_tokens`."""
 
@@ -138,7 +144,10 @@ class NativeParser:
         if "error" in data:
             raise ServerError(str(data["error"]))
         rec, meta = self.record, data.get("meta_info") or {}
-        if meta.get("finish_reason"):
+        finish = meta.get("finish_reason")
+        if finish:
+            if isinstance(finish, dict) and finish.get("type") == "abort":
+                raise_aborted(finish.get("message"))
             self.finished = True
         text = data.get("text") or ""
         done = rec.output_len
@@ -181,6 +190,8 @@ class OpenAIParser:
         choices = data.get("choices") or []
         text = (choices[0].get("text") or "") if choices else ""
         if choices and choices[0].get("finish_reason"):
+            if choices[0]["finish_reason"] == "abort":  # (SGLang's and vLLM's)
+                raise_aborted(None)
             self.finished = True
         if text:
             new = usage.get("completion_tokens", self.counted + 1) - self.counted

@@ -171,6 +171,27 @@ def test_a_stream_cut_off_before_its_end_is_a_failure(backend):
     assert not rec.success and "ended before the request finished" in rec.error
 
 
+@pytest.mark.parametrize("backend", ["openai", "radixserve"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_the_server_aborted_is_a_failure(backend, stream):
+    """finish_reason abort (/abort_request, a shutdown): it counted as a success, its cut-off
+    output in the token counts, TPOT and throughput, and the run passed."""
+    clock = FakeClock()
+    if backend == "openai":
+        end = {"choices": [{"text": "", "finish_reason": "abort"}]}
+        events = [(0.1, {"choices": [{"text": "a"}]}), (0.2, end)]
+    else:
+        abort = {"type": "abort", "message": "aborted by the client"}
+        events = [(0.1, _native("a", 1)), (0.2, _native("a", 1, finish_reason=abort))]
+    cfg = ClientConfig(backend, "http://fake", stream=stream)
+
+    def whole(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=events[-1][1])
+
+    rec = _send(cfg, _sse(events, clock) if stream else whole, clock, REQ)
+    assert not rec.success and "the server aborted the request" in rec.error
+
+
 def test_when_every_request_fails_the_run_fails_and_shows_no_latencies(capsys, tmp_path):
     from radixserve.bench.metrics import compute_metrics
     from radixserve.bench.serving import build_parser, run
