@@ -127,6 +127,9 @@ def _bench(argv: list[str]) -> int:
     except (httpx.HTTPError, ConnectionError) as e:  # a server that is not there
         print(f"radixserve bench {kind}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a dataset or text file that is a directory, or cannot be read
+        print(f"radixserve bench {kind}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 
@@ -67,6 +68,19 @@ def PORT(text: str) -> int:  # noqa: N802 (a flag type, named like the others)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {text}")
     return value
+
+
+def OUTPUT_FILE(text: str) -> str:  # noqa: N802 (a flag type, named like the others)
+    """A file the result is appended to: refused before the run (it failed after it, the
+    result lost) where it is a directory or its directory is not there or not writable."""
+    where = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name a file in it")
+    if not os.path.isdir(where):
+        raise argparse.ArgumentTypeError(f"{text}: its directory {where} does not exist")
+    if not os.access(text if os.path.exists(text) else where, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written")
+    return text
 
 
 def kv_pool_tokens(num_requests: int, tokens_per_request: int, page_size: int) -> int:

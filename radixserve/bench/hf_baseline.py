@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.bench import FRACTION, NON_NEGATIVE, POSITIVE, datasets
+from radixserve.bench import FRACTION, NON_NEGATIVE, OUTPUT_FILE, POSITIVE, datasets
 from radixserve.bench.datasets import BenchRequest
 from radixserve.bench.metrics import append_jsonl, print_metrics
 
@@ -164,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=NON_NEGATIVE, default=1)
     p.add_argument("--tokenize-prompt", action="store_true", help="Use token ids, not text.")
     p.add_argument("--warmup", type=NON_NEGATIVE, default=1, help="Untimed warmup batches.")
-    p.add_argument("--output-file", default=None, help="Append the result as a JSON line.")
+    p.add_argument(
+        "--output-file", type=OUTPUT_FILE, default=None, help="Append the result as a JSON line."
+    )
     return p
 
 

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.bench import NON_NEGATIVE, POSITIVE, json_object
+from radixserve.bench import NON_NEGATIVE, OUTPUT_FILE, POSITIVE, json_object
 from radixserve.bench.metrics import json_line, percentile
 
 
@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--only", choices=("radix", "hicache"), default=None, help="Run one config.")
     p.add_argument("--check-outputs", action="store_true", help="Greedy outputs must agree.")
-    p.add_argument("--output-file", default=None, help="Append the results as JSON lines.")
+    p.add_argument(
+        "--output-file", type=OUTPUT_FILE, default=None, help="Append the results as JSON lines."
+    )
     return p
 
 

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from radixserve.args import ServerArgs
-from radixserve.bench import NON_NEGATIVE, datasets, json_object
+from radixserve.bench import NON_NEGATIVE, OUTPUT_FILE, datasets, json_object
 from radixserve.bench.metrics import json_line
 
 
@@ -27,7 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
         default={},
         help="JSON object merged into each request's sampling params.",
     )
-    p.add_argument("--output-file", default=None, help="Append one JSON line with the result.")
+    p.add_argument(
+        "--output-file",
+        type=OUTPUT_FILE,
+        default=None,
+        help="Append one JSON line with the result.",
+    )
     ServerArgs.add_cli_args(p)
     return p
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.bench import NON_NEGATIVE, POSITIVE, kv_pool_tokens
+from radixserve.bench import NON_NEGATIVE, OUTPUT_FILE, POSITIVE, kv_pool_tokens
 from radixserve.bench.metrics import json_line
 
 
@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=POSITIVE, nargs="+", default=[256])
     p.add_argument("--output-len", type=POSITIVE, default=32)
     p.add_argument("--warmup", type=NON_NEGATIVE, default=1, help="Warm-up runs of the first case.")
-    p.add_argument("--output-file", default=None, help="Append one JSON line per case.")
+    p.add_argument(
+        "--output-file", type=OUTPUT_FILE, default=None, help="Append one JSON line per case."
+    )
     ServerArgs.add_cli_args(p)
     return p
 

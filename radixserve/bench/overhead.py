@@ -28,7 +28,7 @@ import httpx
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.bench import POSITIVE, SECONDS, int_at_least, kv_pool_tokens
+from radixserve.bench import OUTPUT_FILE, POSITIVE, SECONDS, int_at_least, kv_pool_tokens
 from radixserve.bench.metrics import json_line
 from radixserve.utils import free_port
 
@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--loops", nargs="+", default=["overlap", "normal"], choices=["overlap", "normal"]
     )
-    p.add_argument("--output-file", default=None, help="Append the result as a JSON line.")
+    p.add_argument(
+        "--output-file", type=OUTPUT_FILE, default=None, help="Append the result as a JSON line."
+    )
     p.add_argument("--server-timeout", type=SECONDS, default=600.0, help="Seconds to start.")
     return p
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from radixserve.args import ServerArgs
-from radixserve.bench import int_at_least, kv_pool_tokens
+from radixserve.bench import OUTPUT_FILE, int_at_least, kv_pool_tokens
 from radixserve.bench.metrics import json_line
 
 
@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-tokens", type=int_at_least(2), default=4096, help="Tokens of the text to score."
     )
-    p.add_argument("--output-file", default=None, help="Append the result as one JSON line.")
+    p.add_argument(
+        "--output-file", type=OUTPUT_FILE, default=None, help="Append the result as one JSON line."
+    )
     ServerArgs.add_cli_args(p)
     return p
 

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from radixserve.bench import (
     NON_NEGATIVE,
+    OUTPUT_FILE,
     PORT,
     POSITIVE,
     SECONDS,
@@ -182,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-ignore-eos", action="store_true")
     p.add_argument("--disable-stream", action="store_true")
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument("--output-file", default=None, help="Append the result as a JSON line.")
+    p.add_argument(
+        "--output-file", type=OUTPUT_FILE, default=None, help="Append the result as a JSON line."
+    )
     p.add_argument("--warmup-requests", type=NON_NEGATIVE, default=1)
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after warmup.")
     p.add_argument(

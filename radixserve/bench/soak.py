@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from radixserve.bench import NON_NEGATIVE, PORT, POSITIVE, SECONDS, float_in
+from radixserve.bench import NON_NEGATIVE, OUTPUT_FILE, PORT, POSITIVE, SECONDS, float_in
 from radixserve.bench.client import (
     AuthError,
     ClientConfig,
@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", default=None, help="kind=weight,... over " + ",".join(ACTIONS))
     p.add_argument("--pids", type=POSITIVE, nargs="*", default=[], help="More pids to sample RSS.")
     p.add_argument("--progress-interval", type=float_in(0.0), default=30.0, help="0 = quiet.")
-    p.add_argument("--output", default=None, help="Write the report as JSON.")
+    p.add_argument("--output", type=OUTPUT_FILE, default=None, help="Write the report as JSON.")
     return p
 
 

@@ -212,6 +212,8 @@ async def abort(ctx: ActionContext) -> Outcome:
     finally:
         if not task.done():
             task.cancel()
+        elif not task.cancelled():  # (one failed while the abort did: read, or asyncio logs
+            task.exception()  # "Task exception was never retrieved" and its traceback)
     args = (ctx.abort_grace, stream, api != "native")
     result, detail = classify_abort(reply, ack_time, finished_unacked, *args)
     return Outcome("abort", result, detail and f"rid {rid}: {detail}", body)

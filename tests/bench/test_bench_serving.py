@@ -245,6 +245,10 @@ def test_the_warmup_request_shares_no_prefix_with_the_first_one():
         (["multiturn", "--hicache-args", "[1]"], "must be a JSON object"),
         (["multiturn", "--max-parallel", "-1"], "must be >= 1"),
         (["serving", "--port", "70000"], "must be a port in"),
+        # (an output file that cannot be written failed after the run, its result lost)
+        (["serving", "--output-file", "/"], "/ is a directory; name a file in it"),
+        (["one-batch", "--output-file", "/no/such/dir/x.json"], "/no/such/dir does not exist"),
+        (["soak", "--output", "/tmp"], "/tmp is a directory"),
     ],
 )
 def test_bad_bench_flags_end_with_usage_and_one_line(argv, message, capsys):
@@ -255,6 +259,19 @@ def test_bad_bench_flags_end_with_usage_and_one_line(argv, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_dataset_path_that_is_a_directory_ends_in_one_line(tmp_path, capsys):
+    """IsADirectoryError (an OSError, not FileNotFoundError) was a traceback."""
+    from rs_testing import save_byte_tokenizer
+
+    from radixserve.__main__ import main
+
+    save_byte_tokenizer(str(tmp_path), 320)
+    argv = ["--dataset-name", "sharegpt", "--dataset-path", str(tmp_path), "--port", "9"]
+    assert main(["bench", "serving", "--tokenizer", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Is a directory" in err and "Traceback" not in err
 
 
 def test_a_soak_mix_without_a_positive_weight_is_refused():
