@@ -401,11 +401,11 @@ class ServerArgs:
             raise ValueError("--max-lora-rank must be >= 1")
         if not (self.lora_paths or self.enable_lora):
             return
-        from radixserve.lora.adapter import LoRAError, check_adapter_dir, parse_lora_paths
+        from radixserve.lora.adapter import LoRAError, check_adapter_config, parse_lora_paths
 
-        try:
-            for path in parse_lora_paths(self.lora_paths).values():
-                check_adapter_dir(path)
+        try:  # (found by the scheduler, a bad config was a traceback after the model loaded)
+            for name, path in parse_lora_paths(self.lora_paths).items():
+                check_adapter_config(name, path, self.max_lora_rank)
         except LoRAError as e:
             raise ValueError(str(e)) from None
 

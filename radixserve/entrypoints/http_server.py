@@ -603,6 +603,7 @@ def build_app(
             tm,
             served_model_name(server_args),
             model_aliases(server_args),
+            model_root=server_args.model_path,
             sampling_defaults=model_sampling_defaults(server_args),
         )
         watchdog = asyncio.create_task(_watchdog(state))

@@ -125,7 +125,7 @@ class OpenAIServing:
         self.tm = tokenizer_manager
         self.served_model_name = served_model_name
         self.model_names = model_names | {served_model_name}
-        self.model_root = model_root
+        self.model_root = model_root or served_model_name  # (the default model: its name)
         self.tok = TokenStrings(tokenizer_manager.tokenizer)
         self.created = int(time.time())
         args = getattr(tokenizer_manager, "server_args", None)

@@ -68,6 +68,18 @@ def check_adapter_dir(path: str) -> None:
         raise LoRAError(f"LoRA adapter {path!r} has none of {', '.join(WEIGHT_FILES)}")
 
 
+def check_adapter_config(name: str, path: str, max_rank: int | None = None) -> LoRAConfig:
+    """The adapter's config, read from its directory alone (what the serve command checks
+    before any process starts): a LoRAError where it is not one this serves."""
+    check_adapter_dir(path)
+    config = LoRAConfig.load(path)
+    if max_rank is not None and config.r > max_rank:
+        raise LoRAError(
+            f"LoRA adapter {name!r} has rank {config.r}, above --max-lora-rank {max_rank}"
+        )
+    return config
+
+
 def _weight_file(path: str) -> str | None:
     for name in WEIGHT_FILES:
         if os.path.isfile(os.path.join(path, name)):
@@ -177,12 +189,7 @@ class LoRAAdapter:
     def load(
         cls, name: str, path: str, shape: ModelShape, max_rank: int | None = None
     ) -> LoRAAdapter:
-        check_adapter_dir(path)
-        config = LoRAConfig.load(path)
-        if max_rank is not None and config.r > max_rank:
-            raise LoRAError(
-                f"LoRA adapter {name!r} has rank {config.r}, above --max-lora-rank {max_rank}"
-            )
+        config = check_adapter_config(name, path, max_rank)
         tensors = _read_tensors(_weight_file(path))  # type: ignore[arg-type]
         halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():

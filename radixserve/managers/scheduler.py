@@ -25,6 +25,7 @@ import torch
 from radixserve.args import ServerArgs
 from radixserve.distributed.tp_sync import TpSync
 from radixserve.io_struct import (
+    FLUSH_WAIT_S,
     AbortReq,
     BatchTokenizedGenerateReqInput,
     DashboardSnapshotReq,
@@ -60,8 +61,6 @@ logger = logging.getLogger(__name__)
 ABORTED_BY_CLIENT = "aborted by the client"
 # The served loop's wait for input while only grammar compiles or cache copies are pending.
 WAIT_POLL_MS = 5
-# How long /flush_cache waits for the hierarchical cache's copies of finished requests' KV.
-FLUSH_WAIT_S = 30.0
 
 
 def cpus_for_overlap(device: str) -> bool:
@@ -201,7 +200,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         self.result_queue: deque[tuple[BatchSnapshot, InFlightStep]] = deque()
         # Flushes that came while only finished requests were left (answered after the step
         # that drops them: their client has the last output already; see flush_cache).
-        self.pending_flushes: list[FlushCacheReq] = []
+        # Flushes answered by step(), with the time until which they may wait.
+        self.pending_flushes: list[tuple[FlushCacheReq, float]] = []
         self.forward_thread: ForwardThread | None = None
         # P/D disaggregation: the prefill side's bootstrap server and transfers, or the decode
         # side's reservations and arriving KV (radixserve.disaggregation).
@@ -234,8 +234,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg)
             elif isinstance(msg, FlushCacheReq):
-                if self.has_work(cache_copies=False) and self._only_finished_left():
-                    self.pending_flushes.append(msg)
+                if self._flush_may_wait():
+                    self.pending_flushes.append((msg, time.monotonic() + FLUSH_WAIT_S))
                 else:
                     self._reply(msg, self.flush_cache())
             elif isinstance(msg, LoadLoRAAdapterReq):
@@ -278,10 +278,14 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self._reject(req, error)
             return
         sp = req.sampling_params
-        room = self.context_len - len(req.origin_input_ids)
+        # Never generate past the context window, nor past what the KV pool holds for one
+        # request (SGLang's max_req_len; the last token's KV is never written): such a
+        # request ends by length; it was aborted as "no longer fits" once it filled the pool.
+        pool_room = self.max_total_num_tokens + 1
+        room = min(self.context_len, pool_room) - len(req.origin_input_ids)
         req.open_ended = sp.max_new_tokens is None
         if sp.max_new_tokens is None or sp.max_new_tokens > room:
-            sp.max_new_tokens = room  # never generate past the context window
+            sp.max_new_tokens = room
         if self.grammar_manager.key_of(req) is not None:
             error = self.grammar_manager.add(req)  # waits in the grammar queue until compiled
             if error is not None:
@@ -410,13 +414,27 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             self.check_integrity()
             if self.tp_sync is not None:  # invariant 10: every rank scheduled this step
                 self.tp_sync.check_schedule(batch, self.allocator, self.tree_cache)
-        if self.pending_flushes and not (
-            self.has_work(cache_copies=False) and self._only_finished_left()
-        ):
-            flushes, self.pending_flushes = self.pending_flushes, []
-            for msg in flushes:  # (refused if new requests came meanwhile)
-                self._reply(msg, self.flush_cache())
+        if self.pending_flushes:
+            self._answer_flushes()
         return batch
+
+    def _flush_may_wait(self) -> bool:
+        """Whether a flush waits (answered by step(), the loop serving meanwhile): for the
+        last step of requests that have all finished (it was refused as "requests are
+        running" right after a response), or, with none held, for the hierarchical cache's
+        copies of their KV (a slow storage tier held the whole loop for up to FLUSH_WAIT_S)."""
+        if self.has_work(cache_copies=False):
+            return self._only_finished_left()
+        return self.hicache is not None and self.hicache.has_pending()
+
+    def _answer_flushes(self) -> None:
+        now, waiting = time.monotonic(), []
+        for msg, deadline in self.pending_flushes:
+            if now < deadline and self._flush_may_wait():
+                waiting.append((msg, deadline))
+            else:  # (refused if new requests came meanwhile, or the copies did not land)
+                self._reply(msg, self.flush_cache())
+        self.pending_flushes = waiting
 
     def _normal_step(self) -> ScheduleBatch | None:
         batch = self.get_next_batch_to_run()
@@ -881,6 +899,11 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             return LoRAUpdateReqOutput(
                 False, f"{users} requests still use LoRA adapter {name!r}; unload it after them"
             )
+        # A launched step reads its requests' adapters in its forward, and a request that
+        # ended at the step before it (by a stop token) is still in it: its forward goes first.
+        for snapshot, step in self.result_queue:
+            if any(r.lora_id == name for r in snapshot.reqs):
+                step.done.wait()
         manager.unload(name)
         self.lora_names.discard(name)
         return LoRAUpdateReqOutput(True)
@@ -889,16 +912,12 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.has_work(cache_copies=False):
             return FlushCacheReqOutput(False, "cannot flush the cache while requests are running")
         if self.hicache is not None and self.hicache.has_pending():
-            # The last requests' KV is still being backed up (host, storage): a flush right
-            # after a run waits for it, a bounded time (it was refused as "requests running").
-            pending = self.hicache.has_pending
-            self._await_cache_copies(lambda: not pending(), FLUSH_WAIT_S, pending)
-            if self.hicache.has_pending():
-                return FlushCacheReqOutput(
-                    False,
-                    "cannot flush the cache while the hierarchical cache's copies are in flight "
-                    f"(still after {FLUSH_WAIT_S:g} s: a slow storage tier?); try again",
-                )
+            # (a FlushCacheReq waits up to FLUSH_WAIT_S for them first: _flush_may_wait)
+            return FlushCacheReqOutput(
+                False,
+                "cannot flush the cache while the hierarchical cache's copies are in flight "
+                f"(still after {FLUSH_WAIT_S:g} s: a slow storage tier?); try again",
+            )
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()

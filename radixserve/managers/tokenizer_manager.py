@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.io_struct import (
+    FLUSH_WAIT_S,
     AbortReq,
     BatchStrOutput,
     BatchTokenizedGenerateReqInput,
@@ -673,7 +674,8 @@ class TokenizerManager:
             ) from None
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        return await self._control(FlushCacheReq(), FlushCacheReqOutput)
+        # (the scheduler may hold it FLUSH_WAIT_S for the cache's copies: it answers first)
+        return await self._control(FlushCacheReq(), FlushCacheReqOutput, FLUSH_WAIT_S + 30)
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRAUpdateReqOutput:
         """Load an adapter into every scheduler (each TP rank its shard, each DP replica);
@@ -685,9 +687,13 @@ class TokenizerManager:
                 return LoRAUpdateReqOutput(False, f"a LoRA adapter named {name!r} is loaded")
             if not name or any(c.isspace() for c in name):
                 return LoRAUpdateReqOutput(False, f"{name!r} is not an adapter name")
-            try:
+
+            def checked_key() -> str:
                 check_adapter_dir(path)
-                key = adapter_key(name, path)
+                return adapter_key(name, path)
+
+            try:  # (on a thread: hashing a large adapter's weights held every request here)
+                key = await asyncio.to_thread(checked_key)
             except (LoRAError, OSError) as e:
                 return LoRAUpdateReqOutput(False, str(e))
             out = await self._control(LoadLoRAAdapterReq(name, path), LoRAUpdateReqOutput, 300)

@@ -90,6 +90,7 @@ def test_models_lists_the_adapters(served):
     data = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == [base, "ad1", "ad2", "team:v3"]
     assert data[1]["parent"] == base and data[1]["root"] == paths["ad1"]
+    assert data[0]["root"] == "/models/tiny-llama.gguf"  # (was null; SGLang and vLLM fill it)
     one = client.get("/v1/models/ad2").json()
     assert one["id"] == "ad2" and one["root"] == paths["ad2"] and one["parent"] == base
     assert client.get(f"/v1/models/{base}").json()["id"] == base

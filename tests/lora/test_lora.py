@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -499,8 +500,17 @@ def test_the_flags(tiny, tmp_path):
     args = ServerArgs.from_cli_args(ns)
     assert args.lora_paths == (f"one={a}", b) and args.max_loras_per_batch == 2
     assert ServerArgs(lora_paths=a).lora_paths == (a,)
+    dora = str(tmp_path / "dora")
+    shutil.copytree(a, dora)
+    with open(os.path.join(dora, "adapter_config.json")) as f:
+        conf = json.load(f)
+    with open(os.path.join(dora, "adapter_config.json"), "w") as f:
+        json.dump({**conf, "use_dora": True}, f)
     for bad, match in [
         ({"lora_paths": (f"x={a}", f"x={b}")}, "given twice"),
+        # (read from the config before start: they were tracebacks after the model loaded)
+        ({"lora_paths": (f"x={a}",), "max_lora_rank": 1}, "'x' has rank .*-max-lora-rank 1"),
+        ({"lora_paths": (dora,)}, "DoRA"),
         ({"lora_paths": (str(tmp_path),)}, "adapter_config.json"),
         ({"lora_paths": ("x=" + str(tmp_path / "nope"),)}, "not a directory"),
         ({"max_loras_per_batch": 0}, "max-loras-per-batch"),
@@ -802,6 +812,34 @@ def test_adapters_load_and_unload_while_serving(tiny):
         info = e.get_server_info()
         assert info["running"] == 0 and info["queued"] == 0
         assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_num_tokens"]
+
+
+def test_an_adapter_unloaded_while_a_launched_step_holds_its_last_request(tiny):
+    """The overlap loop launches step N+1 before it reads step N's tokens: a request that ends
+    at step N by a stop token is in step N+1 too. Unloaded then (it had no users left), the
+    adapter was gone when that step's forward looked it up: "no LoRA adapter named 'a'", and
+    the scheduler died. The unload waits for that forward now."""
+    from radixserve.io_struct import UnloadLoRAAdapterReq
+
+    h = _harness(tiny, attention_backend="cpu_paged")
+    assert h.scheduler.enable_overlap
+    ref = tiny["refs"]["a"][0]
+    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])  # (ends it at a decode)
+    sp = SamplingParams(max_new_tokens=NEW, temperature=0, stop_token_ids=[ref[k]])
+    key = adapter_key("a", tiny["adapters"]["a"])
+    ids = list(tiny["prompts"][0])
+    h.scheduler.process_input_requests(
+        [TokenizedGenerateReqInput("R", None, ids, sp, extra_key=key, lora_id="a")]
+    )
+    for _ in range(50):
+        h.step()
+        if "R" in h.finish_reasons():
+            break
+    assert "R" in h.finish_reasons() and h.scheduler.result_queue  # (a step still in flight)
+    assert h.scheduler.unload_lora_adapter(UnloadLoRAAdapterReq("a")).success
+    h.run_until_idle(max_steps=50)
+    assert h.results()["R"] == ref[: k + 1]
+    _assert_drained(h)
 
 
 def test_a_server_started_without_lora_refuses_to_load_one(tiny):

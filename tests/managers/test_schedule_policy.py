@@ -171,16 +171,19 @@ def test_request_larger_than_pool_is_rejected_and_scheduler_keeps_running():
     s.assert_drained()
 
 
-def test_request_growing_past_the_pool_is_aborted_not_crashing():
+@pytest.mark.parametrize("max_new", [200, None])
+def test_a_request_longer_than_the_pool_ends_by_length_where_it_fills_it(max_new):
+    """Its output is capped at what the pool holds for one request (SGLang's max_req_len):
+    it was aborted as "no longer fits" once it had filled the pool."""
     worker = FakeWorker(total_tokens=64, max_running=4)
     outs: list = []
     s = Scheduler(ServerArgs(device="cpu", dtype="float32").resolve(), outs.append, None, worker)
-    sp = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     s.process_input_requests([TokenizedGenerateReqInput("grow", None, [3] * 40, sp)])
     while s.has_work():
         s.step()
-    reason = outs[-1].finished_reasons[0]
-    assert reason["type"] == "abort" and "no longer fits" in reason["message"]
+    assert outs[-1].finished_reasons[0] == {"type": "length", "length": 25}
+    assert sum(len(o.output_ids[0]) for o in outs) == 25
     s.assert_drained()
 
 

@@ -594,6 +594,31 @@ def test_a_control_call_the_scheduler_never_answers_is_a_503():
     run(body())
 
 
+def test_an_adapter_is_hashed_off_the_event_loop(monkeypatch, tmp_path):
+    """/load_lora_adapter hashed the adapter's weights on the serving loop: a 1 GB file held
+    every request and stream of the server for 5 s."""
+    import threading
+
+    from radixserve.managers import tokenizer_manager
+
+    hashed_on = []
+
+    def key(name: str, path: str) -> str:
+        hashed_on.append(threading.current_thread())
+        raise OSError("stop here")
+
+    monkeypatch.setattr(tokenizer_manager, "check_adapter_dir", lambda path: None)
+    monkeypatch.setattr(tokenizer_manager, "adapter_key", key)
+
+    async def body():
+        tm, _ = _make_tm(enable_lora=True)
+        out = await tm.load_lora_adapter("a", str(tmp_path))
+        assert not out.success and out.message == "stop here"
+
+    run(body())
+    assert hashed_on and hashed_on[0] is not threading.main_thread()
+
+
 def _dp_tm() -> TokenizerManager:
     ctl = DataParallelController([FakeSockets(), FakeSockets()], "round_robin")
     return TokenizerManager(
