@@ -19,6 +19,10 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
+# The logprob fields of a request that take a value for every prompt or one per prompt.
+PER_PROMPT_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len")
+
+
 @dataclass
 class GenerateReqInput:
     """A user request as the HTTP server or Engine received it (one or a batch)."""

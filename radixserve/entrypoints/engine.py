@@ -24,7 +24,7 @@ from concurrent.futures import CancelledError, Future
 from typing import Any
 
 from radixserve.args import ServerArgs
-from radixserve.io_struct import GenerateReqInput
+from radixserve.io_struct import PER_PROMPT_LOGPROB_FIELDS, GenerateReqInput
 from radixserve.managers.data_parallel_controller import (
     DataParallelController,
     replica_port_args,
@@ -292,6 +292,20 @@ SGLANG_NOOP_KWARGS: dict[str, Any] = {
 }
 
 
+class ControlResult(dict):
+    """A control call's answer, {"success", "message"}: read as a dict, or as SGLang's Engine
+    gives it (its reply object: .success, .message); true when it succeeded."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __bool__(self) -> bool:
+        return bool(self.get("success"))
+
+
 class Engine:
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
         if server_args is None:
@@ -372,15 +386,26 @@ class Engine:
     ) -> GenerateReqInput:
         for name, default in SGLANG_NOOP_KWARGS.items():
             value = extra.pop(name, default)
-            if value != default:
+            # (SGLang's Engine passes [] and one None per prompt of a batch for "none")
+            nothing = value in (default, None, []) or (
+                isinstance(value, list) and all(v in (default, None) for v in value)
+            )
+            if not nothing:
                 raise RequestError(f"{name} is not supported")
-        return GenerateReqInput(
+        for name in ("return_text_in_logprobs", *PER_PROMPT_LOGPROB_FIELDS):
+            if name in extra and extra[name] is None:  # (SGLang's defaults: None is the default)
+                del extra[name]
+        obj = GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
             sampling_params=sampling_params,
-            stream=stream,
+            stream=False if stream is None else stream,
             **extra,
         )
+        lora, given = obj.lora_path, prompt is not None or input_ids is not None
+        if isinstance(lora, list) and len(lora) == 1 and given and obj.is_single:
+            obj.lora_path = lora[0]  # (SGLang takes a one-item list for one prompt)
+        return obj
 
     def generate(
         self,
@@ -480,17 +505,19 @@ class Engine:
 
         return self._run(abort())
 
-    def flush_cache(self) -> bool:
-        return self._run(self.tokenizer_manager.flush_cache()).success
+    def flush_cache(self) -> ControlResult:
+        """Empty the prefix cache (refused while requests run); true when it was."""
+        out = self._run(self.tokenizer_manager.flush_cache())
+        return ControlResult(success=out.success, message=out.message)
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> ControlResult:
         """Serve one more LoRA adapter (needs enable_lora or lora_paths): {success, message}."""
         out = self._run(self.tokenizer_manager.load_lora_adapter(lora_name, lora_path))
-        return {"success": out.success, "message": out.message}
+        return ControlResult(success=out.success, message=out.message)
 
-    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+    def unload_lora_adapter(self, lora_name: str) -> ControlResult:
         out = self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
-        return {"success": out.success, "message": out.message}
+        return ControlResult(success=out.success, message=out.message)
 
     def get_server_info(self) -> dict[str, Any]:
         """The server's arguments and figures, as SGLang's Engine and /get_server_info give

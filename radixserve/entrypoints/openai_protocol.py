@@ -27,6 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from radixserve.io_struct import PER_PROMPT_LOGPROB_FIELDS
 from radixserve.sampling_params import (
     UNIMPLEMENTED_PARAMS,
     SamplingParams,
@@ -386,7 +387,6 @@ def _one_prompt_source(schema: dict[str, Any]) -> None:
 
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 LogprobStart = Annotated[int, Field(ge=-1)]
-PER_PROMPT_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len")
 
 
 class GenerateRequest(RoutingFields):

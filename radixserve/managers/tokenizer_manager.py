@@ -52,6 +52,7 @@ DRAIN_BATCH = 256  # outputs handled per wake-up before other tasks get the loop
 
 RETRY_AFTER_S = 1  # what a 503 for overload tells the client to wait
 DISCONNECT_POLL_S = 2.0  # how often a waiting request checks that its client is still there
+RID_DRAIN_WAIT_S = 2.0  # how long a request waits for an aborted one of its rid to drain
 __all__ = ["RequestError", "ReqState", "TokenizerManager"]
 Triple = tuple[float | None, int, str | None]
 
@@ -489,6 +490,7 @@ class TokenizerManager:
         if self.dead is not None:  # it died during the checks: nobody would answer
             raise RequestError(self.dead, 503)
         self._bind_adapters(tokenized_list)
+        await self._await_drained(tokenized_list)
         self._admit(tokenized_list)
         states = [self._register(t, obj.log_metrics, received) for t in tokenized_list]
         # (the prefill server's copy reaches the client through the router: see the field; it
@@ -515,6 +517,16 @@ class TokenizerManager:
                 yield out
         else:
             yield await self._gather(states, request)
+
+    async def _await_drained(self, tokenized_list: list[TokenizedGenerateReqInput]) -> None:
+        """A rid whose earlier request was aborted (a client's timeout, then its retry) is
+        taken until the scheduler's last output for it has come: wait for that a moment
+        rather than refuse the retry at once (its late output must not reach the new one)."""
+        deadline = time.monotonic() + RID_DRAIN_WAIT_S
+        while any(t.rid in self._draining for t in tokenized_list):
+            if time.monotonic() >= deadline or self.dead is not None:
+                return  # (_admit says why)
+            await asyncio.sleep(0.005)
 
     def _admit(self, tokenized_list: list[TokenizedGenerateReqInput]) -> None:
         """Refuse a duplicate live rid (400) and load past the queue bound (503), before any

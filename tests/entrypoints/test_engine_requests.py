@@ -478,6 +478,47 @@ def test_logprob_fields_per_prompt_and_sglangs_named_parameters(engine):
         engine.generate(prompt="hi", image_data="cat.png")
 
 
+def test_sglangs_none_defaults_and_empty_values_ask_for_nothing(engine):
+    """SGLang's Engine.generate passes logprob_start_len=None and top_logprobs_num=None (its
+    defaults), [] for token_ids_logprob, a None per prompt of a batch for image_data, and may
+    give one prompt a one-item lora_path list: a wrapper with its signature was refused."""
+    params = {"max_new_tokens": 2, "temperature": 0}
+    want = engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"]
+    out = engine.generate(
+        input_ids=[5, 6, 7],
+        sampling_params=params,
+        return_logprob=None,
+        logprob_start_len=None,
+        top_logprobs_num=None,
+        return_text_in_logprobs=None,
+        token_ids_logprob=[],
+        lora_path=[None],
+        stream=None,
+    )
+    assert out["output_ids"] == want and "output_token_logprobs" not in out["meta_info"]
+    outs = engine.generate(
+        input_ids=[[5, 6, 7], [5, 6, 7]],
+        sampling_params=params,
+        image_data=[None, None],
+        return_logprob=True,
+        logprob_start_len=None,
+    )
+    assert [o["output_ids"] for o in outs] == [want, want]
+    assert all(len(o["meta_info"]["output_token_logprobs"]) == 2 for o in outs)
+    with pytest.raises(RequestError, match="image_data is not supported"):
+        engine.generate(input_ids=[[5], [6]], image_data=[None, "cat.png"])
+
+
+def test_control_calls_answer_as_sglangs_engine_does(engine):
+    """SGLang's scripts read flush_cache().success and load_lora_adapter(...).success: a bool
+    and a dict had no such attribute."""
+    flushed = engine.flush_cache()
+    assert flushed and flushed.success and flushed == {"success": True, "message": ""}
+    refused = engine.load_lora_adapter("a", "/nonexistent")
+    assert not refused and not refused.success and "not a directory" in refused.message
+    assert not refused["success"]
+
+
 def test_sglangs_sampling_param_names(engine):
     """The offline Engine refused SGLang's sampling_seed, and the empty stop_regex and
     custom_params its scripts send, that /generate accepts: an SGLang script failed here."""

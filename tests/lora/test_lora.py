@@ -543,7 +543,7 @@ def test_the_engine_serves_adapters_per_prompt(tiny):
         loras = ["a", None, "b", "c", "a", None]
         outs = e.generate(input_ids=prompts, sampling_params=params, lora_path=loras)
         assert [o["output_ids"] for o in outs] == [refs[x][i] for i, x in enumerate(loras)]
-        one = e.generate(input_ids=prompts[0], sampling_params=params, lora_path="c")
+        one = e.generate(input_ids=prompts[0], sampling_params=params, lora_path=["c"])  # (SGLang)
         assert one["output_ids"] == refs["c"][0]
         assert one["meta_info"]["cached_tokens"] == 0  # a's KV of this prompt is not c's
         again = e.generate(input_ids=prompts[0], sampling_params=params, lora_path="a")
@@ -559,7 +559,7 @@ def test_the_engine_serves_adapters_per_prompt(tiny):
         for bad, match in [
             ({"lora_path": "zz"}, "unknown LoRA adapter 'zz'; loaded: a, b, c"),
             ({"lora_path": 3}, "lora_path must be an adapter name"),
-            ({"lora_path": ["a"]}, "one \\(or null\\) per prompt"),
+            ({"lora_path": ["a", "b"]}, "one \\(or null\\) per prompt"),
         ]:
             with pytest.raises(RequestError, match=match) as err:
                 e.generate(input_ids=prompts[0], sampling_params=params, **bad)

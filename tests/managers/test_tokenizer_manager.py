@@ -136,7 +136,12 @@ def test_duplicate_live_rid_is_refused_and_the_first_still_answers():
     run(body())
 
 
-def test_a_rid_stays_taken_until_the_scheduler_finishes_its_aborted_request():
+def test_a_rid_stays_taken_until_the_scheduler_finishes_its_aborted_request(monkeypatch):
+    """The scheduler may still send output for an aborted rid: a request that reuses it (a
+    client's retry after its timeout) waits for that, a bounded time (it was refused at
+    once), and gets only its own output."""
+    from radixserve.managers import tokenizer_manager
+
     async def body():
         tm, sockets = _make_tm()
         first = asyncio.create_task(_collect(tm, _req("r")))
@@ -144,12 +149,19 @@ def test_a_rid_stays_taken_until_the_scheduler_finishes_its_aborted_request():
         first.cancel()  # the client went away: the TokenizerManager aborts it
         await asyncio.gather(first, return_exceptions=True)
         assert sockets.aborts() == ["r"]
-        with pytest.raises(RequestError):  # the scheduler may still send output for "r"
+        monkeypatch.setattr(tokenizer_manager, "RID_DRAIN_WAIT_S", 0.05)
+        with pytest.raises(RequestError, match="already running"):  # (no last output came)
             await _collect(tm, _req("r"))
-        await sockets.inbox.put(_output("r", "late", [1], {"type": "abort", "message": "x"}))
-        await _settle()
+        monkeypatch.setattr(tokenizer_manager, "RID_DRAIN_WAIT_S", 10.0)
         again = asyncio.create_task(_collect(tm, _req("r")))
-        await _settle()
+        await asyncio.sleep(0.05)
+        assert len(sockets.requests()) == 1  # it waits
+        await sockets.inbox.put(_output("r", "late", [1], {"type": "abort", "message": "x"}))
+        for _ in range(100):
+            if len(sockets.requests()) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(sockets.requests()) == 2
         await sockets.inbox.put(_output("r", "new", [2], LENGTH))
         assert (await again)["text"] == "new"
 
