@@ -26,6 +26,7 @@ it reserved (an abort while queued, a refusal, a timeout).
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections import deque
 from typing import Any
@@ -247,6 +248,18 @@ class DecodePrealloc(DisaggSide):
         req = self.waiting_kv.pop(msg["room"], None)
         if req is None:  # aborted or expired here meanwhile: nothing to do
             return None
+        token = msg.get("token")
+        vocab_size = self.s.model_config.vocab_size
+        if not isinstance(token, numbers.Integral) or not 0 <= token < vocab_size:
+            # The layouts' vocabularies matched (KVLayout); a token past ours still must not
+            # reach the embedding: its IndexError ended this whole server.
+            self.waiting_kv[msg["room"]] = req
+            self._drop(
+                msg["room"],
+                f"the prefill server's first token {token!r} is outside this model's "
+                f"vocabulary of {vocab_size} (do both servers serve the same model?)",
+            )
+            return None
         n = len(req.origin_input_ids)
         slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, :n].tolist()
         try:
@@ -267,7 +280,7 @@ class DecodePrealloc(DisaggSide):
         logprob = None
         if req.return_logprob and msg.get("logprob") is not None:
             logprob = (msg["logprob"], msg.get("top_logprobs"))
-        self.s._append_token(req, int(msg["token"]), logprob)
+        self.s._append_token(req, int(token), logprob)
         return req
 
     def _on_pong(self, msg: dict[str, Any]) -> None:

@@ -17,8 +17,9 @@ server at the same moment). Its life here:
 
 Failures (the decode side aborts, pairing or transfer times out, the transfer fails, a client
 aborts here) end the request here with an error and tell the decode side `failed`. A room the
-decode side's KV layout was refused for (page size, dtype, layers differ) is remembered: a copy
-arriving after the refusal is refused at once (400), not left to wait out the timeout.
+decode side's layout was refused for (page size, dtype, layers, vocabulary, transfer backend
+differ) is remembered: a copy arriving after the refusal is refused at once (400), not left to
+wait out the timeout.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""What both sides of a P/D pair hold: the scheduler, the pool layout the peer must match, the
-KV transfer backend, the control channel (bound on `port`; 0: a free one) and the counters."""
+"""What both sides of a P/D pair hold: the scheduler, the layout the peer must match (pool,
+vocabulary, backend), the KV transfer backend, the control channel (bound on `port`; 0: a free
+one) and the counters."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ class DisaggSide:
         args = scheduler.server_args
         kv_pool = scheduler.tp_worker.model_runner.token_to_kv_pool
         self.timeout = args.disaggregation_timeout
-        self.layout = KVLayout.of(kv_pool, scheduler.page_size)
-        self.transfer = create_transfer(args.disaggregation_transfer_backend, kv_pool, args.host)
+        backend = args.disaggregation_transfer_backend
+        vocab_size = scheduler.model_config.vocab_size
+        self.layout = KVLayout.of(kv_pool, scheduler.page_size, vocab_size, backend)
+        host = transfer_host(args.host)
+        self.transfer = create_transfer(backend, kv_pool, host)
         # (the prefill side answers pings on a thread of its own, never late: see channel)
-        self.channel = ControlChannel(
-            args.host, port, transfer_host(args.host), answer_pings=self.ANSWERS_PINGS
-        )
+        self.channel = ControlChannel(args.host, port, host, answer_pings=self.ANSWERS_PINGS)
         self.num_transferred = 0
         self.num_failed = 0
 

@@ -1,9 +1,9 @@
 """How a prompt's KV moves from the prefill server's pool into the decode server's pool.
 
-Both sides describe their pool (`KVLayout`); the decode side hands the prefill side a
-`descriptor()` of where its pool lives and which slots it reserved; the prefill side's
-`send` writes its slots' K and V there, one layer buffer at a time, contiguous runs of slots
-coalesced into one copy each. Two backends:
+Both sides describe their pool, vocabulary and backend (`KVLayout`); the decode side hands the
+prefill side a `descriptor()` of where its pool lives and which slots it reserved; the prefill
+side's `send` writes its slots' K and V there, one layer buffer at a time, contiguous runs of
+slots coalesced into one copy each. Two backends:
 
 * `mooncake`: Mooncake's transfer engine (the one SGLang uses) in P2P-handshake mode over
   TCP: every layer buffer is registered once; the prefill side writes straight into the
@@ -15,6 +15,7 @@ coalesced into one copy each. Two backends:
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -25,6 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 MOONCAKE_BATCH = 512  # copies per batch_transfer_sync_write
+HOST_IP_ENV = "RADIXSERVE_HOST_IP"  # the address to advertise when bound to 0.0.0.0 or ::
 
 
 class TransferError(RuntimeError):
@@ -33,24 +35,39 @@ class TransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVLayout:
+    """What the two sides must share. The vocabulary too: a first token the decode model has
+    no embedding for crashed its scheduler; and the backend: a `fake` prefill side sent the KV
+    in `done` to a Mooncake decode side that ignores it there (its pool stayed unwritten)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     page_size: int
+    vocab_size: int
+    transfer_backend: str
 
     @classmethod
-    def of(cls, kv_pool: Any, page_size: int) -> KVLayout:
+    def of(cls, kv_pool: Any, page_size: int, vocab_size: int, backend: str) -> KVLayout:
         k = kv_pool.k_buffer[0]
-        return cls(kv_pool.num_layers, k.shape[1], k.shape[2], str(k.dtype), page_size)
+        return cls(
+            kv_pool.num_layers, k.shape[1], k.shape[2], str(k.dtype), page_size, vocab_size, backend
+        )
 
     def mismatch(self, other: dict[str, Any]) -> str | None:
+        """Why a decode server's layout (`other`) cannot pair with this prefill server's."""
         mine = asdict(self)
+        backend = mine.pop("transfer_backend")
+        if other.get("transfer_backend") != backend:
+            return (
+                f"the transfer backends differ: decode {other.get('transfer_backend')} vs "
+                f"prefill {backend}; start both with the same --disaggregation-transfer-backend"
+            )
         diffs = [f"{k} {other.get(k)!r} vs {v!r}" for k, v in mine.items() if other.get(k) != v]
         if not diffs:
             return None
         return (
-            "the prefill and decode servers' KV pools differ (decode vs prefill: "
+            "the prefill and decode servers' models or KV pools differ (decode vs prefill: "
             + ", ".join(diffs)
             + "); serve the same model with the same dtype and page size on both"
         )
@@ -177,12 +194,36 @@ class MooncakeTransfer:
 
 
 def transfer_host(host: str) -> str:
-    """The address peers reach this server at (a wildcard bind is not an address)."""
-    if host in ("0.0.0.0", "::", ""):
-        return socket.gethostbyname(socket.gethostname())
-    return host
+    """The address peers reach this server at. A wildcard bind is not an address: then
+    $RADIXSERVE_HOST_IP, else the address of the interface that routes off this machine, else
+    what the host name resolves to (alone, that was often a loopback address, 127.0.1.1 on
+    Debian, 127.0.0.1 in containers: a peer on another machine was sent to its own)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    if os.environ.get(HOST_IP_ENV):
+        return os.environ[HOST_IP_ENV]
+    address = _routed_address() or socket.gethostbyname(socket.gethostname())
+    if ipaddress.ip_address(address).is_loopback:
+        logger.warning(
+            "peers on other machines cannot reach this server at %s: set %s to its address",
+            address,
+            HOST_IP_ENV,
+        )
+    return address
+
+
+def _routed_address() -> str | None:
+    """The local address of the route to a public one (a UDP connect sends no packet)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("8.8.8.8", 80))
+        except OSError:  # no route off this machine
+            return None
+        address = s.getsockname()[0]
+    return None if address == "0.0.0.0" else address
 
 
 def create_transfer(name: str, kv_pool: Any, host: str) -> FakeTransfer | MooncakeTransfer:
+    """`host`: the address peers reach this server at (transfer_host)."""
     cls = {"fake": FakeTransfer, "mooncake": MooncakeTransfer}[name]
-    return cls(kv_pool, transfer_host(host))
+    return cls(kv_pool, host)

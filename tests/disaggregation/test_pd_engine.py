@@ -175,10 +175,19 @@ def test_contiguous_runs_coalesce_only_where_both_sides_advance_together():
 
 
 def test_a_layout_mismatch_is_named():
-    layout = KVLayout(30, 3, 64, "torch.float32", 1)
+    layout = KVLayout(30, 3, 64, "torch.float32", 1, 49152, "fake")
     assert layout.mismatch(layout.__dict__) is None
     error = layout.mismatch({**layout.__dict__, "dtype": "torch.bfloat16"})
     assert error is not None and "dtype" in error and "same model" in error
+    # A decode model with fewer tokens crashed on the first token it could not embed.
+    error = layout.mismatch({**layout.__dict__, "vocab_size": 280})
+    assert error is not None and "vocab_size 280 vs 49152" in error
+    # With the backends crossed the KV was never written (fake → mooncake: wrong output) or
+    # the write failed blaming the buffers (mooncake → fake).
+    error = layout.mismatch({**layout.__dict__, "transfer_backend": "mooncake"})
+    assert (
+        error is not None and "transfer backends differ: decode mooncake vs prefill fake" in error
+    )
 
 
 def _pools(dtype) -> tuple[MHATokenToKVPool, MHATokenToKVPool]:
@@ -297,6 +306,50 @@ def test_host_names_and_addresses():
         assert is_host(host), host
     for host in ("", " ", "a b", "http://127.0.0.1", "host:8998", "-a.b", "a..b", 5, None):
         assert not is_host(host), host
+
+
+class _RoutedSocket:
+    """A UDP socket whose connect picks `address` as the local end (None: no route)."""
+
+    address: str | None = "192.0.2.2"
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __enter__(self) -> _RoutedSocket:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def connect(self, peer: tuple[str, int]) -> None:
+        if self.address is None:
+            raise OSError("Network is unreachable")
+
+    def getsockname(self) -> tuple[str, int]:
+        return (self.address or "0.0.0.0", 40000)
+
+
+def test_a_wildcard_bind_advertises_the_address_peers_reach(monkeypatch, caplog):
+    """--host 0.0.0.0 advertised what the host name resolves to: 127.0.1.1 on Debian,
+    127.0.0.1 in most containers, so a peer on another machine sent its pongs, `done` and
+    Mooncake's writes to its own loopback. Now the routed interface's address, unless
+    RADIXSERVE_HOST_IP says otherwise; a loopback fallback is warned about."""
+    from radixserve.disaggregation import transfer
+
+    monkeypatch.delenv("RADIXSERVE_HOST_IP", raising=False)
+    monkeypatch.setattr(transfer.socket, "socket", _RoutedSocket)
+    monkeypatch.setattr(transfer.socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert transfer.transfer_host("10.1.2.3") == "10.1.2.3"  # an address as given
+    for wildcard in ("0.0.0.0", "::", ""):
+        assert transfer.transfer_host(wildcard) == "192.0.2.2"
+    monkeypatch.setenv("RADIXSERVE_HOST_IP", "10.9.8.7")
+    assert transfer.transfer_host("0.0.0.0") == "10.9.8.7"
+    monkeypatch.delenv("RADIXSERVE_HOST_IP")
+    monkeypatch.setattr(_RoutedSocket, "address", None)  # no route off this machine
+    with caplog.at_level("WARNING", logger=transfer.__name__):
+        assert transfer.transfer_host("0.0.0.0") == "127.0.1.1"
+    assert "RADIXSERVE_HOST_IP" in caplog.text
 
 
 def test_an_address_zmq_refuses_fails_one_request_not_the_scheduler():

@@ -1,8 +1,9 @@
 """How each side of a P/D pair waits for the other, one scheduler driven step by step in this
 process and its peer played by hand over a bare control channel: a decode server with more
 requests than KV slots queues them as one server would (its prefill peer is told each room is
-queued, the KV timeout counts from the reservation), and a prefill server refuses at once a
-copy whose decode server's KV layout it already refused."""
+queued, the KV timeout counts from the reservation), a prefill server refuses at once a
+copy whose decode server's KV layout it already refused, and a first token the decode model
+cannot embed fails its request, not the decode server."""
 
 from __future__ import annotations
 
@@ -219,32 +220,72 @@ def test_a_prefill_copy_queued_on_a_live_decode_server_waits_for_its_reservation
 
 
 @pytest.mark.parametrize("kind", ["reserve", "queued"])
-def test_a_refused_layout_refuses_the_prefill_copy_that_comes_after_it(model, kind):
+@pytest.mark.parametrize(
+    "differs,match",
+    [
+        ({"page_size": 16}, "page_size 16 vs 1"),
+        # a decode model with fewer tokens crashed on a first token it had no embedding for
+        ({"vocab_size": 280}, "vocab_size 280 vs "),
+        # crossed backends: the KV never written (fake → mooncake) or a misleading 503
+        ({"transfer_backend": "mooncake"}, "transfer backends differ: decode mooncake vs prefill"),
+    ],
+)
+def test_a_refused_layout_refuses_the_prefill_copy_that_comes_after_it(model, kind, differs, match):
     """The decode server's message (its reservation, or its announcement) with another page
-    size reaches the prefill server before the prefill copy of the request: the decode side is
-    answered `failed` at once, and so now is the copy (400, the mismatch), which waited the
-    whole timeout for a 503 that blamed a missing decode server."""
+    size, vocabulary or transfer backend reaches the prefill server before the prefill copy of
+    the request: the decode side is answered `failed` at once, and so now is the copy (400,
+    the mismatch), which waited the whole timeout for a 503 that blamed a missing decode
+    server. Nothing was tried: the decode server is not taken for a failed one."""
     h, port = _prefill_harness(model)
     decode = Peer()
     address = f"tcp://127.0.0.1:{port}"
     try:
-        layout = {**h.scheduler.disagg.layout.__dict__, "page_size": 16}
+        layout = {**h.scheduler.disagg.layout.__dict__, **differs}
         prompt = list(range(5, 45))
         msg = {"type": kind, "room": 3, "reply_to": decode.channel.address, "layout": layout}
         if kind == "reserve":
             msg.update(rid="a", slots=list(range(len(prompt))), desc={})
         decode.channel.send(address, msg)
         _step_until(h, decode, lambda: decode.find("failed", 3), "refusal")
-        assert "KV pools differ" in decode.find("failed", 3)["error"]
+        assert match in decode.find("failed", 3)["error"]
         _submit(h, "a", prompt, port, 3)
         h.step()
         reason = h.finish_reasons().get("a")
         assert reason is not None, "the copy waits for a reservation already refused"
-        assert reason["status_code"] == 400 and "page_size 16 vs 1" in reason["message"]
+        assert reason["status_code"] == 400 and match in reason["message"]
+        assert h.scheduler.disagg.failed_peers == {}
         # The room is forgotten once used: a later copy on it pairs as ever.
         assert 3 not in h.scheduler.disagg.refused
         h.run_until_idle()
         h.scheduler.assert_drained()
     finally:
         decode.channel.close()
+        h.scheduler.disagg.close()
+
+
+def test_a_first_token_outside_the_vocabulary_fails_its_request_not_the_server(model):
+    """A `done` whose token the decode model has no embedding for (a prefill model with a
+    bigger vocabulary) was appended as it came: the next decode step's IndexError ended the
+    whole decode server. Now that request fails (503, naming the token) and the server goes
+    on serving."""
+    peer = Peer()
+    h = _decode_harness(model, 20.0)
+    try:
+        vocab_size = h.scheduler.model_config.vocab_size
+        prompt = list(range(5, 45))
+        done = {"type": "done", "cached_tokens": 0, "payload": _kv_payload(h, len(prompt))}
+        for rid, room, token in (("a", 1, vocab_size + 38), ("b", 2, 7)):
+            _submit(h, rid, prompt, peer.channel.port, room)
+            _step_until(h, peer, lambda r=room: peer.find("reserve", r), "reservation")
+            reply_to = peer.find("reserve", room)["reply_to"]
+            peer.channel.send(reply_to, {**done, "room": room, "token": token})
+            _step_until(h, peer, lambda r=rid: r in h.finish_reasons(), "end")
+        reasons = h.finish_reasons()
+        assert reasons["a"]["status_code"] == 503, reasons
+        assert f"first token {vocab_size + 38} is outside" in reasons["a"]["message"]
+        assert reasons["b"]["type"] == "length", reasons
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+    finally:
+        peer.channel.close()
         h.scheduler.disagg.close()
