@@ -164,6 +164,17 @@ class AbortReq:
     abort_all: bool = False
 
 
+@dataclass
+class RoomRefusedReq:
+    """Sent TokenizerManager → Scheduler: a P/D request was refused before the scheduler saw
+    it (a 400 or 503 of the TokenizerManager); the peer paired on its room is told."""
+
+    room: int
+    host: str | None
+    port: int | None
+    message: str
+
+
 # Control requests carry a call id that their replies echo: with --dp-size, the N replies of
 # one broadcast are told from a late reply to an earlier one that timed out.
 # How long a FlushCacheReq may wait in the scheduler for the hierarchical cache's copies of

@@ -36,6 +36,7 @@ from radixserve.io_struct import (
     GetServerInfoReqOutput,
     LoadLoRAAdapterReq,
     LoRAUpdateReqOutput,
+    RoomRefusedReq,
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReq,
 )
@@ -238,6 +239,9 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                     self.pending_flushes.append((msg, time.monotonic() + FLUSH_WAIT_S))
                 else:
                     self._reply(msg, self.flush_cache())
+            elif isinstance(msg, RoomRefusedReq):
+                if self.disagg is not None:
+                    self.disagg.on_refused(msg)
             elif isinstance(msg, LoadLoRAAdapterReq):
                 self._reply(msg, self.load_lora_adapter(msg))
             elif isinstance(msg, UnloadLoRAAdapterReq):

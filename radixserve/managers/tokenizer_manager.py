@@ -31,6 +31,7 @@ from radixserve.io_struct import (
     GetServerInfoReqOutput,
     LoadLoRAAdapterReq,
     LoRAUpdateReqOutput,
+    RoomRefusedReq,
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReq,
     new_rid,
@@ -472,26 +473,11 @@ class TokenizerManager:
         self.start()
         if self.dead is not None:
             raise RequestError(self.dead, 503)
-        verify_request_fields(obj)
-        n = num_choices(obj)
-        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
-        tokenized_list, parents = [], []
-        for i, single in enumerate(singles):
-            base = await self.tokenize_and_check(single)
-            subs = [base] if n == 1 else _choices(base, n)
-            for j, sub in enumerate(subs):  # each sub-request's own P/D pairing
-                for name, value in obj.pairing(j * len(singles) + i).items():
-                    setattr(sub, name, value)
-            tokenized_list += subs
-            # The rid of a batch (its prompts got `<rid>_<i>`) or of an n > 1 request finds
-            # all its sub-requests (request_abort).
-            group = obj.rid if not obj.is_single and isinstance(obj.rid, str) else None
-            parents += [group] if n == 1 else [group or base.rid] * n
-        if self.dead is not None:  # it died during the checks: nobody would answer
-            raise RequestError(self.dead, 503)
-        self._bind_adapters(tokenized_list)
-        await self._await_drained(tokenized_list)
-        self._admit(tokenized_list)
+        try:
+            tokenized_list, parents, n = await self._tokenize_and_admit(obj)
+        except RequestError as e:
+            self._tell_peers_refused(obj, str(e))
+            raise
         states = [self._register(t, obj.log_metrics, received) for t in tokenized_list]
         # (the prefill server's copy reaches the client through the router: see the field; it
         # merges the prompt's token logprobs of one non-streamed answer, not its top ones)
@@ -517,6 +503,51 @@ class TokenizerManager:
                 yield out
         else:
             yield await self._gather(states, request)
+
+    async def _tokenize_and_admit(
+        self, obj: GenerateReqInput
+    ) -> tuple[list[TokenizedGenerateReqInput], list[str | None], int]:
+        """Every sub-request tokenized and checked, and admitted (a RequestError otherwise):
+        (the sub-requests, the rid each is aborted by as a group, n)."""
+        verify_request_fields(obj)
+        n = num_choices(obj)
+        singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
+        tokenized_list, parents = [], []
+        for i, single in enumerate(singles):
+            base = await self.tokenize_and_check(single)
+            subs = [base] if n == 1 else _choices(base, n)
+            for j, sub in enumerate(subs):  # each sub-request's own P/D pairing
+                for name, value in obj.pairing(j * len(singles) + i).items():
+                    setattr(sub, name, value)
+            tokenized_list += subs
+            # The rid of a batch (its prompts got `<rid>_<i>`) or of an n > 1 request finds
+            # all its sub-requests (request_abort).
+            group = obj.rid if not obj.is_single and isinstance(obj.rid, str) else None
+            parents += [group] if n == 1 else [group or base.rid] * n
+        if self.dead is not None:  # it died during the checks: nobody would answer
+            raise RequestError(self.dead, 503)
+        self._bind_adapters(tokenized_list)
+        await self._await_drained(tokenized_list)
+        self._admit(tokenized_list)
+        return tokenized_list, parents, n
+
+    def _tell_peers_refused(self, obj: GenerateReqInput, message: str) -> None:
+        """A P/D request refused here, before the scheduler saw it: its peer (the other
+        server's copy, paired on the same room) is told through the scheduler at once; it
+        waited out --disaggregation-timeout (60 s) for a room nobody would fill."""
+        mode = self.server_args.disaggregation_mode
+        if mode == "null" or obj.bootstrap_room is None or self.dead is not None:
+            return
+        try:
+            pairings = [obj.pairing(k) for k in range(obj.batch_size * num_choices(obj))]
+        except Exception:  # (a body too malformed to name its rooms)
+            return
+        for p in pairings:
+            if isinstance(p["bootstrap_room"], int) and not isinstance(p["bootstrap_room"], bool):
+                refused = RoomRefusedReq(
+                    p["bootstrap_room"], p["bootstrap_host"], p["bootstrap_port"], message
+                )
+                self.send_to_scheduler.send_pyobj(refused)
 
     async def _await_drained(self, tokenized_list: list[TokenizedGenerateReqInput]) -> None:
         """A rid whose earlier request was aborted (a client's timeout, then its retry) is

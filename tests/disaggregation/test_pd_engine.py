@@ -169,6 +169,33 @@ def test_two_prompts_on_one_room_are_refused_not_swapped(engines):
 
 
 # -- the transfer backends ----------------------------------------------------------------------
+@pytest.mark.parametrize("refusing", ["prefill", "decode"])
+def test_a_copy_one_side_refuses_before_its_scheduler_fails_its_peer_at_once(
+    engines, prompts, refusing
+):
+    """A 400 of one side's TokenizerManager (here an adapter only the other side would have;
+    a prompt past one side's --context-length, its queue bound, a duplicate rid): the other
+    side's copy waited out the timeout (the client behind the router waited as long)."""
+    from radixserve.managers.tokenizer_manager import RequestError
+
+    prefill, decode, port = engines
+    room = {"prefill": 7001, "decode": 7002}[refusing]
+    pd = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+    params = {"max_new_tokens": 4, "temperature": 0}
+    refuser, peer = (prefill, decode) if refusing == "prefill" else (decode, prefill)
+    with pytest.raises(RequestError, match="LoRA"):
+        refuser.generate(input_ids=prompts[0], sampling_params=params, lora_path="x", **pd)
+    start = time.monotonic()
+    try:  # (a decode copy fails; a prefill copy runs, its KV sent nowhere)
+        peer.generate(input_ids=prompts[0], sampling_params=params, **pd)
+        assert refusing == "decode"
+    except RequestError:
+        assert refusing == "prefill"
+    assert time.monotonic() - start < 10  # (the timeout is 20 s)
+    for engine in engines[:2]:
+        _assert_drained(engine)
+
+
 def test_contiguous_runs_coalesce_only_where_both_sides_advance_together():
     assert contiguous_runs([4, 5, 6, 9, 10], [1, 2, 3, 7, 9]) == [(4, 1, 3), (9, 7, 1), (10, 9, 1)]
     assert contiguous_runs([], []) == []
