@@ -199,9 +199,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if self.tp_sync is not None:
             self.enable_overlap = overlap_on_every_rank(self.tp_sync, self.enable_overlap)
         self.result_queue: deque[tuple[BatchSnapshot, InFlightStep]] = deque()
-        # Flushes that came while only finished requests were left (answered after the step
-        # that drops them: their client has the last output already; see flush_cache).
-        # Flushes answered by step(), with the time until which they may wait.
+        # Flushes answered by step() (see _flush_may_wait), with the time they may wait until.
         self.pending_flushes: list[tuple[FlushCacheReq, float]] = []
         self.forward_thread: ForwardThread | None = None
         # P/D disaggregation: the prefill side's bootstrap server and transfers, or the decode
