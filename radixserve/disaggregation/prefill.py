@@ -20,12 +20,19 @@ aborts here) end the request here with an error and tell the decode side `failed
 decode side's layout was refused for (page size, dtype, layers, vocabulary, transfer backend
 differ) is remembered: a copy arriving after the refusal is refused at once (400), not left to
 wait out the timeout.
+
+Each decode server's transfers go one at a time on a thread of their own: a hung decode host
+holds its thread for a whole failed write (~30 s with Mooncake's TCP timeout) and stalls no
+other decode server's. A transfer still queued when its reservation is older than
+--disaggregation-timeout (the decode side gave up on it), or whose decode server has not been
+heard from since a write to it failed, is not tried: its KV is freed at once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from typing import Any
 
@@ -42,8 +49,13 @@ class SilentPeer(RuntimeError):
     """A transfer not tried: its decode server has not pinged since a transfer to it failed."""
 
 
+class TooLate(RuntimeError):
+    """A transfer not tried: the decode side's deadline for the KV passed while it queued."""
+
+
 class PrefillBootstrap(DisaggSide):
     ANSWERS_PINGS = True
+    _counting = threading.Lock()  # the transfer counters, added to from each peer's thread
 
     def __init__(self, scheduler: Any) -> None:
         super().__init__(scheduler, scheduler.server_args.disaggregation_bootstrap_port)
@@ -57,11 +69,15 @@ class PrefillBootstrap(DisaggSide):
         # and its address; their copies here wait while it pings.
         self.queued: dict[int, tuple[float, str]] = {}
         # Decode servers (their channel addresses) a transfer failed to, since when; and when
-        # each last pinged. One that has not pinged since gets no more tries (_send), so a dead
-        # decode server does not hold the transfer thread a failed write (~1 s) per request.
+        # each was last heard from (a ping or any message). One not heard from since its failure
+        # gets no more tries (_send), so a dead or hung decode server does not hold its transfer
+        # thread, and the KV queued there, a failed write (~30 s on a hung host) per request.
+        # Written on that thread only, at the failure itself (its next queued transfer starts at
+        # once, before this loop could see it), and kept until the server takes a KV again.
         self.failed_peers: dict[str, float] = {}
         self.pinged: dict[str, float] = {}
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
+        # One transfer thread per decode server (its channel address) with transfers here.
+        self.pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
         pool = scheduler.tp_worker.model_runner.token_to_kv_pool
@@ -133,27 +149,68 @@ class PrefillBootstrap(DisaggSide):
             return False
         slots = self.s.req_to_token_pool.req_to_token[req.req_pool_idx, : len(target["slots"])]
         src = slots.tolist()
-        fut = self.pool.submit(self._send, target["desc"], src, target["slots"], target["reply_to"])
+        peer = target["reply_to"]
+        if peer not in self.pools:
+            self.pools[peer] = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="kv-send"
+            )
+        fut = self.pools[peer].submit(
+            self._send, target["desc"], src, target["slots"], peer, target["deadline"]
+        )
         self.sending.append((req, fut))
         return True
 
-    def _send(self, desc: dict[str, Any], src: list[int], dst: list[int], peer: str) -> Any:
-        """On the transfer thread: move the KV, count its bytes and time. Not tried (SilentPeer)
-        where a transfer to this decode server failed and it has not pinged since."""
+    def _send(
+        self,
+        desc: dict[str, Any],
+        src: list[int],
+        dst: list[int],
+        peer: str,
+        deadline: float = float("inf"),
+    ) -> Any:
+        """On the transfer thread: move the KV, count its bytes and time. Not tried (TooLate)
+        past the decode side's deadline, nor (SilentPeer) where a transfer to this decode server
+        failed and it has not been heard from since."""
+        if time.monotonic() > deadline:
+            raise TooLate(self._too_late(peer))
         failed = self.failed_peers.get(peer)
         if failed is not None:
             while self.pinged.get(peer, 0.0) < failed:
                 if time.monotonic() > failed + PING_WAIT_S:
-                    raise SilentPeer(
-                        f"the decode server at {peer} has not answered since a transfer to it "
-                        "failed"
-                    )
+                    raise SilentPeer(self._silent(peer))
                 time.sleep(0.02)
         start = time.perf_counter()
-        payload = self.transfer.send(desc, src, dst)
-        self.transfer_seconds += time.perf_counter() - start
-        self.transfer_bytes += len(src) * self.token_bytes
+        try:
+            payload = self.transfer.send(desc, src, dst)
+        except Exception:
+            self.failed_peers[peer] = time.monotonic()
+            raise
+        self.failed_peers.pop(peer, None)
+        with self._counting:
+            self.transfer_seconds += time.perf_counter() - start
+            self.transfer_bytes += len(src) * self.token_bytes
         return payload
+
+    def _not_worth_sending(self, target: dict[str, Any], now: float) -> str | None:
+        """Why a queued transfer would not be tried (_send's checks, made on the loop to free
+        its KV without waiting for the transfer thread), or None."""
+        peer = target["reply_to"]
+        if now > target["deadline"]:
+            return self._too_late(peer)
+        failed = self.failed_peers.get(peer)
+        if failed is not None and self.pinged.get(peer, 0.0) < failed < now - PING_WAIT_S:
+            return self._silent(peer)
+        return None
+
+    def _too_late(self, peer: str) -> str:
+        return (
+            f"it waited for the transfer thread past the decode server's deadline "
+            f"({self.timeout:g} s after its reservation; the decode server at {peer} gave up)"
+        )
+
+    @staticmethod
+    def _silent(peer: str) -> str:
+        return f"the decode server at {peer} has not answered since a transfer to it failed"
 
     def abort(self, hit: Any) -> None:
         for room, req in list(self.waiting.items()):
@@ -214,14 +271,15 @@ class PrefillBootstrap(DisaggSide):
     def poll(self) -> None:
         for msg in self.channel.recv_all():
             kind = msg.get("type")
+            if "reply_to" in msg:  # any message, a ping too, shows its decode server is alive
+                self.pinged[msg["reply_to"]] = time.monotonic()
             if kind == "reserve":
                 self._on_reserve(msg)
             elif kind == "queued":
                 self._on_queued(msg)
             elif kind == "abort":
                 self._on_decode_abort(msg)
-            elif kind == "ping":  # (answered by the channel's own thread)
-                self.pinged[msg["reply_to"]] = time.monotonic()
+            # (a ping is answered by the channel's own thread: nothing more to do here)
         self._finish_transfers()
         self._expire()
 
@@ -252,6 +310,8 @@ class PrefillBootstrap(DisaggSide):
             self.refused[room] = (time.monotonic(), error)
 
     def _on_reserve(self, msg: dict[str, Any]) -> None:
+        # The decode side waits for the KV this long from its reservation (sent just before).
+        msg["deadline"] = time.monotonic() + self.timeout
         self.queued.pop(msg["room"], None)
         error = self.layout.mismatch(msg.get("layout", {}))
         if error is not None:
@@ -293,21 +353,26 @@ class PrefillBootstrap(DisaggSide):
 
     def _finish_transfers(self) -> None:
         still = []
+        now = time.monotonic()
         for req, fut in self.sending:
-            if not fut.done():
-                still.append((req, fut))
-                continue
             target = req.disagg_target
-            try:
-                payload = fut.result()
-            except Exception as e:
-                logger.warning("KV transfer of room %s failed: %s", req.bootstrap_room, e)
-                if not isinstance(e, SilentPeer):  # a write tried and failed
-                    self.failed_peers[target["reply_to"]] = time.monotonic()
-                self.num_failed += 1
-                self._fail_reservation(target, f"the KV transfer failed: {e}")
+            error = None
+            if not fut.done():
+                # Queued behind a hung write: not to be tried, so its KV is freed now.
+                error = self._not_worth_sending(target, now)
+                if error is None or not fut.cancel():  # (started: it ends on its own)
+                    still.append((req, fut))
+                    continue
             else:
-                self.failed_peers.pop(target["reply_to"], None)
+                try:
+                    payload = fut.result()
+                except Exception as e:
+                    error = str(e)
+            if error is not None:
+                logger.warning("KV transfer of room %s failed: %s", req.bootstrap_room, error)
+                self.num_failed += 1
+                self._fail_reservation(target, f"the KV transfer failed: {error}")
+            else:
                 self.num_transferred += 1
                 logprob = req.output_token_logprobs[0][0] if req.output_token_logprobs else None
                 top = req.output_top_logprobs[0] if req.output_top_logprobs else None
@@ -331,6 +396,9 @@ class PrefillBootstrap(DisaggSide):
             req.disagg_target = None
             self.s.tree_cache.cache_finished_req(req)
         self.sending = still
+        busy = {req.disagg_target["reply_to"] for req, _ in still}
+        for peer in [p for p in self.pools if p not in busy]:  # its thread ends, idle
+            self.pools.pop(peer).shutdown(wait=False)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -363,8 +431,9 @@ class PrefillBootstrap(DisaggSide):
                     {"room": room, "reply_to": peer},
                     f"the prefill server never received the request of room {room}",
                 )
-        # Rooms given up, and decode servers that failed or pinged, long ago: forgotten.
-        for since in (self.cancelled, self.failed_peers, self.pinged):
+        # Rooms given up, and decode servers heard from, long ago: forgotten. (Not a failed
+        # one: forgotten, it was tried again, one failed write per request on a hung host.)
+        for since in (self.cancelled, self.pinged):
             for key, t in list(since.items()):
                 if now > t + 2 * self.timeout:
                     del since[key]
@@ -387,5 +456,6 @@ class PrefillBootstrap(DisaggSide):
             )
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        for pool in self.pools.values():
+            pool.shutdown(wait=True, cancel_futures=True)
         super().close()

@@ -7,6 +7,7 @@ cannot embed fails its request, not the decode server."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from rs_testing import SchedulerHarness, make_tiny_served_model
 
 from radixserve.disaggregation.channel import ControlChannel
+from radixserve.disaggregation.transfer import TransferError
 from radixserve.io_struct import TokenizedGenerateReqInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.utils import free_port
@@ -155,7 +157,7 @@ def test_a_decode_request_queued_behind_a_slow_one_waits_past_the_timeout(model)
         h.scheduler.disagg.close()
 
 
-def _prefill_harness(model: str) -> tuple[SchedulerHarness, int]:
+def _prefill_harness(model: str, timeout: float = TIMEOUT_S) -> tuple[SchedulerHarness, int]:
     port = free_port()
     h = SchedulerHarness(
         model_path=model,
@@ -164,7 +166,7 @@ def _prefill_harness(model: str) -> tuple[SchedulerHarness, int]:
         disaggregation_mode="prefill",
         disaggregation_bootstrap_port=port,
         disaggregation_transfer_backend="fake",
-        disaggregation_timeout=TIMEOUT_S,
+        disaggregation_timeout=timeout,
     )
     return h, port
 
@@ -289,3 +291,131 @@ def test_a_first_token_outside_the_vocabulary_fails_its_request_not_the_server(m
     finally:
         peer.channel.close()
         h.scheduler.disagg.close()
+
+
+class HungWrites:
+    """A transfer backend whose writes of `hung` tokens (one room's) hang until `release` (a
+    decode host stopped mid-write: Mooncake's TCP timeout, ~30 s), then fail; others go through."""
+
+    def __init__(self, side: Any, hung: int) -> None:
+        self.real, self.hung = side.transfer.send, hung
+        self.release = threading.Event()
+        self.tried: list[int] = []  # each write's token count
+        side.transfer.send = self.send
+
+    def send(self, desc: dict[str, Any], src: list[int], dst: list[int]) -> Any:
+        self.tried.append(len(src))
+        if len(src) == self.hung:
+            self.release.wait(30)
+            raise TransferError("Mooncake's write to the decode host timed out")
+        return self.real(desc, src, dst)
+
+
+def _reserve_from(h: SchedulerHarness, decode: Peer, port: int, rooms: dict[int, int]) -> None:
+    """Each room's prompt (that many tokens) arrives here, reserved by the decode peer."""
+    for room, n in rooms.items():
+        prompt = list(range(room, room + n))
+        _submit(h, f"r{room}", prompt, port, room)
+        reserve = {
+            "type": "reserve",
+            "room": room,
+            "rid": f"r{room}",
+            "reply_to": decode.channel.address,
+            "slots": list(range(n)),
+            "layout": h.scheduler.disagg.layout.__dict__,
+            "desc": {},
+        }
+        decode.channel.send(f"tcp://127.0.0.1:{port}", reserve)
+
+
+def test_transfers_queued_behind_a_hung_write_end_at_the_decode_side_deadline(model):
+    """A decode host stopped after it reserved: the one transfer thread hung in the first write,
+    and the transfers queued behind it held their prompt's KV (3 × 3000 tokens in the report)
+    until it failed, then each tried another hung write. Now each queued transfer ends once its
+    reservation is older than --disaggregation-timeout (the decode side has given up on it):
+    its KV freed, the decode side told `failed`; no write but the hung one is tried."""
+    h, port = _prefill_harness(model)
+    side = h.scheduler.disagg
+    decode = Peer()  # never pings: stopped
+    writes = HungWrites(side, hung=40)
+    try:
+        _reserve_from(h, decode, port, {1: 40, 2: 41, 3: 42})
+        _step_until(h, decode, lambda: writes.tried, "first write")
+        _step_until(
+            h, decode, lambda: decode.find("failed", 2) and decode.find("failed", 3), "expiry", 4
+        )
+        assert "deadline" in decode.find("failed", 3)["error"]
+        assert [r.bootstrap_room for r, _ in side.sending] == [1]  # their KV is back
+        assert writes.tried == [40]
+        writes.release.set()
+        _step_until(h, decode, lambda: decode.find("failed", 1), "hung write's failure")
+        assert writes.tried == [40]
+        assert side.num_failed == 3 and side.num_transferred == 0
+        assert {r: h.finish_reasons()[f"r{r}"]["type"] for r in (1, 2, 3)} == dict.fromkeys(
+            (1, 2, 3), "length"
+        )  # (the first token was answered here before the transfer)
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+    finally:
+        writes.release.set()
+        decode.channel.close()
+        side.close()
+
+
+def test_a_failed_write_stops_the_next_queued_one_to_a_silent_decode_server(model):
+    """The failure was recorded by the scheduler loop after the transfer thread had already
+    started the next queued transfer to the same hung host (one more ~30 s write each). It is
+    recorded on the transfer thread now: the next one waits PING_WAIT_S for a sign of life and
+    is not tried, nor is the one after; the server, heard from again, is tried again."""
+    h, port = _prefill_harness(model, timeout=30.0)  # no deadline passes here
+    side = h.scheduler.disagg
+    decode = Peer()
+    writes = HungWrites(side, hung=40)
+    address = f"tcp://127.0.0.1:{port}"
+    try:
+        _reserve_from(h, decode, port, {1: 40, 2: 41, 3: 42})
+        _step_until(h, decode, lambda: len(side.sending) == 3, "three queued transfers")
+        writes.release.set()
+        ended = [lambda r=r: decode.find("failed", r) or decode.find("done", r) for r in (1, 2, 3)]
+        _step_until(h, decode, lambda: all(e() for e in ended), "ends")
+        assert writes.tried == [40], writes.tried  # (was [40, 41, 42]: each one tried)
+        assert "has not answered" in decode.find("failed", 3)["error"]
+        assert decode.channel.address in side.failed_peers
+        me = decode.channel.address
+        decode.channel.send(address, {"type": "ping", "reply_to": me, "to": address})
+        _reserve_from(h, decode, port, {4: 43})
+        _step_until(h, decode, lambda: decode.find("done", 4), "transfer")
+        assert writes.tried == [40, 43] and side.failed_peers == {}
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+    finally:
+        writes.release.set()
+        decode.channel.close()
+        side.close()
+
+
+def test_a_hung_decode_host_stalls_no_other_decode_servers_transfers(model):
+    """One transfer thread served every decode server: another one's KV waited behind the hung
+    host's write (~30 s), and failed at its own deadline. Each decode server has its own now."""
+    h, port = _prefill_harness(model)
+    side = h.scheduler.disagg
+    hung, live = Peer(), Peer()
+    writes = HungWrites(side, hung=40)
+    try:
+        _reserve_from(h, hung, port, {1: 40})
+        _step_until(h, hung, lambda: writes.tried, "hung write")
+        _reserve_from(h, live, port, {2: 41})
+        _step_until(h, live, lambda: live.find("done", 2) or live.find("failed", 2), "transfer")
+        assert live.find("done", 2) is not None, live.find("failed", 2)
+        assert [r.bootstrap_room for r, _ in side.sending] == [1]  # still hung
+        writes.release.set()
+        _step_until(h, hung, lambda: hung.find("failed", 1), "hung write's failure")
+        assert writes.tried == [40, 41] and side.num_transferred == 1
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+        assert side.pools == {}  # (each peer's thread ends with its last transfer)
+    finally:
+        writes.release.set()
+        for peer in (hung, live):
+            peer.channel.close()
+        side.close()
