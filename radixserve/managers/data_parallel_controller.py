@@ -58,7 +58,7 @@ BALANCE_REL_THRESHOLD = 1.5
 # get_server_info keys that are not sums over the replicas (recomputed or averaged in merge).
 NON_ADDITIVE = (
     "dp_rank",
-    "hicache_storage_blocks",  # one storage directory, which every replica indexes
+    "hicache_storage_blocks",  # one storage directory, which every replica counts
     "token_usage",
     "cache_hit_rate",
     "new_token_ratio",
@@ -326,6 +326,8 @@ def merge_server_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
     if total:
         free = out.get("available_tokens", 0) + out.get("evictable_tokens", 0)
         out["token_usage"] = (total - free) / total
+    if "hicache_storage_blocks" in out:  # (each lists it at its own moment: take the freshest)
+        out["hicache_storage_blocks"] = max(i.get("hicache_storage_blocks", 0) for i in infos)
     if "new_token_ratio" in out:
         out["new_token_ratio"] = sum(i["new_token_ratio"] for i in infos) / len(infos)
     if out.get("cache_window_prompt_tokens"):  # (a replica that served nothing weighs nothing)

@@ -3,7 +3,9 @@
 * `prepare(req)`: before admission. If the request's match continues past the device into
   host nodes, lock that path, give the nodes device slots and issue a load; if it continues
   into storage blocks, issue a read into host slots. The request waits (prepare returns False)
-  until the copy is done; then it is matched again and admitted with the loaded prefix.
+  until the copy is done; then it is matched again and admitted with the loaded prefix. A
+  request whose nodes are loading, or whose blocks are being read, waits for that copy: each
+  node or block is copied once, however many requests share it.
 * `poll()`: every step, apply the effect of finished operations on the tree (clear the
   loading/backup marks, insert blocks read from storage as host nodes, release the locks).
 * backups: `backup_async` (write-through, in the background) and `backup_now` (eviction).
@@ -68,6 +70,7 @@ class HiCacheRequestOps:
         self.fence_fn: Callable[[], Any] = lambda: None
         self._waiting: dict[Any, list[CacheOperation]] = {}  # a loading request → its copies
         self._tiers: weakref.WeakKeyDictionary[Any, _ReqTiers] = weakref.WeakKeyDictionary()
+        self._reading: dict[str, CacheOperation] = {}  # a storage block → its read in flight
 
     def set_compute_fence(self, fence_fn: Callable[[], Any]) -> None:
         """fence_fn() returns something with .wait() that returns once every forward launched
@@ -78,9 +81,18 @@ class HiCacheRequestOps:
         return bool(self.ops)
 
     def holds_device_slots(self) -> bool:
-        """Copies in flight that hold device slots (a storage write lets go of them once its
-        bytes are read off the device): waiting for the others frees no room."""
-        return any(not (op.kind == STORAGE_WRITE and op.device_read.is_set()) for op in self.ops)
+        """Copies in flight that hold device slots: waiting for the others frees no room. A
+        storage write lets go of them once its bytes are read off the device; a storage read
+        holds them only through the lock on its matched path (one from the root holds host
+        slots only, and a slow disk would stall a decode short of room for nothing)."""
+        return any(self._holds_device(op) for op in self.ops)
+
+    def _holds_device(self, op: CacheOperation) -> bool:
+        if op.kind == STORAGE_WRITE:
+            return not op.device_read.is_set()
+        if op.kind == STORAGE_READ:
+            return op.node is not self.root_node
+        return True
 
     def wait_idle(self, timeout: float) -> None:
         if self.ops:
@@ -112,8 +124,7 @@ class HiCacheRequestOps:
             if not ops and (op := self._load_back(beyond, budget)) is not None:
                 ops, tiers.loads = [op], tiers.loads + 1
         elif not beyond and self.storage is not None and not tiers.storage_checked:
-            tiers.storage_checked = True
-            op = self._prefetch(key, path, budget)
+            op, tiers.storage_checked = self._prefetch(key, path, budget)
             ops = [op] if op is not None else []
         if ops:
             self._waiting[req] = ops
@@ -150,32 +161,39 @@ class HiCacheRequestOps:
         self.ops.append(op)
         return self.controller.load(op)
 
-    def _prefetch(self, key: RadixKey, path: list[Any], budget: float) -> CacheOperation | None:
+    def _prefetch(
+        self, key: RadixKey, path: list[Any], budget: float
+    ) -> tuple[CacheOperation | None, bool]:
         """Read the storage blocks that continue the tree's match into host slots (locking the
-        matched path takes its device tokens out of the evictable ones: within `budget`)."""
+        matched path takes its device tokens out of the evictable ones: within `budget`), or
+        wait for another request's read of them. Returns the read to wait for, and whether the
+        request is done with storage: it issued a read, or no block adds to its match (short of
+        budget or host room, it looks again next round)."""
         b = self.block_size
-        matched = sum(len(n.key) for n in path)
-        start = matched // b * b
-        keys = []
+        start = sum(len(n.key) for n in path) // b * b
+        keys: list[str] = []
         for k in block_hashes(key.token_ids, b, key.extra_key, start_block=start // b):
+            if (reading := self._reading.get(k)) is not None:
+                return reading, False  # another request's: it matches again once they land
             if not self.storage.exists(k):
                 break
             keys.append(k)
-        if not keys or start + len(keys) * b <= matched:
-            return None
+        if not keys:
+            return None, True
         last = path[-1] if path else self.root_node
         if self.inc_lock_ref(last) > budget:
             self.dec_lock_ref(last)
-            return None
+            return None, False
         host = self.alloc_host(len(keys) * b)
         if host is None:
             self.dec_lock_ref(last)
-            return None
+            return None, False
         op = CacheOperation(STORAGE_READ, self._empty(), host, node=last, keys=keys)
         op.block_size, op.start = b, start
         op.key = key[: start + len(keys) * b]
+        self._reading.update(dict.fromkeys(keys, op))
         self.ops.append(op)
-        return self.controller.storage_read(op)
+        return self.controller.storage_read(op), True
 
     # ---- backups -------------------------------------------------------------------------------
 
@@ -258,6 +276,9 @@ class HiCacheRequestOps:
 
     def _finish(self, op: CacheOperation) -> None:
         self.ops.remove(op)
+        if op.kind == STORAGE_READ:
+            for k in op.keys:
+                del self._reading[k]
         if op.error is not None:
             raise RuntimeError(f"hierarchical cache {op.kind} failed: {op.error!r}") from op.error
         n = len(op.device_indices)

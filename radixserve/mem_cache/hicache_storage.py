@@ -18,7 +18,8 @@ The cache controller's storage thread calls get/set; the scheduler thread only a
 which is answered from an in-memory index (the directory listing at start-up plus what this
 process wrote) and, for a key it lacks, one stat of the block's file, at most once per
 MISS_RECHECK_S: blocks another process writes (a --dp-size replica, a second server on the
-directory) are found, and a key asked again and again costs no disk access.
+directory) are found, and a key asked again and again costs no disk access. The block count
+that get_server_info reports is the directory's, listed again at most once per BLOCK_COUNT_S.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 STALE_TMP_S = 600.0
 # How long a key found missing is taken as missing before its file is looked for again.
 MISS_RECHECK_S = 1.0
+# The directory's block count (get_server_info, on the scheduler thread) is listed again at
+# most this often, and at most 1% of the time: a million-block directory takes a second.
+BLOCK_COUNT_S = 1.0
 
 
 def block_hashes(
@@ -108,6 +112,7 @@ class HiCacheFile(HiCacheStorage):
         names = os.listdir(self.dir)
         self._index = {name[: -len(".kv")] for name in names if name.endswith(".kv")}
         self._misses: dict[str, float] = {}  # key -> when its file was last found missing
+        self._count, self._count_due = len(self._index), -math.inf
         self._remove_stale_temporaries(name for name in names if name.endswith(".tmp"))
 
     def _remove_stale_temporaries(self, names: Any) -> None:
@@ -192,8 +197,17 @@ class HiCacheFile(HiCacheStorage):
         return found
 
     def num_blocks(self) -> int:
-        with self._lock:
-            return len(self._index)
+        """The block files in the directory, every process's (the index holds what this one
+        listed at start, wrote or looked up: a --dp-size replica's lacks the others' blocks)."""
+        now = time.monotonic()
+        if now >= self._count_due:
+            try:
+                with os.scandir(self.dir) as entries:
+                    self._count = sum(e.name.endswith(".kv") for e in entries)
+            except OSError:
+                pass  # (the directory was removed: the last count stands)
+            self._count_due = now + max(BLOCK_COUNT_S, 100 * (time.monotonic() - now))
+        return self._count
 
 
 def _unlink(path: str) -> None:

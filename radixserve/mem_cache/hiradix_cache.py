@@ -13,7 +13,8 @@ Called by the Scheduler exactly like RadixCache, plus `prepare` (admission), `po
 step: apply finished copies) and `set_compute_fence`. Extra invariants (check_integrity):
 * every node has a device or a host copy; a device node's parent is on the device;
 * evictable/protected count device tokens only; a loading node is locked and not matched;
-* host slots are free, in the tree, or held by a storage read in flight — never two of these.
+* host slots are free, in the tree, or held by a storage read in flight — never two of these;
+* a storage block is in one read in flight at most (the requests that share it wait for it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from radixserve.mem_cache.cache_controller import CacheOperation, HiCacheController
+from radixserve.mem_cache.cache_controller import STORAGE_READ, CacheOperation, HiCacheController
 from radixserve.mem_cache.hicache_integrity import (
     check_tiers,
     check_tiers_drained,
@@ -329,6 +330,10 @@ class HiRadixCache(HiCacheRequestOps, RadixCache):
 
     def check_integrity(self) -> None:
         check_tiers(self)
+        reads = [(k, op) for op in self.ops if op.kind == STORAGE_READ for k in op.keys]
+        assert dict(reads) == self._reading and len(reads) == len(self._reading), (
+            "a storage block read twice, or its read in flight not indexed"
+        )
 
     def check_drained(self) -> None:
         check_tiers_drained(self)

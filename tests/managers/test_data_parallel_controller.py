@@ -188,9 +188,13 @@ def test_merge_server_infos_sums_and_lists_the_replicas():
 
 
 def test_the_shared_storage_tier_is_counted_once():
-    """The replicas index one storage directory: 24 blocks on disk read 48 with two."""
+    """The replicas count one storage directory: 24 blocks on disk read 48 with two. Each lists
+    it at its own moment (blocks written since replica 0's listing were missing): the freshest
+    count, the largest, is the server's."""
     infos = [{**_info(r), "hicache_storage_blocks": 24} for r in (0, 1)]
     assert merge_server_infos(infos)["hicache_storage_blocks"] == 24
+    infos[1]["hicache_storage_blocks"] = 26
+    assert merge_server_infos(infos)["hicache_storage_blocks"] == 26
 
 
 def _reply(socks, reply):

@@ -14,6 +14,8 @@ import pytest
 from rs_fake_worker import FakeRun, expected_output
 from rs_testing import file_storage_flags
 
+from radixserve.io_struct import FlushCacheReq, FlushCacheReqOutput
+
 DEVICE_TOKENS = 512
 
 
@@ -130,8 +132,6 @@ def test_a_flush_right_after_a_run_waits_for_the_cache_copies(tmp_path, monkeypa
     """The last request finished, its KV still being written to the host and storage: the flush
     was refused as "requests are running" (a benchmark flushing between runs got a 400). It
     waits for the copies now; copies that do not land in time are named."""
-    import threading
-
     from radixserve.managers import scheduler
 
     run = FakeRun(total_tokens=512, max_running=4, **file_storage_flags(tmp_path))
@@ -140,12 +140,34 @@ def test_a_flush_right_after_a_run_waits_for_the_cache_copies(tmp_path, monkeypa
     while "a" not in run.reasons() or run.s.has_work(cache_copies=False):
         run.step()
     assert run.s.hicache.has_pending()
+
+    def answer() -> FlushCacheReqOutput | None:
+        replies = [o for o in run.outs if isinstance(o, FlushCacheReqOutput)]
+        for reply in replies:
+            run.outs.remove(reply)
+        return replies[0] if replies else None
+
+    def flush() -> FlushCacheReqOutput:
+        run.s.process_input_requests([FlushCacheReq()])
+        for _ in range(2000):
+            reply = answer()
+            if reply is not None:
+                return reply
+            run.step()
+        raise AssertionError("the flush was never answered")
+
     monkeypatch.setattr(scheduler, "FLUSH_WAIT_S", 0.2)
-    out = run.s.flush_cache()
+    out = flush()
     assert not out.success and "copies are in flight" in out.message
-    threading.Timer(0.1, gate.set).start()
+    # The flush waits in the scheduler, not in its loop (a slow disk held every request and
+    # the answer for 30 s): the loop steps meanwhile, and the answer comes once they land.
     monkeypatch.setattr(scheduler, "FLUSH_WAIT_S", 30.0)
-    assert run.s.flush_cache().success
+    run.s.process_input_requests([FlushCacheReq()])
+    for _ in range(3):
+        run.step()
+    assert answer() is None
+    gate.set()
+    assert flush().success
     assert not run.s.hicache.has_pending()
     run.s.close()
 
@@ -333,3 +355,126 @@ def test_tier_hits_reach_the_metrics():
         x for x in text.splitlines() if x.startswith("sglang:hicache_host_hit_tokens_total")
     )
     assert float(line.rsplit(" ", 1)[1]) == info["hicache_host_hit_tokens"] > 0
+
+
+def _written_to_storage(tmp_path, prompt: list[int]) -> None:
+    """Serve prompt once and close: its whole blocks are in the storage directory."""
+    first = FakeRun(total_tokens=512, max_running=8, **file_storage_flags(tmp_path))
+    first.submit("w", prompt, max_new=1)
+    first.drain()
+    assert first.s.get_server_info()["hicache_storage_write_tokens"] == len(prompt) // 32 * 32
+    first.s.close()
+
+
+def _gate_storage(run: FakeRun):
+    """Make the storage thread wait until the returned event is set (a slow disk)."""
+    import threading
+
+    gate = threading.Event()
+    store = run.s.hicache.controller._store
+    run.s.hicache.controller.storer.run = lambda op: (gate.wait(30), store(op))[1]
+    return gate
+
+
+def test_a_decode_short_of_room_does_not_wait_for_a_storage_read_from_the_root(tmp_path):
+    """A decode step short of room waited (up to 30 s) for every cache copy in flight before
+    retracting, a slow storage read included, though a read of a prefix that starts at the root
+    locks host slots only: every decoding request froze until the disk was done. It retracts at
+    once now; a read below a device path (its lock holds device tokens) is still waited for."""
+    import threading
+
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 97) for _ in range(128)]
+    _written_to_storage(tmp_path, prefix + [5])
+    run = FakeRun(total_tokens=256, max_running=8, overlap=False, **file_storage_flags(tmp_path))
+    hc = run.s.hicache
+    gate = _gate_storage(run)
+    run.submit("s", prefix + [7, 8], max_new=2)
+    run.step()
+    (read,) = hc.ops
+    assert read.kind == "storage_read" and read.node is hc.root_node
+    assert not hc.holds_device_slots()
+    prompts = {f"d{i}": [rng.randrange(3, 97) for _ in range(40)] for i in range(4)}
+    for rid, p in prompts.items():
+        run.submit(rid, p, max_new=60)  # 4 × 100 tokens > the 256-token pool: a retraction
+    timer = threading.Timer(5.0, gate.set)  # (the bug waited for the read: then it was done)
+    timer.start()
+    for _ in range(2000):
+        run.step()
+        if run.s.stats.num_retractions:
+            break
+    assert run.s.stats.num_retractions and not read.done.is_set()
+    timer.cancel()
+    gate.set()
+    run.drain()
+    for rid, p in {**prompts, "s": prefix + [7, 8]}.items():
+        assert run.tokens()[rid] == expected_output(p, run.max_new[rid]), rid
+    run.s.close()
+
+    run = FakeRun(total_tokens=256, max_running=8, overlap=False, **file_storage_flags(tmp_path))
+    run.submit("head", prefix[:32] + [9], max_new=1)  # the first block: on the device
+    run.drain()
+    gate = _gate_storage(run)
+    run.submit("s", prefix + [7, 8], max_new=2)
+    run.step()
+    (read,) = run.s.hicache.ops
+    assert read.kind == "storage_read" and read.node is not run.s.hicache.root_node
+    assert run.s.hicache.holds_device_slots()
+    gate.set()
+    run.drain()
+    assert run.tokens()["s"] == expected_output(prefix + [7, 8], 2)
+    run.s.close()
+
+
+def _cached(run: FakeRun) -> dict[str, int]:
+    return {
+        rid: n for m in run.token_outputs() for rid, n in zip(m.rids, m.cached_tokens, strict=True)
+    }
+
+
+def test_requests_sharing_a_stored_prefix_read_it_once(tmp_path):
+    """Each request whose match stopped at the device read the stored prefix again, into host
+    slots of its own: the duplicates filled the host tier, and the requests that came after
+    found no room and recomputed the prefix. One read per block now; the others wait for it."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 97) for _ in range(256)]
+    _written_to_storage(tmp_path, prefix + [5])
+    flags = file_storage_flags(tmp_path) | {"hicache_ratio": 2.0}
+    run = FakeRun(total_tokens=512, max_running=16, overlap=False, **flags)
+    hc = run.s.hicache
+    gate = _gate_storage(run)
+    reads = []
+    storage_read = hc.controller.storage_read
+    hc.controller.storage_read = lambda op: (reads.append(op), storage_read(op))[1]
+    prompts = {f"r{i}": prefix + [rng.randrange(3, 97) for _ in range(8)] for i in range(6)}
+    for rid, p in prompts.items():  # they arrive while the disk is still reading
+        run.submit(rid, p, max_new=2)
+        run.step()
+    gate.set()
+    run.drain()
+    assert len(reads) == 1 and len(reads[0].keys) == 8
+    assert _cached(run) == dict.fromkeys(prompts, 256)
+    assert run.s.get_server_info()["hicache_storage_hit_tokens"] == 256
+    for rid, p in prompts.items():
+        assert run.tokens()[rid] == expected_output(p, 2), rid
+    run.s.close()
+
+
+def test_a_request_short_of_room_looks_at_storage_again(tmp_path):
+    """A request that could not read its stored blocks in one round (no room for them) never
+    looked at storage again, and recomputed them once there was room."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 97) for _ in range(128)]
+    _written_to_storage(tmp_path, prefix + [5])
+    run = FakeRun(total_tokens=256, max_running=8, overlap=False, **file_storage_flags(tmp_path))
+    run.submit("head", prefix[:32] + [9], max_new=1)  # the first block: on the device
+    run.drain()
+    run.submit("s", prefix + [7, 8], max_new=2)
+    (req,) = run.s.waiting_queue
+    hc = run.s.hicache
+    assert hc.prepare(req, budget=0)  # locking the first block is past the round's room
+    assert not hc.ops
+    run.drain()
+    assert run.tokens()["s"] == expected_output(prefix + [7, 8], 2)
+    assert _cached(run)["s"] == 128
+    run.s.close()

@@ -229,3 +229,23 @@ def test_storage_finds_blocks_another_process_wrote(tmp_path, monkeypatch):
     assert b.exists("k1") and b.get("k1") == b"kv"
     b.delete("k1")
     assert not b.exists("k1") and not os.path.exists(b._path("k1"))
+
+
+def test_the_block_count_is_the_directorys(tmp_path, monkeypatch):
+    """get_server_info's hicache_storage_blocks was the index's size: with --dp-size 2 each
+    replica counted the blocks it listed at start, wrote or looked up, and replica 0's part was
+    the server's figure. It is the directory's block files now (listed again now and then)."""
+    from radixserve.mem_cache import hicache_storage
+
+    a, b = HiCacheFile(str(tmp_path), "ns"), HiCacheFile(str(tmp_path), "ns")
+    for i in range(2):
+        assert a.set(f"a{i}", b"kv")
+    for i in range(6):
+        assert b.set(f"b{i}", b"kv")
+    (tmp_path / "ns" / "x.tmp").write_bytes(b"")  # a write in progress is no block
+    assert a.num_blocks() == b.num_blocks() == 8
+    a.delete("b0")
+    assert a.num_blocks() == 8  # (listed a moment ago)
+    later = time.monotonic() + 60  # (past the next listing)
+    monkeypatch.setattr(hicache_storage.time, "monotonic", lambda: later)
+    assert a.num_blocks() == b.num_blocks() == 7
