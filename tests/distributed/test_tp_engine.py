@@ -187,15 +187,22 @@ def test_tp2_replicated_kv_head_and_dead_rank(mqa_model, prompts):
         engine.shutdown()
 
 
-def test_tp_size_that_does_not_divide_the_heads_fails_start_up(tiny_model):
-    """The failed start leaves no process behind: ranks 1 and 2, waiting for rank 0 in the
-    process group's rendezvous, are stopped too (left running, they joined the next group
-    that listened on that port)."""
+def test_tp_size_that_does_not_divide_the_heads_fails_start_up(tiny_model, monkeypatch):
+    """Refused from the config before any process starts. Past that check, the ranks' failed
+    start leaves no process behind: ranks 1 and 2, waiting for rank 0 in the process group's
+    rendezvous, are stopped too (left running, they joined the next group that listened on
+    that port)."""
     import multiprocessing
 
     from radixserve import Engine
+    from radixserve.model_loader import loader
 
     before = set(multiprocessing.active_children())  # other tests' engines may be running
+    args = {"model_path": tiny_model, "tp_size": 3, "dtype": "float32", "max_total_tokens": 1024}
+    with pytest.raises(ValueError, match="4 attention heads"):
+        Engine(**args)
+    assert [p.name for p in set(multiprocessing.active_children()) - before] == []
+    monkeypatch.setattr(loader, "check_model_files", lambda server_args: None)
     with pytest.raises(RuntimeError, match="4 attention heads"):
-        Engine(model_path=tiny_model, tp_size=3, dtype="float32", max_total_tokens=1024)
+        Engine(**args)
     assert [p.name for p in set(multiprocessing.active_children()) - before] == []
