@@ -7,8 +7,10 @@ cannot embed fails its request, not the decode server."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -328,17 +330,32 @@ def _reserve_from(h: SchedulerHarness, decode: Peer, port: int, rooms: dict[int,
         decode.channel.send(f"tcp://127.0.0.1:{port}", reserve)
 
 
+@contextlib.contextmanager
+def _prefill_with_hung_writes(model: str, *peers: Peer, **harness: Any) -> Iterator[Any]:
+    """A prefill harness whose 40-token writes hang (HungWrites): (harness, port, writes).
+    It ends drained; its peers and its side are closed whatever happens."""
+    h, port = _prefill_harness(model, **harness)
+    writes = HungWrites(h.scheduler.disagg, hung=40)
+    try:
+        yield h, port, writes
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+    finally:
+        writes.release.set()
+        for peer in peers:
+            peer.channel.close()
+        h.scheduler.disagg.close()
+
+
 def test_transfers_queued_behind_a_hung_write_end_at_the_decode_side_deadline(model):
     """A decode host stopped after it reserved: the one transfer thread hung in the first write,
     and the transfers queued behind it held their prompt's KV (3 × 3000 tokens in the report)
     until it failed, then each tried another hung write. Now each queued transfer ends once its
     reservation is older than --disaggregation-timeout (the decode side has given up on it):
     its KV freed, the decode side told `failed`; no write but the hung one is tried."""
-    h, port = _prefill_harness(model)
-    side = h.scheduler.disagg
     decode = Peer()  # never pings: stopped
-    writes = HungWrites(side, hung=40)
-    try:
+    with _prefill_with_hung_writes(model, decode) as (h, port, writes):
+        side = h.scheduler.disagg
         _reserve_from(h, decode, port, {1: 40, 2: 41, 3: 42})
         _step_until(h, decode, lambda: writes.tried, "first write")
         _step_until(
@@ -354,12 +371,6 @@ def test_transfers_queued_behind_a_hung_write_end_at_the_decode_side_deadline(mo
         assert {r: h.finish_reasons()[f"r{r}"]["type"] for r in (1, 2, 3)} == dict.fromkeys(
             (1, 2, 3), "length"
         )  # (the first token was answered here before the transfer)
-        h.run_until_idle()
-        h.scheduler.assert_drained()
-    finally:
-        writes.release.set()
-        decode.channel.close()
-        side.close()
 
 
 def test_a_failed_write_stops_the_next_queued_one_to_a_silent_decode_server(model):
@@ -367,12 +378,10 @@ def test_a_failed_write_stops_the_next_queued_one_to_a_silent_decode_server(mode
     started the next queued transfer to the same hung host (one more ~30 s write each). It is
     recorded on the transfer thread now: the next one waits PING_WAIT_S for a sign of life and
     is not tried, nor is the one after; the server, heard from again, is tried again."""
-    h, port = _prefill_harness(model, timeout=30.0)  # no deadline passes here
-    side = h.scheduler.disagg
     decode = Peer()
-    writes = HungWrites(side, hung=40)
-    address = f"tcp://127.0.0.1:{port}"
-    try:
+    # (a 30 s timeout: no deadline passes here)
+    with _prefill_with_hung_writes(model, decode, timeout=30.0) as (h, port, writes):
+        side, address = h.scheduler.disagg, f"tcp://127.0.0.1:{port}"
         _reserve_from(h, decode, port, {1: 40, 2: 41, 3: 42})
         _step_until(h, decode, lambda: len(side.sending) == 3, "three queued transfers")
         writes.release.set()
@@ -386,22 +395,14 @@ def test_a_failed_write_stops_the_next_queued_one_to_a_silent_decode_server(mode
         _reserve_from(h, decode, port, {4: 43})
         _step_until(h, decode, lambda: decode.find("done", 4), "transfer")
         assert writes.tried == [40, 43] and side.failed_peers == {}
-        h.run_until_idle()
-        h.scheduler.assert_drained()
-    finally:
-        writes.release.set()
-        decode.channel.close()
-        side.close()
 
 
 def test_a_hung_decode_host_stalls_no_other_decode_servers_transfers(model):
     """One transfer thread served every decode server: another one's KV waited behind the hung
     host's write (~30 s), and failed at its own deadline. Each decode server has its own now."""
-    h, port = _prefill_harness(model)
-    side = h.scheduler.disagg
     hung, live = Peer(), Peer()
-    writes = HungWrites(side, hung=40)
-    try:
+    with _prefill_with_hung_writes(model, hung, live) as (h, port, writes):
+        side = h.scheduler.disagg
         _reserve_from(h, hung, port, {1: 40})
         _step_until(h, hung, lambda: writes.tried, "hung write")
         _reserve_from(h, live, port, {2: 41})
@@ -411,11 +412,4 @@ def test_a_hung_decode_host_stalls_no_other_decode_servers_transfers(model):
         writes.release.set()
         _step_until(h, hung, lambda: hung.find("failed", 1), "hung write's failure")
         assert writes.tried == [40, 41] and side.num_transferred == 1
-        h.run_until_idle()
-        h.scheduler.assert_drained()
-        assert side.pools == {}  # (each peer's thread ends with its last transfer)
-    finally:
-        writes.release.set()
-        for peer in (hung, live):
-            peer.channel.close()
-        side.close()
+    assert side.pools == {}  # (each peer's thread ended with its last transfer)
