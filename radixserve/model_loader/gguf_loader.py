@@ -376,12 +376,6 @@ def read_gguf_header(path: str) -> GgufHeader | None:
     return GgufHeader(metadata, start + data_end)
 
 
-def read_gguf_architecture(path: str) -> str | None:
-    """general.architecture, from the header alone (None where it cannot be read)."""
-    header = read_gguf_header(path)
-    return None if header is None else header.metadata.get("general.architecture")
-
-
 def check_gguf_header(path: str, tp_size: int = 1) -> None:
     """Refuse, before any process starts, a GGUF whose architecture is not served, that is
     shorter than its tensors (a download that did not finish: GGUFReader said "cannot reshape

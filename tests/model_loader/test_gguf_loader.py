@@ -353,7 +353,7 @@ def test_an_unsupported_architecture_is_refused_before_start(tmp_path: Path) -> 
     """Found by the scheduler and the detokenizer (transformers' "GGUF model with architecture
     gemma is not supported yet" and a traceback each) after start-up: the serve command and
     the Engine read it from the header now."""
-    from radixserve.model_loader.gguf_loader import read_gguf_architecture
+    from radixserve.model_loader.gguf_loader import read_gguf_header
     from radixserve.model_loader.loader import check_model_config
 
     path = tmp_path / "gemma.gguf"
@@ -364,14 +364,14 @@ def test_an_unsupported_architecture_is_refused_before_start(tmp_path: Path) -> 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert read_gguf_architecture(str(path)) == "gemma"
+    assert read_gguf_header(str(path)).metadata["general.architecture"] == "gemma"
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
         check_model_config(str(path), "auto", None)
     tiny = tmp_path / "tiny.gguf"
     write_tiny_gguf(tiny, "qwen2", tie=True)
-    assert read_gguf_architecture(str(tiny)) == "qwen2"
+    assert read_gguf_header(str(tiny)).metadata["general.architecture"] == "qwen2"
     check_model_config(str(tiny), "auto", None)
-    assert read_gguf_architecture(__file__) is None  # not a GGUF: the loader says what it is
+    assert read_gguf_header(__file__) is None  # not a GGUF: the loader says what it is
 
 
 def test_a_cut_short_gguf_and_heads_tp_cannot_split_are_refused_before_start(
