@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from radixserve.disaggregation.side import DisaggSide, prompt_fingerprint
+from radixserve.io_struct import RoomRefusedReq
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.schedule_policy import lora_fits
 
@@ -89,11 +90,12 @@ class DecodePrealloc(DisaggSide):
         )
 
     def peer_address(self, req: Req) -> str:
-        port = req.bootstrap_port or self.default_port
-        host = req.bootstrap_host
+        return self._address(req.bootstrap_host, req.bootstrap_port)
+
+    def _address(self, host: str, port: int | None) -> str:
         if ":" in host and not host.startswith("["):  # a bare IPv6 address
             host = f"[{host}]"
-        return f"tcp://{host}:{port}"
+        return f"tcp://{host}:{port or self.default_port}"
 
     def abort(self, hit: Any) -> None:
         for req in [r for r in self.prealloc if hit(r)]:
@@ -111,10 +113,18 @@ class DecodePrealloc(DisaggSide):
         its prefill server silent): its prefill copy is told to stop. It waited for a
         reservation until its own timeout (60 s by default; behind SGLang's router the client
         waited as long for a 400 this side had answered at once)."""
-        room = req.bootstrap_room
-        if room is None or not req.bootstrap_host or req.disagg_reserved or self._room_in_use(room):
-            return  # (reserved: _drop tells the peer; in use: another request's room)
-        address = self.peer_address(req)
+        if not req.disagg_reserved:  # (reserved: _drop tells the peer)
+            self._end_room(req.bootstrap_room, req.bootstrap_host, req.bootstrap_port)
+
+    def on_refused(self, msg: RoomRefusedReq) -> None:
+        """A request this server's TokenizerManager refused (the scheduler never saw it): its
+        prefill copy is told to stop, as for one aborted here while queued."""
+        self._end_room(msg.room, msg.host, msg.port)
+
+    def _end_room(self, room: int | None, host: str | None, port: int | None) -> None:
+        if room is None or not host or self._room_in_use(room):
+            return  # (in use: another request's room)
+        address = self._address(host, port)
         try:
             self.channel.connect(address)
         except ValueError:  # an address ZMQ cannot parse: nobody to tell

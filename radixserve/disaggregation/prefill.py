@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from radixserve.disaggregation.side import DisaggSide, prompt_fingerprint
+from radixserve.io_struct import RoomRefusedReq
 from radixserve.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
@@ -228,7 +229,14 @@ class PrefillBootstrap(DisaggSide):
             self._fail_reservation(req.disagg_target, message)
             req.disagg_target = None
             return
-        room = req.bootstrap_room
+        self._end_room(req.bootstrap_room, message)
+
+    def on_refused(self, msg: RoomRefusedReq) -> None:
+        """A request this server's TokenizerManager refused (the scheduler never saw it): as
+        one that ended here before it paired."""
+        self._end_room(msg.room, msg.message)
+
+    def _end_room(self, room: int | None, message: str) -> None:
         if room is None or self._room_in_use(room):
             return  # (in use: another request's room, refused as a duplicate)
         arrived = self.reservations.pop(room, None)

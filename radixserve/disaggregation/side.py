@@ -29,20 +29,6 @@ class DisaggSide:
         self.num_transferred = 0
         self.num_failed = 0
 
-    def on_aborted(self, req: Any) -> None:
-        raise NotImplementedError
-
-    def on_refused(self, msg: Any) -> None:
-        """A request refused by this server's TokenizerManager (RoomRefusedReq): its peer is
-        told as for one that ended here before it paired, through a stand-in request."""
-        from radixserve.managers.schedule_batch import Req, finish_abort
-        from radixserve.sampling_params import SamplingParams
-
-        req = Req(f"refused-{msg.room}", [0], SamplingParams())
-        req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = msg.host, msg.port, msg.room
-        req.finished_reason = finish_abort(msg.message)
-        self.on_aborted(req)
-
     def holds_reservations(self) -> bool:
         """Slots are held for requests that will run here later (decode: KV on its way)."""
         return False
