@@ -152,7 +152,7 @@ class SamplingParams:
                 f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}"
             )
         for tid in self.stop_token_ids:
-            if not _is_int(tid) or tid < 0 or (vocab_size and tid >= vocab_size):
+            if not is_int(tid) or tid < 0 or (vocab_size and tid >= vocab_size):
                 raise SamplingParamsError(f"stop_token_ids has an invalid token id {tid!r}")
         stop_ok = self.stop is None or isinstance(self.stop, (str, list, tuple))
         if not stop_ok or any(not isinstance(s, str) or not s for s in self.stop_strs):
@@ -204,7 +204,8 @@ _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", 
 _STRINGS = ("json_schema", "regex", "ebnf")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON true is not 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

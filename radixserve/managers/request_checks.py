@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from radixserve.io_struct import GenerateReqInput
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, is_int
 
 MAX_N = 128  # choices per prompt
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and SGLang's practical one
@@ -27,10 +27,6 @@ class RequestError(ValueError):
         super().__init__(message)
         self.status_code = status_code
         self.headers = headers or {}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _expect(name: str, value: Any, ok: bool, what: str) -> None:
@@ -58,13 +54,13 @@ def verify_request_fields(obj: GenerateReqInput) -> None:
     _expect_per_prompt(
         obj,
         "top_logprobs_num",
-        lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+        lambda v: is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
         f"an integer in [0, {MAX_TOP_LOGPROBS}]",
     )
     _expect_per_prompt(
         obj,
         "logprob_start_len",
-        lambda v: _is_int(v) and v >= -1,
+        lambda v: is_int(v) and v >= -1,
         "-1 (no prompt logprobs) or a prompt position >= 0",
     )
     _expect(
@@ -73,7 +69,7 @@ def verify_request_fields(obj: GenerateReqInput) -> None:
         isinstance(obj.return_text_in_logprobs, bool),
         "a boolean",
     )
-    _expect("priority", obj.priority, obj.priority is None or _is_int(obj.priority), "an integer")
+    _expect("priority", obj.priority, obj.priority is None or is_int(obj.priority), "an integer")
     for name in ("extra_key", "routing_key"):
         value = getattr(obj, name)
         _expect(name, value, value is None or isinstance(value, str), "a string")
@@ -106,11 +102,11 @@ def _verify_bootstrap(obj: GenerateReqInput) -> None:
     SGLang's router sends these for n > 1); every sub-request needs a room of its own."""
     checks = (
         ("bootstrap_host", is_host, "a host name or IP address"),
-        ("bootstrap_port", lambda v: _is_int(v) and 0 < v < 65536, "a port"),
-        ("bootstrap_room", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+        ("bootstrap_port", lambda v: is_int(v) and 0 < v < 65536, "a port"),
+        ("bootstrap_room", lambda v: is_int(v) and v >= 0, "a non-negative integer"),
     )
     rank = obj.data_parallel_rank
-    _expect("data_parallel_rank", rank, rank is None or (_is_int(rank) and rank >= 0), "a rank")
+    _expect("data_parallel_rank", rank, rank is None or (is_int(rank) and rank >= 0), "a rank")
     batch = obj.batch_size
     subs = batch * num_choices(obj)
     for name, valid, what in checks:
@@ -143,8 +139,8 @@ def _verify_prompt_and_rid(obj: GenerateReqInput) -> None:
         _expect("text", text, ok, "a string or a non-empty list of strings")
     else:
         ok = isinstance(ids, list) and (
-            all(_is_int(t) for t in ids)
-            or (bool(ids) and all(isinstance(p, list) and all(map(_is_int, p)) for p in ids))
+            all(is_int(t) for t in ids)
+            or (bool(ids) and all(isinstance(p, list) and all(map(is_int, p)) for p in ids))
         )
         _expect("input_ids", ids, ok, "a list of token ids or a non-empty list of such lists")
     rid = obj.rid
@@ -174,7 +170,7 @@ def num_choices(obj: GenerateReqInput) -> int:
 
 def _n_of(sp: Any) -> int:
     n = sp.n if isinstance(sp, SamplingParams) else (sp or {}).get("n", 1)
-    _expect("n", n, _is_int(n) and 1 <= n <= MAX_N, f"an integer in [1, {MAX_N}]")
+    _expect("n", n, is_int(n) and 1 <= n <= MAX_N, f"an integer in [1, {MAX_N}]")
     return n
 
 

@@ -46,7 +46,7 @@ from radixserve.managers.request_checks import (
     verify_request_fields,
 )
 from radixserve.managers.tokenizer_utils import TokenStrings
-from radixserve.sampling_params import SamplingParams, SamplingParamsError
+from radixserve.sampling_params import SamplingParams, SamplingParamsError, is_int
 
 logger = logging.getLogger(__name__)
 DRAIN_BATCH = 256  # outputs handled per wake-up before other tasks get the loop
@@ -543,7 +543,7 @@ class TokenizerManager:
         except Exception:  # (a body too malformed to name its rooms)
             return
         for p in pairings:
-            if isinstance(p["bootstrap_room"], int) and not isinstance(p["bootstrap_room"], bool):
+            if is_int(p["bootstrap_room"]):
                 refused = RoomRefusedReq(
                     p["bootstrap_room"], p["bootstrap_host"], p["bootstrap_port"], message
                 )
