@@ -175,13 +175,13 @@ class RoomRefusedReq:
     message: str
 
 
-# Control requests carry a call id that their replies echo: with --dp-size, the N replies of
-# one broadcast are told from a late reply to an earlier one that timed out.
 # How long a FlushCacheReq may wait in the scheduler for the hierarchical cache's copies of
 # finished requests' KV (the TokenizerManager waits longer for its answer).
 FLUSH_WAIT_S = 30.0
 
 
+# Control requests carry a call id that their replies echo: with --dp-size, the N replies of
+# one broadcast are told from a late reply to an earlier one that timed out.
 @dataclass
 class FlushCacheReq:
     call_id: int = 0
