@@ -89,10 +89,10 @@ class ModelRunner:
         self.is_draft = draft_of is not None
         self.lora_manager: LoRAManager | None = None  # --lora-paths (set once the model is)
         self.tp = tp or TpGroup.single()
+        # The TP ranks on this machine share its cores and its memory.
+        self.local_ranks = max(1, server_args.tp_size // server_args.nnodes)
         if self.device == "cpu" and not self.is_draft:
-            # The ranks on this machine share its cores.
-            local_ranks = max(1, server_args.tp_size // server_args.nnodes)
-            threads = server_args.num_threads or max(1, physical_core_count() // local_ranks)
+            threads = server_args.num_threads or max(1, physical_core_count() // self.local_ranks)
             torch.set_num_threads(threads)
         # The intra-op threads the forward and sampling run with (torch_threads): the served
         # scheduler runs its own work on one thread.
@@ -350,12 +350,15 @@ class ModelRunner:
         row_bytes = (self.context_len + 8) * 4  # ReqToTokenPool: int32, in host memory
         table = (self.max_running_requests + 1) * row_bytes
         kv = total * per_token + reserved
-        host = _mem_available_bytes()
+        host = _mem_available_bytes() // self.local_ranks  # this rank's share
         if self.device == "cuda":
             device_free, _ = torch.cuda.mem_get_info()
             checks = [(kv, device_free, "GPU "), (table, host, "")]
         else:
             checks = [(kv + table, host, "")]
+        shared = (
+            f" (a share for each of {self.local_ranks} TP ranks)" if self.local_ranks > 1 else ""
+        )
         for need, free, where in checks:
             if need > free:
                 fit_tokens = max(0, (free - reserved - (0 if where else table)) // per_token)
@@ -363,16 +366,19 @@ class ModelRunner:
                     f"--max-total-tokens {total} and --max-running-requests "
                     f"{self.max_running_requests} need {need / 2**30:.1f} GiB for the KV cache "
                     f"and request table, but only {free / 2**30:.1f} GiB of {where}memory is "
-                    f"free (about {fit_tokens} tokens of KV fit beside the table); ask for less"
+                    f"free{'' if where else shared} (about {fit_tokens} tokens of KV fit beside "
+                    "the table); ask for less"
                 )
 
     def _profile_max_num_tokens(self, per_token: int, reserved: int = 0) -> int:
-        """KV slots in --mem-fraction-static of the free memory, less `reserved` bytes."""
+        """KV slots in --mem-fraction-static of the free memory, less `reserved` bytes. On a
+        CPU the TP ranks of this machine share its memory, and so the fraction (each took all
+        of it: --tp-size 4 asked for 80% of the free memory at the default 0.2)."""
         fraction = self.server_args.mem_fraction_static or 0.2
         if self.device == "cuda":
             free, _ = torch.cuda.mem_get_info()
         else:
-            free = _mem_available_bytes()
+            free = _mem_available_bytes() // self.local_ranks
         return max(1024, (int(free * fraction) - reserved) // per_token)
 
     # -- forward --------------------------------------------------------------------------------
