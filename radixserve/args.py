@@ -507,7 +507,14 @@ class ServerArgs:
                 "(the same number of ranks on every machine)"
             )
         if self.dist_init_addr is not None:
-            parse_dist_init_addr(self.dist_init_addr)
+            _, port = parse_dist_init_addr(self.dist_init_addr)
+            if self.tp_size > 1 and self.node_rank == 0 and port == self.port:
+                # (node 0's rank 0 listens on it for the rendezvous: the HTTP server failed
+                # with "address already in use" once every rank had loaded the model)
+                raise ValueError(
+                    f"--port {port} is --dist-init-addr's port too, and node 0 listens on "
+                    "both; give them different ports"
+                )
 
     def _check_tp_support(self, device: str) -> None:
         """What the TP ranks do not serve (yet): refused at start-up with the reason."""
@@ -622,6 +629,9 @@ class ServerArgs:
         fraction = self.mem_fraction_static
         if fraction is None:
             fraction = 0.85 if device == "cuda" else 0.2
+        dist_init_addr = self.dist_init_addr or _default_dist_init_addr(self.tp_size)
+        if dist_init_addr is not None:
+            check_dist_init_host(dist_init_addr)
         return dataclasses.replace(
             self,
             device=device,
@@ -629,7 +639,7 @@ class ServerArgs:
             kv_cache_dtype=kv_dtype,
             chunked_prefill_size=chunk,
             mem_fraction_static=fraction,
-            dist_init_addr=self.dist_init_addr or _default_dist_init_addr(self.tp_size),
+            dist_init_addr=dist_init_addr,
         )
 
     @property
@@ -682,9 +692,35 @@ def _flag(name: str) -> str:
 def parse_dist_init_addr(addr: str) -> tuple[str, int]:
     """(host, port) of --dist-init-addr host:port (an IPv6 host may be in brackets)."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--dist-init-addr must be host:port, got {addr!r}")
+    if (
+        not sep
+        or not host
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+        or "://" in host  # (tcp://h:p: torch's "port number missing" after the model loaded)
+        or any(c.isspace() for c in addr)
+    ):
+        raise ValueError(f"--dist-init-addr must be host:port (no scheme), got {addr!r}")
     return host.strip("[]"), int(port)
+
+
+def check_dist_init_host(addr: str) -> None:
+    """Refuse a --dist-init-addr whose host does not resolve: every rank, node 0's too, waited
+    for the rendezvous (minutes) while torch logged name-resolution errors."""
+    import socket
+
+    host, port = parse_dist_init_addr(addr)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--dist-init-addr: host {host!r} does not resolve ({e})") from None
+
+
+def dist_init_method(addr: str) -> str:
+    """torch.distributed's init_method for --dist-init-addr: tcp://host:port, an IPv6 host in
+    brackets (parse_dist_init_addr takes them off)."""
+    host, port = parse_dist_init_addr(addr)
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def _default_dist_init_addr(tp_size: int) -> str | None:

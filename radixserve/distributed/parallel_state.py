@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from radixserve.args import parse_dist_init_addr
+from radixserve.args import dist_init_method, parse_dist_init_addr
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def init_tp_group(
     try:
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{host}:{port}",
+            init_method=dist_init_method(dist_init_addr),
             rank=tp_rank,
             world_size=tp_size,
             timeout=INIT_TIMEOUT,

@@ -45,6 +45,11 @@ def test_a_free_loopback_rendezvous_is_picked_when_none_is_given():
         ({"nnodes": 2, "tp_size": 3, "dist_init_addr": "h:1"}, "divisible by --nnodes"),
         ({"tp_size": 2, "dist_init_addr": "nohost"}, "host:port"),
         ({"tp_size": 2, "dist_init_addr": "h:99999"}, "host:port"),
+        # torch's "port number missing" once the model had loaded
+        ({"tp_size": 2, "dist_init_addr": "tcp://127.0.0.1:1234"}, "no scheme"),
+        ({"tp_size": 2, "dist_init_addr": " 127.0.0.1:1234"}, "host:port"),
+        # node 0 listens on both: "address already in use" once every rank had loaded
+        ({"tp_size": 2, "port": 1234, "dist_init_addr": "127.0.0.1:1234"}, "different ports"),
     ],
 )
 def test_invalid_parallel_flags_are_refused(kwargs, match):
@@ -62,6 +67,15 @@ def test_invalid_parallel_flags_are_refused(kwargs, match):
 def test_unsupported_combinations_are_refused_at_start_up(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs(device="cpu", tp_size=2, **kwargs).resolve()
+
+
+def test_a_dist_init_host_that_does_not_resolve_is_refused_at_start_up():
+    # Every rank, node 0's too, waited for the rendezvous (10 minutes) in silence.
+    args = ServerArgs(device="cpu", tp_size=2, dist_init_addr="nosuchhost.invalid:1234")
+    with pytest.raises(ValueError, match="'nosuchhost.invalid' does not resolve"):
+        args.resolve()
+    # The same port on another node's host is no clash: only node 0 listens on it.
+    ServerArgs(device="cpu", tp_size=2, nnodes=2, node_rank=1, port=1234, dist_init_addr="h:1234")
 
 
 def test_each_node_runs_its_share_of_the_ranks():

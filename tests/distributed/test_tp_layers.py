@@ -5,9 +5,11 @@ and head counts that cannot be split fail with a clear error."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch.multiprocessing as tmp
-from tp_layer_workers import compare_layers, tiny_config
+from tp_layer_workers import compare_layers, join_at, tiny_config
 
 from radixserve.distributed.parallel_state import TpGroup, local_head_counts
 from radixserve.models.llama import LlamaForCausalLM
@@ -25,6 +27,17 @@ from radixserve.utils import free_port
 )
 def test_parallel_layers_equal_dense(overrides):
     tmp.spawn(compare_layers, args=(2, free_port(), overrides), nprocs=2, join=True)
+
+
+def test_ranks_meet_at_an_ipv6_address_in_brackets():
+    # "[::1]:port" passed the argument check, then torch was given tcp://::1:port and every
+    # start failed ("Port could not be cast to integer value as ':1:port'").
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback on this machine: {e}")
+    tmp.spawn(join_at, args=(2, f"[::1]:{free_port()}"), nprocs=2, join=True)
 
 
 def test_head_counts_split_or_replicate():

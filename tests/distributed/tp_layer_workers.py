@@ -98,3 +98,12 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     err = (got - want).abs().max().item()
     assert err < 1e-4, f"{what}: max difference {err}"
+
+
+def join_at(rank: int, world: int, addr: str) -> None:
+    """Join the group at --dist-init-addr `addr` and sum the ranks."""
+    tp = init_tp_group(rank, world, addr, "cpu")
+    assert tp.min_int(rank + 5) == 5
+    assert tp.all_reduce(torch.tensor([float(rank)])).item() == sum(range(world))
+    torch.distributed.barrier()  # leave together (see compare_layers)
+    torch.distributed.destroy_process_group()
