@@ -17,8 +17,11 @@ all when plain decode is better (`select`):
 
 Both inputs are measured, never assumed:
 * t(T) is the wall time of the target forwards the engine runs (plain decode and verify steps
-  are the same forward for the model), an exponential moving average per power-of-two bucket
-  of token counts, interpolated in between. Up to twice the largest count measured it is
+  are the same forward for the model), the median of the last COST_SAMPLES per power-of-two
+  bucket of token counts, interpolated in between. A bucket not measured in the last
+  STALE_STEPS forwards is forgotten: only steps of its own kind measure it, so one slow step
+  (a first call's warm-up, a pause) priced it for good, and speculation stayed on with every
+  draft rejected, or off with every draft accepted. Up to twice the largest count measured it is
   extrapolated from the last two buckets (flat while only one is known); further out it grows
   in proportion to the tokens, which no forward exceeds. So larger steps are explored by
   doublings, each priced before the next: a slope measured at 1-8 tokens once priced a
@@ -37,6 +40,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import statistics
+from collections import deque
 from typing import Any
 
 from radixserve.speculative.spec_info import DraftTree
@@ -44,27 +49,43 @@ from radixserve.speculative.spec_info import DraftTree
 DECAY = 0.8  # weight of the history in a request's acceptance counts, per observation
 PROBE_INTERVAL = 16
 MAX_SHADOW_WAIT = 8  # the longest wait, in plain steps, between shadow proposals
-COST_EMA = 0.3  # weight of a new timing in its bucket
+COST_SAMPLES = 5  # the timings per bucket whose median prices it
+STALE_STEPS = 64  # forwards after which a bucket not measured again is forgotten
 
 
 class StepCostModel:
-    """Seconds per forward as a function of the tokens it runs (EMA per power-of-two bucket)."""
+    """Seconds per forward as a function of the tokens it runs: per power-of-two bucket, the
+    median of its last COST_SAMPLES timings (one outlier among them moves nothing)."""
 
     def __init__(self) -> None:
+        self.samples: dict[int, deque[tuple[int, float]]] = {}  # bucket -> (tokens, seconds)
+        self.measured_at: dict[int, int] = {}  # bucket -> the clock at its last timing
         self.points: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, seconds)
         self._sorted: list[tuple[float, float]] = []  # points by tokens
         self._xs: list[float] = []
 
-    def record(self, tokens: int, seconds: float) -> None:
+    def record(self, tokens: int, seconds: float, now: int = 0) -> None:
         b = max(tokens, 1).bit_length()
-        old = self.points.get(b)
-        if old is None:
-            self.points[b] = (float(tokens), seconds)
-        else:
-            self.points[b] = (
-                old[0] + COST_EMA * (tokens - old[0]),
-                old[1] + COST_EMA * (seconds - old[1]),
-            )
+        window = self.samples.setdefault(b, deque(maxlen=COST_SAMPLES))
+        window.append((tokens, seconds))
+        self.measured_at[b] = now
+        self.points[b] = (
+            sum(t for t, _ in window) / len(window),
+            statistics.median(s for _, s in window),
+        )
+        self._index()
+
+    def expire(self, now: int) -> None:
+        """Forget the buckets not measured since `now` - STALE_STEPS: the cost there is
+        interpolated or extrapolated from the others again, and a step of that size, chosen
+        by that price, measures it anew."""
+        stale = [b for b, at in self.measured_at.items() if at < now - STALE_STEPS]
+        for b in stale:
+            del self.samples[b], self.measured_at[b], self.points[b]
+        if stale:
+            self._index()
+
+    def _index(self) -> None:
         self._sorted = sorted(self.points.values())
         self._xs = [p[0] for p in self._sorted]
 
@@ -192,6 +213,7 @@ class SpecController:
         self.draft_model = draft_model
         self.forward_cost = StepCostModel()  # target forward, by tokens
         self.draft_cost = StepCostModel()  # one draft forward, by requests
+        self.forwards = 0  # the clock both models age by: a draft forward runs in few steps
 
     def select(
         self, reqs: list[Any], trees: list[DraftTree], backlog: bool = False
@@ -293,10 +315,13 @@ class SpecController:
         return out
 
     def record_forward(self, tokens: int, seconds: float) -> None:
-        self.forward_cost.record(tokens, seconds)
+        self.forwards += 1
+        self.forward_cost.record(tokens, seconds, self.forwards)
+        self.forward_cost.expire(self.forwards)
+        self.draft_cost.expire(self.forwards)
 
     def record_draft(self, requests: int, seconds: float) -> None:
-        self.draft_cost.record(requests, seconds)
+        self.draft_cost.record(requests, seconds, self.forwards)
 
 
 def _level_widths(tree: DraftTree) -> list[int]:

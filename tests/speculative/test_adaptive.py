@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.speculative.adaptive import RequestSpecState, SpecController, StepCostModel
+from radixserve.speculative.adaptive import (
+    STALE_STEPS,
+    RequestSpecState,
+    SpecController,
+    StepCostModel,
+)
 from radixserve.speculative.spec_info import DraftTree
 
 
@@ -128,3 +133,37 @@ def test_shadow_proposals_back_off_after_misses_and_resume_after_a_hit():
     spec.on_plain_token(2)
     spec.on_plain_token(3)  # the whole chain accepted
     assert spec.wants_shadow()
+
+
+def test_one_slow_step_among_measured_ones_moves_no_price():
+    """A plain step of 200 ms among 1 ms ones (a pause, a noisy neighbour) made every later
+    step verify drafts that were all rejected: verify steps never re-measure the plain price."""
+    m = StepCostModel()
+    for seconds in (0.001, 0.001, 0.001, 0.200, 0.001):
+        m.record(3, seconds)
+    assert m.cost(3) == pytest.approx(0.001)
+
+
+def test_a_price_measured_once_is_forgotten_and_measured_anew():
+    """The first draft forward, timed with its warm-up (100 ms against 0.3 ms), priced drafting
+    out for good though every draft was accepted: only drafting steps measure a draft."""
+    ctrl = SpecController(max_drafts=4, draft_model=True)
+    reqs = [_Req(alpha_hits=6) for _ in range(3)]
+
+    def step(draft_s: float) -> bool:
+        """One step of the scheduler's loop: plain 1 ms; a verify, every draft accepted."""
+        trees = ctrl.select(reqs, [DraftTree.chain([7, 8, 9, 10, 11]) for _ in reqs])
+        if trees is None:
+            ctrl.record_forward(3, 0.001)
+            return False
+        ctrl.record_draft(3, draft_s)
+        ctrl.record_forward(sum(len(t) for t in trees), 0.0015)
+        for r, t in zip(reqs, trees, strict=True):
+            r.spec.on_verify(max(t.depths), t.num_drafts, t.num_drafts + 1, t.num_drafts)
+        return True
+
+    assert not step(0.0003)  # nothing measured: a plain step first
+    assert step(0.100)  # the first verify, its draft forward slow
+    verified = [step(0.0003) for _ in range(STALE_STEPS + 20)]
+    assert not any(verified[:10])  # priced out by the slow one
+    assert all(verified[-10:])  # forgotten, measured again: drafting pays
