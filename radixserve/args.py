@@ -332,17 +332,33 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not value.strip():  # (" ": no client could send it)
                 raise ValueError(f"--{_flag(name)} is empty; leave it out for the default")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            # (HTTP trims a header's value, and httpx or OpenAI's client refuse to send it)
+            raise ValueError("--api-key starts or ends with whitespace, which no client can send")
+        self._check_environment()
         if self.chat_template is not None:
             check_chat_template(self.chat_template)
         self._check_speculative()
         self._check_tensor_parallel()
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        cpus = os.cpu_count() or 1
+        if self.dp_size > MAX_THREADS_PER_CPU * cpus:  # (each replica is a process, with sockets)
+            raise ValueError(
+                f"--dp-size {self.dp_size} is more than {MAX_THREADS_PER_CPU} replicas per CPU "
+                f"of this machine's {cpus}"
+            )
         if self.dp_size > 1 and self.tp_size > 1:
             raise ValueError("--dp-size > 1 with --tp-size > 1 is not supported yet; use one")
         self._check_hierarchical_cache()
         self._check_disaggregation()
         self._check_lora()
+
+    @staticmethod
+    def _check_environment() -> None:
+        """The RADIXSERVE_* variables the server reads (a bad one was read where it is used:
+        every structured-output request a 500 with a traceback, the server up)."""
+        grammar_timeout_s()
 
     def _check_numbers(self) -> None:
         """Every number a flag takes, in the range it means something (a value outside is
@@ -416,6 +432,8 @@ class ServerArgs:
             for name in ("hicache_storage_dir", "hicache_storage_block_size")
             if getattr(self, name) != defaults[name]
         ]
+        if not (0 < self.hicache_ratio < math.inf and 0 <= self.hicache_size < math.inf):
+            raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
         if not self.enable_hierarchical_cache:
             if self.hicache_storage_backend is not None:
                 raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
@@ -434,8 +452,6 @@ class ServerArgs:
             raise ValueError(
                 "--enable-hierarchical-cache extends the radix cache: drop --disable-radix-cache"
             )
-        if not (0 < self.hicache_ratio < math.inf and 0 <= self.hicache_size < math.inf):
-            raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
         if self.hicache_size == 0 and self.hicache_ratio < 1:  # (found after the model loaded)
             raise ValueError(
                 f"--hicache-ratio {self.hicache_ratio:g}: the host tier must hold at least the "
@@ -460,13 +476,13 @@ class ServerArgs:
 
     def _check_disaggregation(self) -> None:
         mode = self.disaggregation_mode
-        if mode == "null":
-            return
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError(
                 f"--disaggregation-bootstrap-port must be a port, got "
                 f"{self.disaggregation_bootstrap_port}"
             )
+        if mode == "null":
+            return
         if self.disaggregation_timeout <= 0:
             raise ValueError("--disaggregation-timeout must be positive")
         for flag, value in (
@@ -548,6 +564,17 @@ class ServerArgs:
             self.speculative_eagle_topk,
             self.speculative_num_draft_tokens,
         )
+        # (the NGRAM values have defaults, so they are checked with or without the algorithm:
+        # one out of range was accepted, and ignored, without it)
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if lo < 1 or hi < lo:
+            raise ValueError(
+                "NGRAM match windows need 1 <= --speculative-ngram-min-match-window-size <= "
+                "--speculative-ngram-max-match-window-size"
+            )
+        if self.speculative_ngram_max_bfs_breadth < 1 or self.speculative_ngram_branch_length < 1:
+            raise ValueError("NGRAM breadth and branch length must be >= 1")
         if algo is None:
             if any(v is not None for v in spec_flags):
                 raise ValueError("the --speculative-* options need --speculative-algorithm")
@@ -558,15 +585,6 @@ class ServerArgs:
                 raise ValueError(f"--{_flag(name)} must be >= 1")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("--speculative-num-draft-tokens must be >= 2 (the last token + 1)")
-        lo = self.speculative_ngram_min_match_window_size
-        hi = self.speculative_ngram_max_match_window_size
-        if lo < 1 or hi < lo:
-            raise ValueError(
-                "NGRAM match windows need 1 <= --speculative-ngram-min-match-window-size <= "
-                "--speculative-ngram-max-match-window-size"
-            )
-        if self.speculative_ngram_max_bfs_breadth < 1 or self.speculative_ngram_branch_length < 1:
-            raise ValueError("NGRAM breadth and branch length must be >= 1")
         if algo == "STANDALONE":
             if not self.speculative_draft_model_path:
                 raise ValueError(
@@ -683,6 +701,22 @@ class ServerArgs:
             if isinstance(kwargs.get(f.name), list):
                 kwargs[f.name] = tuple(kwargs[f.name])
         return cls(**kwargs).resolve()
+
+
+GRAMMAR_TIMEOUT_ENV = "RADIXSERVE_GRAMMAR_TIMEOUT"
+
+
+def grammar_timeout_s() -> float:
+    """Seconds a grammar may take to compile (SGLang's SGLANG_GRAMMAR_TIMEOUT): the value of
+    RADIXSERVE_GRAMMAR_TIMEOUT, 60 where it is not set; ValueError unless a number > 0."""
+    text = os.environ.get(GRAMMAR_TIMEOUT_ENV, "60")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{GRAMMAR_TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
+    return seconds
 
 
 def _flag(name: str) -> str:

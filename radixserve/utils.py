@@ -163,6 +163,7 @@ def exit_failed_start(name: str, ready: Any, e: Exception, *, stack: bool = Fals
     """A child process that could not start: log why (with the stack where it is the
     project's own fault), tell the parent over `ready` in one line, exit 1."""
     log = logging.getLogger(f"radixserve.{name}")
+    stack = stack or log.isEnabledFor(logging.DEBUG)
     log.error("%s failed to start: %s: %s", name, type(e).__name__, e, exc_info=stack)
     if ready is not None:
         try:

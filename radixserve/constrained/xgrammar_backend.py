@@ -18,7 +18,6 @@ ALLOWED. Rows are built on the CPU (the matchers live there) and moved to the lo
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import threading
@@ -32,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xgrammar as xgr
 
+from radixserve.args import grammar_timeout_s
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -44,7 +45,7 @@ GrammarKey = tuple[str, str]  # (kind, text), kind in GRAMMAR_KINDS
 # How long a request waits for its grammar to compile (from its arrival; SGLang's
 # SGLANG_GRAMMAR_TIMEOUT): a schema that takes longer is refused. Compiles run on a few threads
 # (xgrammar releases the GIL), so one slow schema does not hold up every other new grammar.
-GRAMMAR_TIMEOUT_S = float(os.environ.get("RADIXSERVE_GRAMMAR_TIMEOUT", "60"))
+GRAMMAR_TIMEOUT_S = grammar_timeout_s()  # (checked at start: ServerArgs)
 COMPILE_WORKERS = 4
 # JSON schemas are served without free whitespace (a model's stray newlines cannot run a
 # constrained output to max_tokens); the TokenizerManager's check validates that same grammar.

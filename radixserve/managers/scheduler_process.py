@@ -74,8 +74,8 @@ def run_scheduler_process(
         scheduler = Scheduler(
             server_args, send.send_pyobj if send else _drop_output, tokenizer, worker, dp_rank
         )
-    except Exception as e:
-        exit_failed_start(name, ready, e, stack=True)
+    except Exception as e:  # (a ValueError is a refusal of the flags or files: its message)
+        exit_failed_start(name, ready, e, stack=not isinstance(e, ValueError))
     if ready is not None:
         info = {**scheduler.tp_worker.get_memory_info(), **scheduler.startup_summary()}
         ready.send({"status": "ready", **info})

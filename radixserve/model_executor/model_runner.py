@@ -119,6 +119,7 @@ class ModelRunner:
         if draft_of is not None:
             self.share_target_pools(draft_of)
         else:
+            self._check_tokenizer_fits()
             self.context_len = (
                 server_args.context_length or self.model_config.max_position_embeddings
             )
@@ -295,6 +296,18 @@ class ModelRunner:
             sa.kv_cache_dtype,
             self.max_running_requests,
         )
+
+    def _check_tokenizer_fits(self) -> None:
+        """Refuse a tokenizer whose vocabulary (without added tokens: a pad token past the
+        embedding is never produced from text) is larger than the model's: a --tokenizer-path
+        of another model's served every request a 400 blaming the client's input_ids."""
+        words = getattr(self.tokenizer, "vocab_size", None)
+        vocab = self.model_config.vocab_size
+        if isinstance(words, int) and words > vocab:
+            raise ValueError(
+                f"the tokenizer's vocabulary ({words} tokens) is larger than the model's "
+                f"({vocab}): it is not this model's tokenizer (--tokenizer-path)"
+            )
 
     def share_target_pools(self, target: ModelRunner) -> None:
         cfg = self.model_config

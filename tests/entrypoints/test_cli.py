@@ -11,6 +11,7 @@ import re
 import pytest
 
 from radixserve.__main__ import BENCH_KINDS, main
+from radixserve.args import ServerArgs
 
 
 @pytest.mark.parametrize(
@@ -51,6 +52,17 @@ BAD_FLAGS = [
     (["--api-key", ""], "--api-key is empty"),
     (["--api-key", " "], "--api-key is empty"),  # (no client can send it)
     (["--served-model-name", ""], "--served-model-name is empty"),
+    (["--api-key", "sekrit "], "--api-key starts or ends with whitespace"),  # (a 401 always)
+    (
+        ["--dp-size", "100000"],
+        "--dp-size 100000 is more than 8 replicas per CPU",
+    ),  # (too many open files)
+    # out of range though their feature is off (accepted, and ignored)
+    (["--hicache-size", "-1"], "--hicache-ratio must be > 0 and --hicache-size >= 0"),
+    (["--hicache-ratio", "nan"], "--hicache-ratio must be > 0"),
+    (["--speculative-ngram-branch-length", "0"], "NGRAM breadth and branch length"),
+    (["--speculative-ngram-min-match-window-size", "0"], "NGRAM match windows"),
+    (["--disaggregation-bootstrap-port", "0"], "--disaggregation-bootstrap-port must be a port"),
     (["--num-threads", "100000"], "--num-threads 100000 is more than 8 per CPU"),  # (segfault)
     (["--enable-hierarchical-cache", "--hicache-ratio", "nan"], "--hicache-ratio must be > 0"),
     (["--enable-hierarchical-cache", "--hicache-ratio", "inf"], "--hicache-ratio must be > 0"),
@@ -59,6 +71,15 @@ BAD_FLAGS = [
     (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model' does not exist"),
     (["--tokenizer-path", "/nonexistent/tok"], "--tokenizer-path '/nonexistent/tok' does not"),
 ]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
+def test_a_bad_grammar_timeout_in_the_environment_is_refused_at_start(value, monkeypatch):
+    # It was read where a grammar first compiled: every structured-output request a 500 with a
+    # traceback ("abc"), or a 400 "did not compile within -1 s", the server up and ready.
+    monkeypatch.setenv("RADIXSERVE_GRAMMAR_TIMEOUT", value)
+    with pytest.raises(ValueError, match="RADIXSERVE_GRAMMAR_TIMEOUT must be a number of seconds"):
+        ServerArgs()
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])

@@ -11,7 +11,7 @@ import os
 import time
 
 import pytest
-from rs_testing import make_tiny_served_model
+from rs_testing import make_tiny_served_model, save_byte_tokenizer
 
 from radixserve.managers.tokenizer_manager import RequestError
 
@@ -280,6 +280,19 @@ def test_a_pool_larger_than_memory_is_refused_at_start(tmp_path):
     model = make_tiny_served_model(str(tmp_path / "m"))
     with pytest.raises(RuntimeError, match=r"--max-running-requests 100000000 need .* GiB"):
         Engine(model_path=model, max_total_tokens=10**8, max_running_requests=10**8)
+
+
+def test_another_models_larger_tokenizer_is_refused_at_start_in_one_line(tmp_path, capfd):
+    """--tokenizer-path of a model with a larger vocabulary: the server came up "ready" and
+    refused every request with a 400 blaming the client's input_ids. A refusal of the flags
+    is its message, without the scheduler's traceback."""
+    from radixserve import Engine
+
+    model = make_tiny_served_model(str(tmp_path / "m"))  # (its vocabulary: 320 tokens)
+    save_byte_tokenizer(str(tmp_path / "tok"), 1000)
+    with pytest.raises(RuntimeError, match=r"the tokenizer's vocabulary \(1000 tokens\) is larger"):
+        Engine(model_path=model, tokenizer_path=str(tmp_path / "tok"))
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_ctrl_c_while_an_engine_starts_stops_it_at_once(tmp_path):
