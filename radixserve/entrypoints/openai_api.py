@@ -36,9 +36,13 @@ from radixserve.entrypoints.openai_tools import history_tool_calls, template_too
 from radixserve.io_struct import GenerateReqInput
 from radixserve.managers.tokenizer_manager import RequestError
 from radixserve.managers.tokenizer_utils import TokenStrings
+from radixserve.parser.reasoning_parser import ReasoningParser
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# Enough of the prompt's last tokens to hold `<think>` and the whitespace after it, however the
+# tokenizer splits them.
+PROMPT_TAIL_TOKENS = 16
 # Parameters of transformers' apply_chat_template (not template variables).
 RESERVED_TEMPLATE_KWARGS = frozenset(
     "conversation tools documents chat_template add_generation_prompt continue_final_message "
@@ -291,6 +295,10 @@ def chat_to_generate(
     input_ids = tokenizer_manager.apply_chat_template(chat_messages(req), **kwargs)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_new, defaults)
+    if tools is not None:
+        # A call's marker may be a special token (Llama 3's <|python_tag|>, Llama 4's
+        # <|python_start|>): skipped, the parser never saw the call (SGLang's rule too).
+        params["skip_special_tokens"] = False
     schema = tool_call_schema(req)
     if schema is not None:
         params["json_schema"] = schema
@@ -303,6 +311,17 @@ def chat_to_generate(
         top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
         **routing_fields(req),
     )
+
+
+def prompt_opens_reasoning(tokenizer_manager: Any, input_ids: list[int]) -> bool:
+    """Whether a rendered chat prompt ends inside a `<think>` it opened (the generation prompt of
+    Qwen3-Thinking-2507's and QwQ's templates, `<|im_start|>assistant\n<think>\n`): the output
+    then starts inside the reasoning, whatever the reasoning parser expects (SGLang detects
+    such templates too). Read from the prompt, not the template's source, so a template that
+    opens it only for some requests (enable_thinking) is read right for each."""
+    tail = input_ids[-PROMPT_TAIL_TOKENS:]
+    text = tokenizer_manager.tokenizer.decode(tail, skip_special_tokens=False)
+    return text.rstrip().endswith(ReasoningParser.START)
 
 
 # -- output dicts → OpenAI shapes ---------------------------------------------------------------------

@@ -44,6 +44,7 @@ from radixserve.entrypoints.openai_api import (
     make_usage,
     normalize_prompt,
     num_logprobs,
+    prompt_opens_reasoning,
 )
 from radixserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -66,7 +67,7 @@ from radixserve.entrypoints.openai_responses import (
     UsageInfo,
 )
 from radixserve.entrypoints.openai_tools import ChatParsing, ChoiceParser, final_finish_reason
-from radixserve.io_struct import new_rid
+from radixserve.io_struct import GenerateReqInput, new_rid
 from radixserve.managers.tokenizer_manager import RequestError
 from radixserve.managers.tokenizer_utils import TokenStrings
 
@@ -288,13 +289,20 @@ class OpenAIServing:
         )
 
     # -- chat -------------------------------------------------------------------------------------
+    def _chat_parsing(self, req: ChatCompletionRequest, obj: GenerateReqInput) -> ChatParsing:
+        """The parsers of a chat request's output; `obj` holds its rendered prompt."""
+        opened = self.reasoning_parser is not None and prompt_opens_reasoning(
+            self.tm, obj.input_ids
+        )
+        return ChatParsing.for_request(req, self.tool_call_parser, self.reasoning_parser, opened)
+
     async def chat_completions(
         self, req: ChatCompletionRequest, request: Request | None
     ) -> Response:
         lora = self._lora_of(req)
         obj = chat_to_generate(req, self.tm, self.chat_template, self.sampling_defaults)
         obj.lora_path = lora
-        parsing = ChatParsing.for_request(req, self.tool_call_parser, self.reasoning_parser)
+        parsing = self._chat_parsing(req, obj)
         rid, created = "chatcmpl-" + new_rid(), int(time.time())
         model = self._model_name(req)  # (now: as for completions)
         gen = self.tm.generate_request(obj, None)
@@ -379,7 +387,7 @@ class OpenAIServing:
         else:
             deltas = parser.deltas(parser.feed(delta, final=reason is not None))
             # (whether the calls are whole matters at the finish only: not parsed per chunk)
-            if parser.made_calls and reason is not None and parser.calls_complete:
+            if reason is not None and parser.made_whole_call:
                 reason, matched = final_finish_reason(reason, True), None
         chunks = [ChatStreamChoice(index=i, delta=d) for d in deltas or [DeltaMessage()]]
         chunks[0].logprobs = logprobs

@@ -1,19 +1,23 @@
 """Function calling and reasoning on /v1/chat/completions (SGLang's behaviour).
 
 Request side (`openai_api.chat_to_generate` calls these): the tools go to the chat template
-unless tool_choice is "none"; tool_choice "required" or naming a function adds a JSON schema
-constraint, `[{"name": <a tool>, "parameters": <its schema>}, ...]` (one item when named or
-parallel_tool_calls is false), so the grammar backend makes the output a list of valid calls.
+unless tool_choice is "none", and then special tokens stay in the output's text (a call's
+marker may be one: Llama 3's <|python_tag|>); tool_choice "required" or naming a function adds
+a JSON schema constraint, `[{"name": <a tool>, "parameters": <its schema>}, ...]` (one item when
+named or parallel_tool_calls is false), so the grammar backend makes the output a list of valid
+calls.
 
 Response side (`openai_serving`): `ChatParsing` says, per request, which parsers apply, and
 makes one `ChoiceParser` per choice. The reasoning parser (--reasoning-parser, unless
-separate_reasoning is false or chat_template_kwargs.enable_thinking is false) runs first; the
-tool-call parser then reads the content after the reasoning: the JSON-array parser for
-required / named, the --tool-call-parser for auto. Without --tool-call-parser, auto answers in
-plain text (as SGLang does); required and named do not need it. Constrained output (forced
-calls, response_format, json_schema, regex, ebnf) has reasoning only where it opens `<think>`
-itself, whatever the parser: the grammar applies from the first token, so a JSON answer is
-content even where the template opened the reasoning (deepseek-r1, qwen3-thinking).
+separate_reasoning is false, or chat_template_kwargs.enable_thinking is false where the output
+would open the reasoning itself) runs first; where the prompt ends inside a `<think>` it opened,
+the output starts inside the reasoning whatever the parser. The tool-call parser then reads the
+content after the reasoning: the JSON-array parser for required / named, the --tool-call-parser
+for auto. Without --tool-call-parser, auto answers in plain text (as SGLang does); required and
+named do not need it. Constrained output (forced calls, response_format, json_schema, regex,
+ebnf) has reasoning only where it opens `<think>` itself, whatever the parser: the grammar
+applies from the first token, so a JSON answer is content even where the template opened the
+reasoning (deepseek-r1, qwen3-thinking).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from radixserve.entrypoints.openai_responses import (
 from radixserve.managers.tokenizer_manager import RequestError
 from radixserve.parser.function_call_parser import CallDelta, FormatDetector, make_detector
 from radixserve.parser.json_detectors import JsonArrayDetector
-from radixserve.parser.reasoning_parser import ReasoningParser
+from radixserve.parser.reasoning_parser import REASONING_PARSERS, ReasoningParser
 
 
 # -- request side --------------------------------------------------------------------------------
@@ -186,17 +190,27 @@ class ChatParsing:
     reasoning_parser: str | None = None
     stream_reasoning: bool = True
     reasoning_forced: bool = True  # False: reasoning only where the output opens `<think>`
+    prompt_opens_reasoning: bool = False  # the output starts inside the reasoning, any parser
     tool_call_parser: str | None = None  # "json_array" for required / named
     tool_names: tuple[str, ...] = ()
     parallel_tool_calls: bool = True
 
     @classmethod
     def for_request(
-        cls, req: ChatCompletionRequest, tool_call_parser: str | None, reasoning_parser: str | None
+        cls,
+        req: ChatCompletionRequest,
+        tool_call_parser: str | None,
+        reasoning_parser: str | None,
+        prompt_opens_reasoning: bool = False,
     ) -> ChatParsing:
+        """`prompt_opens_reasoning`: see `openai_api.prompt_opens_reasoning`."""
         forced = is_forced(req)
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-        if not (req.separate_reasoning and thinking):
+        # enable_thinking false keeps the output from opening `<think>` (Qwen3's template
+        # closes an empty one in the prompt); a reasoning the prompt opened still ends in
+        # the output (deepseek-r1, qwen3-thinking: their templates ignore the flag).
+        opened = prompt_opens_reasoning or REASONING_PARSERS.get(reasoning_parser or "", False)
+        if not req.separate_reasoning or not (thinking or opened):
             reasoning_parser = None
         names = tuple(t.function.name for t in req.tools or [])
         if forced:
@@ -207,6 +221,7 @@ class ChatParsing:
             reasoning_parser=reasoning_parser,
             stream_reasoning=req.stream_reasoning,
             reasoning_forced=not is_constrained(req),
+            prompt_opens_reasoning=prompt_opens_reasoning,
             tool_call_parser=tool_call_parser if names else None,
             tool_names=names,
             parallel_tool_calls=req.parallel_tool_calls is not False,
@@ -226,7 +241,12 @@ class ChatParsing:
     def _reasoning(self) -> ReasoningParser | None:
         if self.reasoning_parser is None:
             return None
-        return ReasoningParser(self.reasoning_parser, self.stream_reasoning, self.reasoning_forced)
+        return ReasoningParser(
+            self.reasoning_parser,
+            self.stream_reasoning,
+            self.reasoning_forced,
+            self.prompt_opens_reasoning,
+        )
 
     def new_choice(self) -> ChoiceParser:
         return ChoiceParser(self._reasoning(), self._detector(), self.parallel_tool_calls)
@@ -237,19 +257,26 @@ class ChatParsing:
         reasoning = None
         if reasoning_parser is not None:
             reasoning, text = reasoning_parser.parse(text)
-        if detector is None:  # (all of it reasoning: no content, as SGLang answers)
-            return ParsedMessage(None if reasoning and not text else text, reasoning or None, None)
-        result = detector.parse(text)
-        calls = result.calls if self.parallel_tool_calls else result.calls[:1]
-        if not calls:
-            return ParsedMessage(result.normal_text, reasoning or None, None)
-        tool_calls = [
-            ToolCall(
-                id=new_call_id(), function=FunctionResponse(name=c.name, arguments=c.arguments)
-            )
-            for c in calls
-        ]
-        return ParsedMessage(result.normal_text.strip() or None, reasoning or None, tool_calls)
+        content: str | None = text
+        tool_calls = None
+        if detector is not None:
+            result = detector.parse(text)
+            calls = result.calls if self.parallel_tool_calls else result.calls[:1]
+            # As `ChoiceParser` streams it: no whitespace before the first text (whether calls
+            # follow it is not known yet), and none after the last text once there are calls.
+            content = result.normal_text.lstrip()
+            if calls:
+                content = content.rstrip()
+                tool_calls = [
+                    ToolCall(
+                        id=new_call_id(),
+                        function=FunctionResponse(name=c.name, arguments=c.arguments),
+                    )
+                    for c in calls
+                ]
+        if not content and (reasoning or tool_calls):  # (no content: null, as SGLang answers)
+            content = None
+        return ParsedMessage(content, reasoning or None, tool_calls)
 
 
 class ChoiceParser:
@@ -296,24 +323,26 @@ class ChoiceParser:
             elif text := self._content(p):
                 out.append(text)
         if final and not self.made_calls and self._held_ws:
-            out.append(self._held_ws)  # without calls the content is the text as it is
+            out.append(self._held_ws)  # without calls the content ends as the text does
         return out
 
     @property
-    def calls_complete(self) -> bool:
-        """Whether every call sent has its whole arguments (a stop string, EOS or stop token
-        can end the output inside one: then the choice did not finish by calling)."""
-        return all(arguments_complete(a) for a in self._arguments.values())
+    def made_whole_call(self) -> bool:
+        """Whether some call sent has its whole arguments: the choice finished by calling, as
+        `ChatParsing.parse` of the whole output has calls (a stop string, EOS or stop token
+        can end the output inside a call: that one is no call)."""
+        return any(arguments_complete(a) for a in self._arguments.values())
 
     def _content(self, text: str) -> str:
-        """What to send of a piece of content, as `ChatParsing.parse` reads the whole: once
-        there are calls the content is stripped, so whitespace waits for text after it (the
-        whitespace around and between calls never goes out, that inside the content does)."""
+        """What to send of a piece of content, as `ChatParsing.parse` reads the whole: the
+        content starts at its first non-whitespace character, and once there are calls it
+        is stripped at the end too, so whitespace waits for text after it (the whitespace
+        around and between calls never goes out, that inside the content does)."""
+        if not self._sent_text:
+            text = text.lstrip()
         text = self._held_ws + text
         body = text.rstrip()
         self._held_ws = text[len(body) :]
-        if body and self.made_calls and not self._sent_text:
-            body = body.lstrip()
         self._sent_text = self._sent_text or bool(body)
         return body
 

@@ -156,25 +156,29 @@ class FormatDetector(ABC):
         args = obj[key] if key else {}
         if not isinstance(args, dict):
             raise NotACall(text[i : i + 20])
-        return ToolCallItem(obj["name"], dump_arguments(args)), end
+        try:
+            return ToolCallItem(obj["name"], dump_arguments(args)), end
+        except (ValueError, RecursionError):  # decode_cut_call keeps the model's own text
+            raise NotACall(text[i : i + 20]) from None
 
     def decode_cut_call(
         self, text: str, i: int, arg_keys: tuple[str, ...]
     ) -> tuple[ToolCallItem, int]:
-        """A call whose object is not whole JSON, read as streaming reads it: one the output
-        ends inside (max_tokens) after its arguments object closed is that call. NotACall
-        unless the arguments are a whole JSON object (streaming sent a call whose arguments
-        do not parse)."""
+        """A call whose object is not whole JSON, or whose arguments cannot be re-serialised,
+        read as streaming reads it: one the output ends inside (max_tokens) after its
+        arguments object closed is that call. NotACall unless the arguments are a whole JSON
+        object (streaming sent a call whose arguments do not parse)."""
         call = ObjectCall(self, 0, arg_keys)
         deltas, end = call.step(text[i:])
         if not call.committed:
             raise NotACall(text[i : i + 20])
         name = next(d.name for d in deltas if d.name is not None)
+        raw = "".join(d.arguments for d in deltas)
         try:
-            args = json.loads("".join(d.arguments for d in deltas), parse_constant=not_json)
+            args = json.loads(raw, parse_constant=not_json)
         except (ValueError, RecursionError):
             raise NotACall(text[i : i + 20]) from None
-        return ToolCallItem(name, dump_arguments(args)), len(text) if end is None else i + end
+        return ToolCallItem(name, arguments_text(args, raw)), len(text) if end is None else i + end
 
 
 def not_json(constant: str) -> Any:
@@ -193,6 +197,16 @@ def dump_arguments(args: dict[str, Any]) -> str:
     except UnicodeEncodeError:
         return json.dumps(args, allow_nan=False)
     return text
+
+
+def arguments_text(args: dict[str, Any], raw: str) -> str:
+    """A call's arguments re-serialised, or `raw` (the model's own text of them, valid JSON,
+    what the stream sent) where they cannot be: a number past a float's range (1e999 reads as
+    inf, which dump_arguments refuses) or nesting too deep for json.dumps (a 500 it was)."""
+    try:
+        return dump_arguments(args)
+    except (ValueError, RecursionError):
+        return raw
 
 
 class ObjectCall:

@@ -4,20 +4,16 @@ contract they share."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection
 
 from radixserve.parser.function_call_parser import (
-    CallDelta,
     FormatDetector,
     NotACall,
     ObjectCall,
     ParseResult,
     Piece,
     ToolCallItem,
-    dump_arguments,
-    not_json,
     partial_suffix,
 )
 from radixserve.parser.json_scan import skip_ws
@@ -200,27 +196,27 @@ class JsonArrayDetector(FormatDetector):
         self._prefix = ""  # the `[` or `,` before the call being read: text if it is none
 
     def parse(self, text: str) -> ParseResult:
-        """What streaming the whole text sends, with each call's arguments re-serialised; all
-        of it is text where a call that was committed broke (as `parse` of the other formats
-        reads a broken call)."""
-        stream = JsonArrayDetector(self.tool_names)
-        pieces = stream.parse_streaming(text).pieces + stream.finish().pieces
-        names: dict[int, str] = {}
-        args: dict[int, str] = {}
-        for p in pieces:
-            if isinstance(p, CallDelta):
-                if p.name is not None:
-                    names[p.index] = p.name
-                args[p.index] = args.get(p.index, "") + p.arguments
-        calls = []
-        for index, name in names.items():
+        """The calls up to the first item that is none, then text from that item's `[` or
+        `,` on (the whitespace before it included), as streaming reads the list; a call whose
+        arguments were cut or broke is none, as the other formats read one (the stream has
+        sent it, and keeps the complete calls before it all the same)."""
+        calls: list[ToolCallItem] = []
+        j = skip_ws(text, 0)
+        if not text.startswith("[", j):
+            return ParseResult(text, [])
+        rest = 0  # where the text starts if the next item is no call (at its `[` or `,`)
+        while True:
             try:
-                body = json.loads(args[index], parse_constant=not_json)
-            except (ValueError, RecursionError):
-                return ParseResult(text, [])
-            calls.append(ToolCallItem(name, dump_arguments(body)))
-        normal = "".join(p for p in pieces if isinstance(p, str))
-        return ParseResult(normal, calls)
+                call, end = self._decode(text, skip_ws(text, j + 1), self.ARG_KEYS)
+            except NotACall:
+                return ParseResult(text[rest:], calls)
+            calls.append(call)
+            rest, j = end, skip_ws(text, end)
+            if not text.startswith(",", j):
+                break
+        if text.startswith("]", j):  # the list closed: what follows it is text, unless blank
+            rest = j + 1 if skip_ws(text, j + 1) < len(text) else len(text)
+        return ParseResult(text[rest:], calls)
 
     def _drain(self, out: list[Piece], final: bool) -> None:
         while True:

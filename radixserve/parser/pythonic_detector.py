@@ -2,7 +2,9 @@
 arguments whose values are literals, `[get_weather(city="Paris"), get_time(tz="CET")]`, anywhere
 in the output. The arguments become a JSON object; a list that is not such a list of calls to
 known tools stays normal text. The whole list is parsed once it has closed, so a call streams as
-its name and then its arguments in one piece."""
+its name and then its arguments in one piece. Llama 4 wraps the list in the special tokens
+`<|python_start|>` and `<|python_end|>`, which the text holds when tools are given (the chat
+endpoint keeps special tokens then); they are dropped wherever they are, as SGLang does."""
 
 from __future__ import annotations
 
@@ -15,21 +17,27 @@ from radixserve.parser.function_call_parser import (
     FormatDetector,
     ParseResult,
     Piece,
+    StreamingParseResult,
     ToolCallItem,
     dump_arguments,
+    partial_suffix,
 )
 
 _LIST_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 _MAYBE_LIST_START = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?")  # could still become one
 _CLOSERS = {"(": ")", "[": "]", "{": "}"}
+_MARKERS = ("<|python_start|>", "<|python_end|>")
+_MARKER = re.compile("|".join(map(re.escape, _MARKERS)))
 
 
 class PythonicDetector(FormatDetector):
     def __init__(self, tool_names: Collection[str] | None = None) -> None:
         super().__init__(tool_names)
         self._scan: _ListScan | None = None  # of the list that opens at the buffer's start
+        self._marker_start = ""  # the end of the text so far, where a marker may be opening
 
     def parse(self, text: str) -> ParseResult:
+        text = _MARKER.sub("", text)
         normal: list[str] = []
         calls: list[ToolCallItem] = []
         pos = 0
@@ -45,6 +53,19 @@ class PythonicDetector(FormatDetector):
             pos = end  # type: ignore[assignment]
         normal.append(text[pos:])
         return ParseResult("".join(normal), calls)
+
+    def parse_streaming(self, delta: str) -> StreamingParseResult:
+        # The markers dropped as `parse` drops them from the whole text: what may still be
+        # one waits (no marker that starts before it can end after it).
+        text = self._marker_start + delta
+        keep = max(partial_suffix(text, m) for m in _MARKERS)
+        self._marker_start = text[len(text) - keep :]
+        return super().parse_streaming(_MARKER.sub("", text[: len(text) - keep]))
+
+    def finish(self) -> StreamingParseResult:
+        self._buf += self._marker_start  # it was no marker
+        self._marker_start = ""
+        return super().finish()
 
     def _drain(self, out: list[Piece], final: bool) -> None:
         while True:

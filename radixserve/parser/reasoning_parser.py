@@ -3,7 +3,9 @@ rest of an output, in one go (`parse`) or as it streams (`parse_streaming`, then
 
   deepseek-r1, qwen3-thinking  the template opens `<think>` in the prompt, so the output starts
                                inside the reasoning (a repeated `<think>` at its start is dropped)
-  qwen3                        reasoning only when the output itself opens with `<think>`
+  qwen3                        reasoning only when the output itself opens with `<think>`,
+                               or the prompt opened it (`opened`: Qwen3-Thinking-2507's, QwQ's
+                               templates)
 
 The reasoning is the text between the tags, stripped of surrounding whitespace; the content is
 what follows `</think>` without its leading whitespace. An output that never closes its
@@ -20,13 +22,17 @@ REASONING_PARSERS = {"deepseek-r1": True, "qwen3": False, "qwen3-thinking": True
 class ReasoningParser:
     START, END = "<think>", "</think>"
 
-    def __init__(self, kind: str, stream_reasoning: bool = True, forced: bool = True) -> None:
+    def __init__(
+        self, kind: str, stream_reasoning: bool = True, forced: bool = True, opened: bool = False
+    ) -> None:
         """`forced=False`: reasoning only where the output itself opens `<think>`, whatever the
-        kind (constrained output: the grammar, not the template, decides how it starts)."""
+        kind (constrained output: the grammar, not the template, decides how it starts).
+        `opened`: the prompt ended inside a `<think>` it opened, so the output starts inside
+        the reasoning whatever the kind."""
         if kind not in REASONING_PARSERS:
             known = sorted(REASONING_PARSERS)
             raise ValueError(f"unknown reasoning parser {kind!r}; expected one of {known}")
-        self.force_reasoning = REASONING_PARSERS[kind] and forced
+        self.force_reasoning = (REASONING_PARSERS[kind] or opened) and forced
         self.stream_reasoning = stream_reasoning
         # open (may see the opening tag) | reasoning | after (skip whitespace) | content
         self._mode = "open"

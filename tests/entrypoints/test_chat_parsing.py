@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from radixserve.entrypoints.openai_api import prompt_opens_reasoning
 from radixserve.entrypoints.openai_protocol import ChatCompletionRequest
 from radixserve.entrypoints.openai_tools import ChatParsing, ReasoningText
 from radixserve.parser.function_call_parser import CallDelta
@@ -31,6 +32,7 @@ CASES = [
     (HERMES, "\n\n" + WEATHER + "  \n" + TIME + " \n "),
     (HERMES, "Hello  world \n\n"),  # no call: the content is the text as it is
     (HERMES, "\n Hello"),
+    (HERMES, "\n\nLet me check.\n" + TIME),  # leading whitespace, then text, then a call
     (HERMES_QWEN3, "<think> hmm </think>\n\n" + WEATHER + " It is\tdone "),
     (HERMES_QWEN3, "<think>x</think>  plain  text "),
     (LLAMA3, '{"name": "get_time", "parameters": {"tz": "UTC"}}\n\nThe  end.'),
@@ -107,3 +109,74 @@ def test_constrained_output_has_reasoning_only_where_it_opens_it(constraint):
         assert _streamed(parsing, list('{"a": 1}') + [""]) == ('{"a": 1}', "", [])
     plain = ChatParsing.for_request(_request(response_format={"type": "text"}), None, "deepseek-r1")
     assert _message(plain, '{"a": 1}') == ("", '{"a": 1}', [])  # unconstrained: all reasoning
+
+
+def test_leading_whitespace_of_the_content_never_goes_out():
+    """The stream sent "\n\nLet me check." where the whole message had "Let me check.": it
+    cannot know, when the text comes, whether a call follows."""
+    for parsing in (HERMES, HERMES_QWEN3):
+        assert parsing.parse("\n\nLet me check.\n" + TIME).content == "Let me check."
+        assert parsing.parse(" \n Hello ").content == "Hello "
+
+
+def test_an_output_that_is_all_reasoning_has_null_content_with_a_tool_parser_too():
+    """It was null without a tool-call parser, and "" with one."""
+    assert HERMES_QWEN3.parse("<think>still thinking, cut by max_tokens").content is None
+    assert HERMES_QWEN3.parse("<think>done</think>\n\n").content is None
+
+
+@pytest.mark.parametrize(
+    "parsing,text",
+    [
+        (HERMES, TIME + "\n" + WEATHER[: WEATHER.index("Paris")]),  # the 2nd call cut
+        (HERMES, "Ok. " + WEATHER[: WEATHER.index("Paris")]),  # the only call cut
+        (HERMES, TIME),
+        (
+            ChatParsing(tool_call_parser="json_array", tool_names=NAMES),
+            '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"',
+        ),
+    ],
+)
+def test_the_stream_finishes_by_calling_where_the_whole_message_has_calls(parsing, text):
+    """A stop string inside the 2nd call after a whole 1st one: the message had the 1st call
+    and finished with "tool_calls", the stream "stop" (it wanted every call sent whole)."""
+    choice = parsing.new_choice()
+    for k, c in enumerate(text):
+        choice.feed(c, final=k == len(text) - 1)
+    assert choice.made_calls  # (a call once committed is sent, cut or not)
+    assert choice.made_whole_call == bool(parsing.parse(text).tool_calls)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "deepseek-r1"])
+def test_a_reasoning_the_prompt_opened_is_split(kind):
+    """A template whose generation prompt opens `<think>` (Qwen3-Thinking-2507, QwQ) served
+    with --reasoning-parser qwen3: the reasoning, `</think>` included, was content."""
+    text, want = "Plan it.\n</think>\n\nHello!", ("Hello!", "Plan it.", [])
+    parsing = ChatParsing.for_request(_request(), None, kind, prompt_opens_reasoning=True)
+    assert _message(parsing, text) == want
+    assert _streamed(parsing, list(text) + [""]) == want
+    off = _request(chat_template_kwargs={"enable_thinking": False})  # the template opened it
+    assert _message(ChatParsing.for_request(off, None, kind, True), text) == want
+
+
+def test_which_prompts_open_the_reasoning(fake_tm):
+    def opens(prompt: str) -> bool:
+        return prompt_opens_reasoning(fake_tm, fake_tm.tokenizer.encode(prompt))
+
+    assert opens("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert opens("<｜Assistant｜><think>")
+    assert not opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking false
+    assert not opens("<|im_start|>assistant\n")
+    assert not opens("<think>a</think>\n" + "x" * 100)
+
+
+@pytest.mark.parametrize(
+    "kind,split", [("qwen3-thinking", True), ("deepseek-r1", True), ("qwen3", False)]
+)
+def test_enable_thinking_false_turns_off_only_a_reasoning_the_output_opens(kind, split):
+    """qwen3-thinking's template opens the reasoning whatever enable_thinking says: with it
+    false the parser was off, and `</think>` reached the content."""
+    text = "Plan it.\n</think>\n\nHello!"
+    req = _request(chat_template_kwargs={"enable_thinking": False})
+    want = ("Hello!", "Plan it.", []) if split else (text, "", [])
+    assert _message(ChatParsing.for_request(req, None, kind), text) == want

@@ -96,6 +96,20 @@ def test_deepseek_r1_output_starts_inside_the_reasoning(make_reasoning_client):
         assert (message["reasoning_content"], message["content"]) == ("Thinking hard.", "Done.")
 
 
+def test_a_reasoning_the_prompt_opened_is_split_for_qwen3(make_reasoning_client, fake_tm):
+    """Qwen3-Thinking-2507's and QwQ's templates end the prompt with `<think>\n`: the output
+    starts inside the reasoning, and qwen3's parser (reasoning only where the output opens
+    it) sent it all as content, `</think>` included."""
+    render = fake_tm.tokenizer.apply_chat_template
+    fake_tm.tokenizer.apply_chat_template = lambda m, **kw: render(m, **kw) + "<think>\n"
+    with make_reasoning_client("Plan it.\n</think>\n\nHello!", reasoning_parser="qwen3") as c:
+        message = c.post(CHAT, json={"messages": [USER]}).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Plan it.", "Hello!")
+        deltas = _sse_deltas(c.post(CHAT, json={"messages": [USER], "stream": True}))
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Plan it."
+        assert "".join(d.get("content") or "" for d in deltas) == "Hello!"
+
+
 def test_an_answer_that_is_all_reasoning_has_null_content(make_reasoning_client):
     """A reply cut inside its reasoning has no content: null, as SGLang answers ("" here)."""
     with make_reasoning_client("Thinking hard and", reasoning_parser="deepseek-r1") as c:

@@ -149,6 +149,25 @@ def test_a_call_cut_by_a_stop_string_does_not_finish_with_tool_calls(tools_clien
     assert [x for x in reasons if x] == ["tool_calls"]
 
 
+@pytest.mark.parametrize(
+    "extra,skip",
+    [
+        ({"tools": TOOLS}, False),
+        ({"tools": TOOLS, "tool_choice": "required"}, False),
+        ({"tools": TOOLS, "tool_choice": "none"}, True),
+        ({}, True),
+        ({"skip_special_tokens": False}, False),
+    ],
+)
+def test_tools_keep_the_special_tokens_for_the_parser(tools_client, extra, skip):
+    """Llama 3's <|python_tag|> (Llama 4's <|python_start|>) is a special token: skipped by
+    default, the detokenized text reached the parser without it and the call came back as
+    content. With tools (and tool_choice not "none") special tokens are kept, as in SGLang."""
+    client, tm = tools_client
+    assert client.post(CHAT, json={"messages": [USER], **extra}).status_code == 200
+    assert tm.requests[-1].sampling_params["skip_special_tokens"] is skip
+
+
 def test_none_leaves_the_text_and_the_template_without_tools(tools_client):
     client, tm = tools_client
     r = client.post(CHAT, json={"messages": [USER], "tools": TOOLS, "tool_choice": "none"})

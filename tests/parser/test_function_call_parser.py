@@ -90,6 +90,13 @@ CASES = [
     ("pythonic", "[get_time(1)]", "[get_time(1)]", []),  # positional arguments
     ("pythonic", "[unknown(a=1)]", "[unknown(a=1)]", []),
     ("pythonic", "[get_time(tz=", "[get_time(tz=", []),
+    # Llama 4's special tokens around the list (the text keeps special tokens with tools)
+    (
+        "pythonic",
+        'Ok.<|python_start|>[get_time(tz="CET")]<|python_end|> <|python_end',
+        "Ok. <|python_end",
+        [("get_time", '{"tz": "CET"}')],
+    ),
     # only JSON's whitespace goes between a call and its closing tag or separator, as streamed
     (
         "hermes",
@@ -164,6 +171,37 @@ def test_nan_and_infinity_arguments_are_no_call(parser, text):
     detector = JsonArrayDetector(TOOLS) if parser == "json_array" else make_detector(parser, TOOLS)
     result = detector.parse(text)
     assert result.calls == [] and result.normal_text == text
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("hermes", '<tool_call>{"name": "get_time", "arguments": {"n": 1e999}}</tool_call>'),
+        ("llama3", '{"name": "get_time", "parameters": {"n": -1e400, "m": 2}}'),
+        ("json_array", '[{"name": "get_time", "parameters": {"n": 1e999}}]'),
+        ("json_array", '[{"name": "get_time", "parameters": {"n": 1e999}}, {"name": "get_t'),
+    ],
+)
+def test_arguments_past_a_floats_range_keep_the_models_text(parser, text):
+    """1e999 is JSON, which json.loads reads as inf and dump_arguments refuses: parse raised
+    (a 500 for the non-streamed chat response) where the stream sent the call. Both now send
+    the model's own text of the arguments."""
+    detector = JsonArrayDetector(TOOLS) if parser == "json_array" else make_detector(parser, TOOLS)
+    (call,) = detector.parse(text).calls
+    stream = JsonArrayDetector(TOOLS) if parser == "json_array" else make_detector(parser, TOOLS)
+    pieces = stream.parse_streaming(text).pieces + stream.finish().pieces
+    assert call.arguments == "".join(p.arguments for p in pieces if isinstance(p, CallDelta))
+    assert call.arguments.startswith('{"n": ')
+
+
+def test_arguments_nested_too_deep_to_write_back_never_raise():
+    """Nesting that json.loads still reads and json.dumps cannot write back (a narrow band of
+    depths, where it lies depends on the stack) made parse raise RecursionError: a 500."""
+    for depth in range(700, 1000):
+        args = '{"a": ' + "[" * depth + "]" * depth + "}"
+        text = f'<tool_call>{{"name": "get_time", "arguments": {args}}}</tool_call>'
+        calls = make_detector("hermes", TOOLS).parse(text).calls
+        assert calls == [] or [(c.name, c.arguments) for c in calls] == [("get_time", args)]
 
 
 def _join(pieces: list) -> tuple[str, list[tuple[str, object]]]:
@@ -321,6 +359,18 @@ def test_json_array_parse_and_stream():
 def test_json_array_that_is_not_a_list_of_calls_is_text(text):
     result = JsonArrayDetector(TOOLS).parse(text)
     assert result.calls == [] and result.normal_text == text
+
+
+def test_json_array_cut_inside_a_call_keeps_the_complete_calls_before_it():
+    """max_tokens ends the output inside the 2nd call's arguments: parse made all of it text,
+    losing the 1st call, which the stream had sent whole. As hermes reads it now: the
+    complete calls, then the broken one as text."""
+    text = JSON_ARRAY[: JSON_ARRAY.index('"UTC"')]
+    result = JsonArrayDetector(TOOLS).parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in result.calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert result.normal_text == ', {"name": "get_time", "parameters": {"tz": '
 
 
 @pytest.mark.parametrize(

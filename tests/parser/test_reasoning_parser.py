@@ -74,6 +74,18 @@ def test_stream_reasoning_false_sends_the_reasoning_once_complete():
     assert unfinished.finish() == ("still thinking", "")
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "deepseek-r1"])
+def test_a_reasoning_the_prompt_opened_is_split_whatever_the_kind(kind):
+    """A template whose generation prompt ends in `<think>\n` (Qwen3-Thinking-2507, QwQ) with
+    --reasoning-parser qwen3: the reasoning, `</think>` included, came back as content."""
+    text = "Plan it.\n</think>\n\nHello!"
+    assert ReasoningParser(kind, opened=True).parse(text) == ("Plan it.", "Hello!")
+    r, c = _stream(ReasoningParser(kind, opened=True), text, random.Random(0))
+    assert ("".join(r), "".join(c)) == ("Plan it.", "Hello!")
+    # constrained output (forced=False) opens its reasoning itself, prompt or not
+    assert ReasoningParser(kind, forced=False, opened=True).parse(text) == (None, text)
+
+
 def test_parser_names_match_the_flag():
     assert set(REASONING_PARSERS) == set(FLAG_NAMES)
     with pytest.raises(ValueError, match="unknown reasoning parser"):
