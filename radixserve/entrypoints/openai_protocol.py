@@ -84,6 +84,16 @@ def unsupported(field: str, why: str = "") -> PydanticCustomError:
     return PydanticCustomError("unsupported", message)
 
 
+def null_is_the_default(*fields: str) -> Any:
+    """A validator of `fields`, which OpenAI's spec types "... or null": null is the default.
+    (check_fields=False: a base class may name fields that only its subclasses have.)"""
+
+    def default_for_null(cls: type[BaseModel], v: Any, info: Any) -> Any:
+        return cls.model_fields[info.field_name].default if v is None else v
+
+    return field_validator(*fields, mode="before", check_fields=False)(default_for_null)
+
+
 # -- requests ------------------------------------------------------------------------------------
 def _document_noop_values(schema: dict[str, Any]) -> None:
     """Say in the JSON schema (so in /openapi.json) which values a NOOP_ONLY field accepts."""
@@ -130,6 +140,9 @@ class RoutingFields(RequestModel):
 class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None  # (a no-op: no stream of ours is obfuscated)
+
+    _null_is_the_default = null_is_the_default("include_usage", "continuous_usage_stats")
 
 
 class JsonSchemaFormat(RequestModel):
@@ -226,11 +239,7 @@ class SamplingFields(RoutingFields):
     prompt_cache_key: str | None = None  # (the radix cache finds shared prefixes by itself)
     verbosity: str | None = None
 
-    @field_validator("n", "stream", "echo", "logprobs", mode="before", check_fields=False)
-    @classmethod
-    def _null_is_the_default(cls, v: Any, info: Any) -> Any:
-        """OpenAI's spec allows null for these ("integer or null"): the default."""
-        return cls.model_fields[info.field_name].default if v is None else v
+    _null_is_the_default = null_is_the_default("n", "stream", "echo", "logprobs")
 
     @field_validator("logit_bias")
     @classmethod

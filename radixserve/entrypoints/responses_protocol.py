@@ -22,10 +22,17 @@ from radixserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     RequestModel,
     RoutingFields,
+    null_is_the_default,
 )
 from radixserve.managers.tokenizer_manager import RequestError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# What stateless clients (store false: Codex-style agents, the Vercel AI SDK) include on every
+# turn, to send the reasoning back in the next one. Our reasoning items carry their text and no
+# encrypted_content, and come back as they are (an input item's encrypted_content is ignored):
+# a no-op.
+ENCRYPTED_REASONING_INCLUDE = "reasoning.encrypted_content"
+INCLUDES = (LOGPROBS_INCLUDE, ENCRYPTED_REASONING_INCLUDE)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
@@ -71,6 +78,10 @@ class ReasoningConfig(RequestModel):
     generate_summary: str | None = None
 
 
+class ResponsesStreamOptions(RequestModel):
+    include_obfuscation: bool | None = None  # (a no-op: no stream of ours is obfuscated)
+
+
 class ResponsesRequest(RoutingFields):
     """The body of POST /v1/responses. Input items and their content parts are checked when
     they are turned into messages (`input_messages`), with messages that name the item."""
@@ -82,6 +93,7 @@ class ResponsesRequest(RoutingFields):
     temperature: Annotated[float | None, RANGES["temperature"]] = None
     top_p: Annotated[float | None, RANGES["top_p"]] = None
     stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -99,7 +111,8 @@ class ResponsesRequest(RoutingFields):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     background: bool = False
-    max_tool_calls: None = None
+    # Accepted only where the model cannot make more calls than that (see `_supported`).
+    max_tool_calls: int | None = Field(None, ge=0)
     # SGLang's extras (as on the chat endpoint)
     top_k: Annotated[int | None, RANGES["top_k"]] = None
     min_p: Annotated[float | None, RANGES["min_p"]] = None
@@ -108,6 +121,8 @@ class ResponsesRequest(RoutingFields):
     frequency_penalty: Annotated[float | None, RANGES["frequency_penalty"]] = None
     stop: str | list[str] | None = None
     seed: int | None = None
+
+    _null_is_the_default = null_is_the_default("stream", "store", "background")
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -152,10 +167,11 @@ class ResponsesRequest(RoutingFields):
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:
-        other = [x for x in self.include or [] if x != LOGPROBS_INCLUDE]
+        other = [x for x in self.include or [] if x not in INCLUDES]
         if other:
-            msg = "include {names} is not supported (only '{ok}')"
-            raise PydanticCustomError("unsupported", msg, {"names": other, "ok": LOGPROBS_INCLUDE})
+            msg = "include {names} is not supported (only {ok})"
+            ok = " and ".join(f"'{x}'" for x in INCLUDES)
+            raise PydanticCustomError("unsupported", msg, {"names": other, "ok": ok})
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise PydanticCustomError("format", "text.format.schema is required for json_schema")
@@ -163,6 +179,11 @@ class ResponsesRequest(RoutingFields):
         if len(set(names)) != len(names):
             raise PydanticCustomError("tools", "tools has two functions with the same name")
         choice = self.tool_choice
+        most = self._most_tool_calls()
+        if self.max_tool_calls is not None and (most is None or most > self.max_tool_calls):
+            msg = "max_tool_calls {n} is not supported: nothing caps the calls the model makes "
+            msg += "but parallel_tool_calls false (one at most) or tool_choice none (none)"
+            raise PydanticCustomError("unsupported", msg, {"n": self.max_tool_calls})
         if choice in (None, "none", "auto"):
             return self
         if isinstance(choice, NamedToolChoice) and choice.name not in names:
@@ -174,6 +195,12 @@ class ResponsesRequest(RoutingFields):
             msg = "tool_choice required or a named function constrains the output itself; "
             raise PydanticCustomError("tools", msg + "drop text.format")
         return self
+
+    def _most_tool_calls(self) -> int | None:
+        """The most calls the model can make (None: any number)."""
+        if not self.tools or self.tool_choice == "none":
+            return 0
+        return 1 if self.parallel_tool_calls is False else None
 
     @property
     def logprobs(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -71,26 +71,36 @@ def _item_id(prefix: str) -> str:
 
 class OutputBuilder:
     """Parser pieces → output items, and the stream events that build them (in `events`,
-    without sequence numbers). One item is open at a time: a piece of another kind closes it."""
+    without sequence numbers). One item is open at a time: a piece of another kind closes it.
+    A message's logprobs are those of the tokens of its text (`_place`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: bool = False) -> None:
         self.items: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.calls: dict[int, dict[str, Any]] = {}  # the parser's call index → its item
-        self.logprobs: list[dict[str, Any]] = []  # all of the message text's, so far
         self.reasoning = ""
         self.fed = ""  # the output text fed so far
+        self.logprobs = logprobs  # (include message.output_text.logprobs)
+        # The tokens fed but not yet placed in a piece (`_place`): (where the token starts
+        # and ends in the output's UTF-8 bytes, its logprob entry); where the fed tokens end;
+        # and where the last piece placed ends in the output (a character, a byte).
+        self.tokens: deque[tuple[int, int, dict[str, Any]]] = deque()
+        self.token_end = 0
+        self.placed, self.placed_byte = 0, 0
 
     def feed(self, pieces: list[Any], logprobs: list[dict[str, Any]]) -> None:
-        self.logprobs += logprobs
+        for lp in logprobs:
+            start, self.token_end = self.token_end, self.token_end + len(lp["bytes"])
+            self.tokens.append((start, self.token_end, lp))
         for p in pieces:
             if isinstance(p, ReasoningText):
                 self.reasoning += p.text
+                self._place(p.text, False)  # (its tokens are no message's)
                 self._text(self._ensure("reasoning"), p.text, [])
             elif isinstance(p, str):
-                self._text(self._ensure("message"), p, logprobs)
-                logprobs = []
+                item = self._ensure("message")
+                self._text(item, p, self._place(p, not item["content"][0]["text"]))
             elif p.name is not None:
                 self._close("completed")
                 item = {"id": _item_id(ITEM_ID_PREFIX["function_call"])}
@@ -101,6 +111,30 @@ class OutputBuilder:
                     self._arguments(self.calls[p.index], p.arguments)
             elif p.index in self.calls:
                 self._arguments(self.calls[p.index], p.arguments)
+
+    def _place(self, text: str, first: bool) -> list[dict[str, Any]]:
+        """The logprob entries of the tokens of `text`, a piece of the output text that the
+        parser cut out (none where logprobs were not asked for): the tokens not yet placed
+        that start before the piece ends, less, for the `first` piece of an item, those that
+        end before it starts (a call's markup, the tags and whitespace the parser drops). So
+        a message has the tokens with a byte in its text (one that straddles the whitespace
+        after `</think>` and the text too), but for those placed before it: a token with
+        bytes in the reasoning is the reasoning's. The piece is found in the output after the
+        pieces before it (where the parser changed the text: right there); a token's bytes
+        follow those of the tokens before it, as in the output (but where a broken character
+        reads U+FFFD). A token's place does not depend on how the output came, in one chunk
+        or in many: a stream's message has the logprobs of the whole response's."""
+        if not self.logprobs:
+            return []
+        at = max(self.fed.find(text, self.placed), self.placed)
+        start = self.placed_byte + len(self.fed[self.placed : at].encode())
+        self.placed, self.placed_byte = at + len(text), start + len(text.encode())
+        while first and self.tokens and self.tokens[0][1] <= start:
+            self.tokens.popleft()
+        mine = []
+        while self.tokens and self.tokens[0][0] < self.placed_byte:
+            mine.append(self.tokens.popleft()[2])
+        return mine
 
     def finish(self, status: str) -> list[dict[str, Any]]:
         """Close the open item (`status`); a response without calls has a message."""
@@ -122,7 +156,7 @@ class OutputBuilder:
             item.update(summary=[], content=[])
             part = {"type": "reasoning_text", "text": ""}
         self._add(item)
-        self._event("response.content_part.added", item, content_index=0, part=dict(part))
+        self._event("response.content_part.added", item, content_index=0, part=_copy(part))
         item["content"].append(part)
         return item
 
@@ -144,6 +178,7 @@ class OutputBuilder:
     def _text(self, item: dict[str, Any], delta: str, logprobs: list[dict[str, Any]]) -> None:
         item["content"][0]["text"] += delta
         if item["type"] == "message":
+            item["content"][0]["logprobs"] += logprobs
             kind, extra = "response.output_text.delta", {"logprobs": logprobs}
         else:
             kind, extra = "response.reasoning_text.delta", {}
@@ -166,7 +201,6 @@ class OutputBuilder:
         else:
             part = item["content"][0]
             if item["type"] == "message":
-                part["logprobs"] = list(self.logprobs)
                 kind, extra = "response.output_text.done", {"logprobs": part["logprobs"]}
             else:
                 kind, extra = "response.reasoning_text.done", {}
@@ -263,7 +297,7 @@ class ResponsesServing:
         model = serving._model_name(chat)
         obj = chat_to_generate(chat, self.tm, serving.chat_template, serving.sampling_defaults)
         obj.lora_path = lora
-        parsing = ChatParsing.for_request(chat, serving.tool_call_parser, serving.reasoning_parser)
+        parsing = serving._chat_parsing(chat, obj)
         response = self._response(req, model)
         gen = self.tm.generate_request(obj, None)
         context = history + [listed_item(it) for it in items]
@@ -271,11 +305,12 @@ class ResponsesServing:
             out = await collect(gen, request)
             if out is None:
                 raise ClientDisconnected
-            builder = OutputBuilder()
+            builder = OutputBuilder(req.logprobs)
             self._feed(builder, parsing.new_choice(), out, 0)
             return json_response(self._finish(response, builder, out["meta_info"], context))
         first = await first_item(gen, request)
-        events = self._stream(response, parsing, first, gen, context)
+        builder = OutputBuilder(req.logprobs)
+        events = self._stream(response, builder, parsing, first, gen, context)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
     def _response(self, req: ResponsesRequest, model: str) -> ResponseObject:
@@ -288,6 +323,7 @@ class ResponsesServing:
             status="in_progress",
             instructions=req.instructions,
             max_output_tokens=req.max_output_tokens,
+            max_tool_calls=req.max_tool_calls,
             model=model,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             previous_response_id=req.previous_response_id,
@@ -358,6 +394,7 @@ class ResponsesServing:
     async def _stream(
         self,
         response: ResponseObject,
+        builder: OutputBuilder,
         parsing: ChatParsing,
         first: Any,
         gen: AsyncIterator[Any],
@@ -374,7 +411,7 @@ class ResponsesServing:
         snapshot = response.model_dump(mode="json")
         yield event({"type": "response.created", "response": snapshot})
         yield event({"type": "response.in_progress", "response": snapshot})
-        builder, parser, sent, meta = OutputBuilder(), parsing.new_choice(), 0, {}
+        parser, sent, meta = parsing.new_choice(), 0, {}
         try:
             async for out in chain(first, gen):
                 sent = self._feed(builder, parser, out, sent)

@@ -24,6 +24,7 @@ from test_tool_calls import CALL_TEXT, QWEN25_TEMPLATE, TIME
 
 from radixserve.args import ServerArgs
 from radixserve.entrypoints import responses_serving
+from radixserve.entrypoints.openai_tools import ChatParsing
 
 RESPONSES = "/v1/responses"
 USER = {"role": "user", "content": "What is the time in Paris?"}
@@ -315,6 +316,17 @@ def test_reasoning_becomes_a_reasoning_item(responses_client):
     assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "message"]
 
 
+def test_a_reasoning_the_prompt_opened_becomes_a_reasoning_item(responses_client, fake_tm):
+    """A template whose prompt ends with `<think>\n` (Qwen3-Thinking-2507, QwQ): the output
+    starts inside the reasoning, which qwen3's parser sent as the message, `</think>` too."""
+    render = fake_tm.tokenizer.apply_chat_template
+    fake_tm.tokenizer.apply_chat_template = lambda m, **kw: render(m, **kw) + "<think>\n"
+    with responses_client("Plan it.\n</think>\n\nHello!", reasoning_parser="qwen3") as client:
+        reasoning, message = client.post(RESPONSES, json={"input": "Hi"}).json()["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Plan it."}]
+    assert message["content"][0]["text"] == "Hello!"
+
+
 @pytest.mark.parametrize("by", ["length", "stop"])
 def test_a_response_cut_inside_a_call_can_be_continued(responses_client, fake_tm, by):
     """A call cut by max_output_tokens is stored with half its arguments: continuing that
@@ -370,6 +382,57 @@ def test_logprobs_when_included(responses_client):
     assert done["logprobs"] == logprobs
 
 
+@pytest.mark.parametrize(
+    "reply, text, args",
+    [
+        ("<think>Blé, bleu.</think>\n\nOui, café.", "Oui, café.", {"reasoning_parser": "qwen3"}),
+        (
+            "Let me look.\n" + CALL_TEXT,
+            "Let me look.",
+            dict(tool_call_parser="qwen25", chat_template=QWEN25_TEMPLATE),
+        ),
+    ],
+)
+def test_message_logprobs_are_those_of_its_text(responses_client, reply, text, args):
+    """The message part's logprobs held every output token's, the reasoning's (and its tags)
+    or a call's too; streamed, the deltas carried only some of what output_text.done did."""
+    body = {"input": [USER], "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    body["tools"] = [TIME_TOOL]
+    with responses_client(reply, **args) as client:
+        r = client.post(RESPONSES, json=body).json()
+        events = _events(client.post(RESPONSES, json={**body, "stream": True}))
+    [message] = [o for o in r["output"] if o["type"] == "message"]
+    part = message["content"][0]
+    assert part["text"] == text and [lp["token"] for lp in part["logprobs"]] == list(text)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    assert [lp for d in deltas for lp in d["logprobs"]] == done["logprobs"] == part["logprobs"]
+    [final] = [o for o in events[-1]["response"]["output"] if o["type"] == "message"]
+    assert final["content"][0]["logprobs"] == part["logprobs"]
+
+
+# The tokens of an output: two straddle the reasoning's end and the text's start.
+TOKENS = ["<think>", "Bl", "é", ".</", "think>\n", "\nOui", ",", " caf", "é."]
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, len(TOKENS)])
+def test_message_logprobs_do_not_depend_on_how_the_output_came(size):
+    """Chunks of `size` tokens, as a stream (one chunk: a whole response): the message has
+    the tokens with a byte in its text, however the tokens that straddle its start came."""
+    parser = ChatParsing(reasoning_parser="qwen3").new_choice()
+    builder = responses_serving.OutputBuilder(logprobs=True)
+    for k in range(0, len(TOKENS), size):
+        chunk = TOKENS[k : k + size]
+        builder.fed += "".join(chunk)
+        entries = [{"token": t, "bytes": list(t.encode())} for t in chunk]
+        builder.feed(parser.feed("".join(chunk), final=k + size >= len(TOKENS)), entries)
+    reasoning, message = builder.finish("completed")
+    assert (
+        reasoning["content"][0]["text"] == "Blé." and message["content"][0]["text"] == "Oui, café."
+    )
+    assert [lp["token"] for lp in message["content"][0]["logprobs"]] == TOKENS[-4:]
+
+
 def test_an_error_mid_stream_is_an_error_event_then_response_failed(
     responses_client, fake_tm, monkeypatch
 ):
@@ -409,6 +472,13 @@ def test_an_error_mid_stream_is_an_error_event_then_response_failed(
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation 'auto'"),
         ({"include": ["file_search_call.results"]}, "file_search_call.results"),
+        # (nothing caps the calls a model writes: only one with parallel_tool_calls false)
+        ({"tools": [TIME_TOOL], "max_tool_calls": 5}, "max_tool_calls 5 is not supported"),
+        (
+            {"tools": [TIME_TOOL], "parallel_tool_calls": False, "max_tool_calls": 0},
+            "max_tool_calls 0 is not supported",
+        ),
+        ({"stream_options": {"include_usage": True}}, "stream_options.include_usage"),
         ({"temperature": -1}, "temperature"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema is required"),
@@ -437,6 +507,56 @@ def test_bad_bodies_are_400_naming_the_field(responses_client, extra, message):
         r = client.post(RESPONSES, json={"input": "x", **extra})
     assert r.status_code in (400, 404), r.text
     assert message in r.json()["error"]["message"], r.text
+
+
+def test_null_is_the_default_and_the_no_op_options_pass(responses_client):
+    """OpenAI types stream, store and background "boolean or null", and a stream's
+    stream_options.include_obfuscation (we never obfuscate); each was a 400."""
+    with responses_client() as client:
+        body = {"input": "x", "stream": None, "store": None, "background": None}
+        r = client.post(RESPONSES, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["store"] is True and r.json()["background"] is False
+        assert client.get(f"{RESPONSES}/{r.json()['id']}").status_code == 200
+        for obfuscation in (False, True, None):
+            options = {"include_obfuscation": obfuscation}
+            r = client.post(
+                RESPONSES, json={"input": "x", "stream": True, "stream_options": options}
+            )
+            assert r.status_code == 200, r.text
+            assert _events(r)[-1]["type"] == "response.incomplete"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"max_tool_calls": 0},
+        {"max_tool_calls": 0, "tools": [TIME_TOOL], "tool_choice": "none"},
+        {"max_tool_calls": 1, "tools": [TIME_TOOL], "parallel_tool_calls": False},
+        {"max_tool_calls": 3, "tools": [TIME_TOOL], "parallel_tool_calls": False},
+    ],
+)
+def test_max_tool_calls_passes_where_it_cannot_be_exceeded(responses_client, extra):
+    """max_tool_calls was refused whatever its value, as 'Input should be None'."""
+    with responses_client() as client:
+        r = client.post(RESPONSES, json={"input": "x", **extra})
+    assert r.status_code == 200, r.text
+    assert r.json()["max_tool_calls"] == extra["max_tool_calls"]
+
+
+def test_include_encrypted_reasoning_is_a_no_op(responses_client):
+    """What stateless clients send on every turn was a 400: reasoning items come as ever,
+    without encrypted_content, and go back in the next turn's input."""
+    include = ["reasoning.encrypted_content", "message.output_text.logprobs"]
+    with responses_client("<think>Blue.</think>Yes.", reasoning_parser="qwen3") as client:
+        body = {"input": "Why?", "store": False, "include": include}
+        r = client.post(RESPONSES, json=body)
+        assert r.status_code == 200, r.text
+        reasoning, message = r.json()["output"]
+        assert reasoning["type"] == "reasoning" and "encrypted_content" not in reasoning
+        assert [lp["token"] for lp in message["content"][0]["logprobs"]] == list("Yes.")
+        more = {**body, "input": [{"role": "user", "content": "Why?"}, reasoning, message]}
+        assert client.post(RESPONSES, json=more).status_code == 200
 
 
 def test_the_route_is_in_the_openapi_document(responses_client):

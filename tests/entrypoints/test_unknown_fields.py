@@ -195,6 +195,21 @@ def test_null_is_the_default_where_openai_allows_it(client, fake_tm, path):
     assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_stream_options_take_null_as_the_default_and_include_obfuscation(client, path):
+    """SGLang's stream options are "bool or null", and OpenAI's include_obfuscation is a
+    no-op here (we never obfuscate): each was a 400."""
+    for options, usage in [
+        ({"include_usage": None, "continuous_usage_stats": None}, False),
+        ({"include_usage": True, "include_obfuscation": False}, True),
+        ({"include_obfuscation": True}, False),
+    ]:
+        r = client.post(path, json={**BASE[path], "stream": True, "stream_options": options})
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if "data: {" in line]
+        assert any(c.get("usage") for c in chunks) == usage, options
+
+
 def test_generate_takes_null_as_the_default_and_sglangs_frontend_fields(client, fake_tm):
     """SGLang's /generate reads null as the default (its frontend language sends stop_regex:
     [] in every request, and sampling_seed): each was a 400 here."""
