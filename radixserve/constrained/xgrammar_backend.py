@@ -54,6 +54,12 @@ SERVED_ANY_WHITESPACE = False
 # 1,500 take minutes; 20,000 properties take 30 s. Past these it is refused before compiling.
 MAX_SCHEMA_DEPTH = 128
 MAX_SCHEMA_NODES = 10_000
+# A grammar's size after compiling grows faster than its text: an enum of 10,000 strings
+# (160 KB) compiles to 35 MB, one of 100,000 (1.7 MB) to about 500 MB in 45 s, in both the
+# TokenizerManager's check and the scheduler. A longer text is refused before compiling, and the
+# cache of compiled grammars keeps at most GRAMMAR_CACHE_BYTES of them (it kept 1024 of any size).
+MAX_GRAMMAR_CHARS = 256 * 1024
+GRAMMAR_CACHE_BYTES = 256 * 2**20
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 
@@ -140,6 +146,8 @@ class XGrammarBackend:
         self._cache: OrderedDict[GrammarKey, Future[xgr.CompiledGrammar | InvalidGrammar]] = (
             OrderedDict()
         )
+        self._sizes: dict[GrammarKey, int] = {}  # the compiled ones' bytes, of those cached
+        self.cache_bytes = 0
         self._lock = threading.Lock()
 
     # -- compilation ---------------------------------------------------------------------------
@@ -154,11 +162,30 @@ class XGrammarBackend:
             if future is None:
                 future = self._pool.submit(self._compile, key)
                 self._cache[key] = future
-                if len(self._cache) > self.max_cache_entries:
-                    self._cache.popitem(last=False)
+                self._trim_cache()
             else:
                 self._cache.move_to_end(key)
-            return future
+        future.add_done_callback(lambda f: self._on_compiled(key, f))
+        return future
+
+    def _on_compiled(self, key: GrammarKey, future: Future[Any]) -> None:
+        """Count a compiled grammar's bytes against the cache's (it may have left already)."""
+        result = None if future.cancelled() or future.exception() else future.result()
+        size = result.memory_size_bytes if isinstance(result, xgr.CompiledGrammar) else 0
+        with self._lock:
+            if self._cache.get(key) is future and key not in self._sizes:
+                self._sizes[key] = size
+                self.cache_bytes += size
+                self._trim_cache()
+
+    def _trim_cache(self) -> None:
+        """Drop the least recently used grammars past the cache's entries or bytes (the newest
+        stays: its requests hold it anyway). Called with the lock held."""
+        while len(self._cache) > 1 and (
+            len(self._cache) > self.max_cache_entries or self.cache_bytes > GRAMMAR_CACHE_BYTES
+        ):
+            old, _ = self._cache.popitem(last=False)
+            self.cache_bytes -= self._sizes.pop(old, 0)
 
     def validate(
         self, kind: str, text: str, timeout: float | None = GRAMMAR_TIMEOUT_S
@@ -168,6 +195,11 @@ class XGrammarBackend:
         seconds), else None. Blocks until compiled; the result stays cached."""
         if kind not in GRAMMAR_KINDS:
             return f"unknown grammar kind {kind!r}"
+        if len(text) > MAX_GRAMMAR_CHARS:
+            return (
+                f"invalid {kind} grammar: {len(text)} characters, more than the "
+                f"{MAX_GRAMMAR_CHARS} served (its compiled form grows faster than its text)"
+            )
         if kind == "json" and text != ANY_JSON:
             try:
                 schema = json.loads(text)

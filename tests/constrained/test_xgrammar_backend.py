@@ -20,9 +20,11 @@ import pytest
 import torch
 from schemas import SCHEMAS  # sibling module; pytest puts this folder on sys.path
 
+from radixserve.constrained import xgrammar_backend
 from radixserve.constrained.xgrammar_backend import (
     ANY_JSON,
     COMPILE_WORKERS,
+    MAX_GRAMMAR_CHARS,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
     Grammar,
@@ -506,6 +508,33 @@ def test_schemas_too_large_to_compile_in_time_are_refused_at_once(backend, text,
     message = backend.validate("json", text())
     assert message is not None and needle in message
     assert backend.validate("json", json.dumps(_nested(MAX_SCHEMA_DEPTH - 1))) is None
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "ebnf"])
+def test_a_grammar_text_past_the_size_served_is_refused_before_compiling(
+    backend, kind, monkeypatch
+):
+    """An enum of 100,000 strings (1.7 MB) compiled for 45 s into about 500 MB, in the
+    TokenizerManager and in the scheduler, and the cache kept it."""
+    monkeypatch.setattr(backend, "get_future", None)  # (refused before any compile)
+    message = backend.validate(kind, "x" * (MAX_GRAMMAR_CHARS + 1))
+    assert message is not None and f"more than the {MAX_GRAMMAR_CHARS} served" in message
+
+
+def test_the_grammar_cache_is_bounded_by_bytes(tokenizer, monkeypatch):
+    """The cache kept 1024 compiled grammars of any size: gigabytes for large enums."""
+    b = XGrammarBackend(tokenizer, vocab_size=len(tokenizer))
+    try:
+        schemas = [json.dumps({"enum": [f"v{k}_{i}" for i in range(300)]}) for k in range(3)]
+        sizes = [b.get_future(("json", s)).result(30).memory_size_bytes for s in schemas]
+        assert b.cache_bytes == sum(sizes) and len(b._cache) == 3
+        # A budget for the newest two: the oldest leaves as the next compile is counted.
+        monkeypatch.setattr(xgrammar_backend, "GRAMMAR_CACHE_BYTES", sizes[1] + sizes[2])
+        b.get_future(("regex", "[0-9]{3}")).result(30)
+        assert ("json", schemas[0]) not in b._cache and ("json", schemas[2]) in b._cache
+        assert b.cache_bytes == sum(b._sizes.values()) <= sizes[1] + sizes[2]
+    finally:
+        b.close()
 
 
 def _nested(levels: int) -> dict:
