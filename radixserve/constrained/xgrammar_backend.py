@@ -148,6 +148,9 @@ class XGrammarBackend:
         )
         self._sizes: dict[GrammarKey, int] = {}  # the compiled ones' bytes, of those cached
         self.cache_bytes = 0
+        # Compiles done since the cache was last trimmed. (Their callbacks run inside the
+        # compile pool's lock, which get_future takes inside this one's: they only queue.)
+        self._compiled: queue.SimpleQueue[tuple[GrammarKey, Future[Any]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
     # -- compilation ---------------------------------------------------------------------------
@@ -161,26 +164,25 @@ class XGrammarBackend:
             future = self._cache.get(key)
             if future is None:
                 future = self._pool.submit(self._compile, key)
+                future.add_done_callback(lambda f: self._compiled.put((key, f)))
                 self._cache[key] = future
-                self._trim_cache()
             else:
                 self._cache.move_to_end(key)
-        future.add_done_callback(lambda f: self._on_compiled(key, f))
+            self._trim_cache()
         return future
 
-    def _on_compiled(self, key: GrammarKey, future: Future[Any]) -> None:
-        """Count a compiled grammar's bytes against the cache's (it may have left already)."""
-        result = None if future.cancelled() or future.exception() else future.result()
-        size = result.memory_size_bytes if isinstance(result, xgr.CompiledGrammar) else 0
-        with self._lock:
-            if self._cache.get(key) is future and key not in self._sizes:
-                self._sizes[key] = size
-                self.cache_bytes += size
-                self._trim_cache()
-
     def _trim_cache(self) -> None:
-        """Drop the least recently used grammars past the cache's entries or bytes (the newest
-        stays: its requests hold it anyway). Called with the lock held."""
+        """Count the compiles done since the last call against the cache's bytes, then drop the
+        least recently used grammars past its entries or bytes (the newest stays: its requests
+        hold it anyway). Called with the lock held."""
+        while not self._compiled.empty():
+            key, future = self._compiled.get()
+            if self._cache.get(key) is not future:
+                continue  # (it left the cache while it compiled)
+            result = None if future.cancelled() or future.exception() else future.result()
+            size = result.memory_size_bytes if isinstance(result, xgr.CompiledGrammar) else 0
+            self._sizes[key] = size
+            self.cache_bytes += size
         while len(self._cache) > 1 and (
             len(self._cache) > self.max_cache_entries or self.cache_bytes > GRAMMAR_CACHE_BYTES
         ):
@@ -200,6 +202,9 @@ class XGrammarBackend:
                 f"invalid {kind} grammar: {len(text)} characters, more than the "
                 f"{MAX_GRAMMAR_CHARS} served (its compiled form grows faster than its text)"
             )
+        if kind == "regex" and (escape := unsupported_regex_escape(text)) is not None:
+            implied = " (the whole output matches the pattern: drop it)" if escape in "AZz" else ""
+            return f"invalid regex grammar: the escape \\{escape} is not supported{implied}"
         if kind == "json" and text != ANY_JSON:
             try:
                 schema = json.loads(text)
@@ -499,6 +504,22 @@ def _subschema_slots(schema: dict) -> Iterator[tuple[str, dict | list, Any]]:
                 yield f"{key}/{name}", value, name
 
 
+# The letter escapes xgrammar's regex reads as Python's re and PCRE do; it refuses some others
+# (\b, \p, \u) and reads the rest as the letter itself: \A(yes|no)\Z matched "AyesZ".
+_REGEX_LETTER_ESCAPES = frozenset("dDwWsSnrtfvaxce")
+
+
+def unsupported_regex_escape(pattern: str) -> str | None:
+    """The first letter escaped in `pattern` that xgrammar would read as that letter."""
+    i = pattern.find("\\")
+    while 0 <= i < len(pattern) - 1:
+        c = pattern[i + 1]
+        if c.isascii() and c.isalpha() and c not in _REGEX_LETTER_ESCAPES:
+            return c
+        i = pattern.find("\\", i + 2)  # (past the escaped character: "\\\\A" is "\\" "A")
+    return None
+
+
 def schema_too_large(schema: object) -> str | None:
     """Why the schema is past what compiles in reasonable time (MAX_SCHEMA_DEPTH levels of
     nesting, MAX_SCHEMA_NODES subschemas), else None."""
@@ -549,14 +570,24 @@ def unenforced_keywords(schema: object, path: str = "#") -> Iterator[str]:
 _ANNOTATIONS = frozenset(
     ("title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly")
     + ("$schema", "$id", "$anchor", "$comment", "$defs", "definitions")
+    # OpenAPI's, which pydantic writes: a discriminated union's `discriminator` names the
+    # property whose `const` in each branch does the constraining
+    + ("discriminator", "example")
 )
+
+
+def _is_annotation(key: str) -> bool:
+    """Whether a schema keyword constrains nothing (an `x-` extension neither)."""
+    return key in _ANNOTATIONS or key.startswith("x-")
+
+
 # Keywords xgrammar 0.2.9 reads alone, ignoring the keywords beside them in their schema.
 _ALONE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")
 
 
 def _constraints(schema: dict, but: str) -> dict:
     """The keywords of `schema` that constrain its value, but `but` and annotations."""
-    return {k: v for k, v in schema.items() if k != but and k not in _ANNOTATIONS}
+    return {k: v for k, v in schema.items() if k != but and not _is_annotation(k)}
 
 
 def ignored_siblings(schema: object, path: str = "#") -> Iterator[str]:
@@ -581,7 +612,7 @@ def _merge(a: dict, b: dict) -> dict | None:
     additionalProperties or patternProperties rule on and the other's properties add)."""
     out = dict(a)
     for key, value in b.items():
-        if key not in out or out[key] == value or key in _ANNOTATIONS:
+        if key not in out or out[key] == value or _is_annotation(key):
             out.setdefault(key, value)
         elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
             out[key] = out[key] + [n for n in value if n not in out[key]]

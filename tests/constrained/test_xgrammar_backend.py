@@ -379,6 +379,23 @@ def test_invalid_grammar_resolves_with_message(backend, kind, text, needle):
     assert backend.validate(kind, text) == result.message
 
 
+@pytest.mark.parametrize(
+    "pattern,needle",
+    [
+        (r"\A(yes|no)\Z", "the escape \\A is not supported (the whole output matches"),
+        (r"(yes|no)\z", "the escape \\z is not supported"),
+        (r"[a-z]+\Qx\E", "the escape \\Q is not supported"),
+    ],
+)
+def test_regex_escapes_read_as_plain_letters_are_refused(backend, pattern, needle):
+    r"""xgrammar reads an escape it does not know as the letter: \A(yes|no)\Z served "AyesZ"
+    with finish "stop"."""
+    message = backend.validate("regex", pattern)
+    assert message is not None and needle in message
+    for fine in (r"\d{3}\s\w+", r"a\\Ab", r"\x41\t[\d\-]"):  # (\\A: a backslash, then A)
+        assert backend.validate("regex", fine) is None, fine
+
+
 def test_validate_accepts_valid_grammars(backend):
     assert backend.validate("json", json.dumps(SCHEMAS[0][1])) is None
     assert backend.validate("regex", "(yes|no)") is None
@@ -449,6 +466,37 @@ def test_keywords_beside_one_read_alone_are_folded_or_refused(backend, schema, n
     assert message is not None and "cannot enforce" in message and needle in message
     described = {"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "description": "d"}
     assert backend.validate("json", json.dumps(described)) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pydantic_discriminated_union_is_served_and_kept(backend, model, seed):
+    """pydantic writes `discriminator` (OpenAPI's) beside a union of $refs: refused as a
+    constraint that would not be enforced, though each branch's `const` does the work; and
+    `x-` extensions and `example` beside $ref or enum likewise."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        pet_type: Literal["cat"]
+        meows: int
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"]
+        barks: float
+
+    class Owner(BaseModel):
+        pet: Cat | Dog = Field(discriminator="pet_type")
+
+    schema = Owner.model_json_schema()
+    assert "discriminator" in schema["properties"]["pet"]
+    assert backend.validate("json", json.dumps(schema)) is None
+    jsonschema.validate(json.loads(model.generate(("json", json.dumps(schema)), seed)), schema)
+    for annotated in (
+        {"enum": ["a", "b"], "x-order": 1},
+        {"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "example": 3},
+    ):
+        assert backend.validate("json", json.dumps(annotated)) is None, annotated
 
 
 def test_keywords_that_are_enforced_or_only_name_things_are_accepted(backend):
@@ -527,12 +575,13 @@ def test_the_grammar_cache_is_bounded_by_bytes(tokenizer, monkeypatch):
     try:
         schemas = [json.dumps({"enum": [f"v{k}_{i}" for i in range(300)]}) for k in range(3)]
         sizes = [b.get_future(("json", s)).result(30).memory_size_bytes for s in schemas]
+        b.get_future(("json", schemas[2]))  # (the next request counts the compiles done)
         assert b.cache_bytes == sum(sizes) and len(b._cache) == 3
-        # A budget for the newest two: the oldest leaves as the next compile is counted.
+        # A budget for the newest two: the least recently used leaves.
         monkeypatch.setattr(xgrammar_backend, "GRAMMAR_CACHE_BYTES", sizes[1] + sizes[2])
-        b.get_future(("regex", "[0-9]{3}")).result(30)
-        assert ("json", schemas[0]) not in b._cache and ("json", schemas[2]) in b._cache
-        assert b.cache_bytes == sum(b._sizes.values()) <= sizes[1] + sizes[2]
+        b.get_future(("json", schemas[2]))
+        assert list(b._cache) == [("json", schemas[1]), ("json", schemas[2])]
+        assert b.cache_bytes == sizes[1] + sizes[2]
     finally:
         b.close()
 
