@@ -377,7 +377,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         req.finished_reason = finish_abort(message, status_code)
         if self.disagg is not None:
             self.disagg.on_aborted(req)
-        self.stats.num_aborted += 1
+        self.stats.on_aborted(req)
         self.stream_output([req])
 
     def release_aborted(self) -> None:
@@ -394,7 +394,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 self.disagg.on_aborted(req)
             self.cap_to_draft_kv(req)
             self.tree_cache.cache_finished_req(req)
-            self.stats.num_aborted += 1
+            self.stats.on_aborted(req)
         if aborted:
             self.running_batch.filter_batch()
             self.stream_output(aborted)
@@ -782,7 +782,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                     status_code=400 if not last.output_ids else None,
                 )
                 self.tree_cache.cache_finished_req(last, is_insert=False)
-                self.stats.num_aborted += 1
+                self.stats.on_aborted(last)
                 self.stream_output([last])
                 batch.filter_batch()
                 return None

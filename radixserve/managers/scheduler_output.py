@@ -133,7 +133,7 @@ class SchedulerOutputMixin:
         if self.disagg is not None:
             self.disagg.on_aborted(req)
         self.tree_cache.cache_finished_req(req, is_insert=False)
-        self.stats.num_aborted += 1
+        self.stats.on_aborted(req)
         if self.chunked_req is req:
             self.chunked_req = None
 

@@ -54,6 +54,13 @@ class SchedulerStats:
         self.spec_accepted_tokens += accepted
         self.spec_committed_tokens += committed
 
+    def on_aborted(self, req: Any) -> None:
+        """A request aborted outside a step's results: finished too where it was admitted (so
+        num_requests - num_finished is what is in flight; a running request aborted was
+        never counted as finished)."""
+        self.num_aborted += 1
+        self.num_finished += bool(req.admitted)
+
     def on_first_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.num_requests += 1
         self.prompt_tokens += prompt_tokens

@@ -30,6 +30,9 @@ class Run(FakeRun):
             else:
                 assert reasons[rid]["type"] == "length", (rid, reasons.get(rid))
                 assert got == want, rid
+        # Every request admitted has finished (an aborted running one was never counted).
+        stats = self.s.stats
+        assert stats.num_finished == stats.num_requests and stats.num_aborted == len(aborted)
 
 
 def _shared_prompts(n: int, groups: int = 5, prefix_len: int = 40) -> list[list[int]]:
