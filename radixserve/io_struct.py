@@ -273,10 +273,11 @@ class BatchTokenIDOutput:
         default_factory=list
     )
     # Speculative decoding (empty when it is off): per request, verify steps with drafts,
-    # tokens committed per such step, share of draft tokens accepted.
+    # tokens committed per such step, draft tokens proposed and accepted.
     spec_verify_ct: list[int] = field(default_factory=list)
     spec_accept_length: list[float] = field(default_factory=list)
-    spec_accept_rate: list[float] = field(default_factory=list)
+    spec_draft_tokens: list[int] = field(default_factory=list)
+    spec_accepted_tokens: list[int] = field(default_factory=list)
     # With a request's first message: its last prompt tokens, decoded before the output and
     # left out of it (a SentencePiece decoder strips the first output token's leading space
     # from a text that starts there), as SGLang's detokenizer does.
@@ -302,7 +303,8 @@ class BatchStrOutput:
     )
     spec_verify_ct: list[int] = field(default_factory=list)
     spec_accept_length: list[float] = field(default_factory=list)
-    spec_accept_rate: list[float] = field(default_factory=list)
+    spec_draft_tokens: list[int] = field(default_factory=list)
+    spec_accepted_tokens: list[int] = field(default_factory=list)
     # Requests the detokenizer could not decode: they finish here with an abort, and the
     # TokenizerManager stops them in the scheduler.
     failed_rids: list[str] = field(default_factory=list)

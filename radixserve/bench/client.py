@@ -165,6 +165,9 @@ class NativeParser:
             rec.spec_verify_ct = int(meta["spec_verify_ct"])
             rec.spec_accept_length = float(meta.get("spec_accept_length") or 0.0)
             rec.spec_accept_rate = float(meta.get("spec_accept_rate") or 0.0)
+            if meta.get("spec_draft_tokens") is not None:  # (radixserve's; not SGLang's)
+                rec.spec_draft_tokens = int(meta["spec_draft_tokens"])
+                rec.spec_accepted_tokens = int(meta.get("spec_accepted_tokens") or 0)
 
     def finish(self) -> None:
         pass

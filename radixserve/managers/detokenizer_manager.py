@@ -78,7 +78,8 @@ class DetokenizerManager:
             input_top_logprobs=out.input_top_logprobs,
             spec_verify_ct=out.spec_verify_ct,
             spec_accept_length=out.spec_accept_length,
-            spec_accept_rate=out.spec_accept_rate,
+            spec_draft_tokens=out.spec_draft_tokens,
+            spec_accepted_tokens=out.spec_accepted_tokens,
         )
 
     def _decode_one(self, out: BatchTokenIDOutput, i: int, rid: str) -> str:

@@ -175,7 +175,8 @@ class SchedulerOutputMixin:
             out.spec_accept_length.append(
                 st.committed / st.verify_ct if st and st.verify_ct else 0.0
             )
-            out.spec_accept_rate.append(st.accepted / st.drafts if st and st.drafts else 0.0)
+            out.spec_draft_tokens.append(st.drafts if st else 0)
+            out.spec_accepted_tokens.append(st.accepted if st else 0)
         if req.return_logprob:
             out.output_token_logprobs.append(req.output_token_logprobs[start:])
             out.output_top_logprobs.append(req.output_top_logprobs[start:])

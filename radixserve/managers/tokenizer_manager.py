@@ -303,7 +303,11 @@ class TokenizerManager:
             if out.spec_verify_ct:
                 state.meta["spec_verify_ct"] = out.spec_verify_ct[i]
                 state.meta["spec_accept_length"] = out.spec_accept_length[i]
-                state.meta["spec_accept_rate"] = out.spec_accept_rate[i]
+                drafts, accepted = out.spec_draft_tokens[i], out.spec_accepted_tokens[i]
+                state.meta["spec_accept_rate"] = accepted / drafts if drafts else 0.0
+                # (the counts too: a client's rate over many requests is their sums' ratio)
+                state.meta["spec_draft_tokens"] = drafts
+                state.meta["spec_accepted_tokens"] = accepted
             self._observe(state, len(out.output_ids[i]), now, finished)
             if finished is not None:
                 if finished.get("status_code"):

@@ -142,9 +142,14 @@ def test_speculative_metrics_are_weighted_by_verify_steps(records):
     m = compute_metrics(records, duration=2.0)
     assert m["spec_verify_ct"] == 4
     assert m["spec_accept_length"] == pytest.approx((3 * 4.0 + 2.0) / 4)
-    assert m["spec_accept_rate"] == pytest.approx((3 * 0.5 + 0.1) / 4)
+    assert m["spec_accept_rate"] == pytest.approx((3 * 0.5 + 0.1) / 4)  # (no draft counts)
     table = format_metrics(m)
     assert "Accept length (tokens per verify step):" in table and "3.50" in table
+    # With the draft counts radixserve reports, the share of all draft tokens accepted: the
+    # rates weighted by steps said (3 * 0.5 + 0.1) / 4 = 0.4, the drafts (6 + 1) / (12 + 10).
+    a.spec_draft_tokens, a.spec_accepted_tokens = 12, 6
+    b.spec_draft_tokens, b.spec_accepted_tokens = 10, 1
+    assert compute_metrics(records, duration=2.0)["spec_accept_rate"] == pytest.approx(7 / 22)
 
 
 def test_json_lines_are_strict_json(tmp_path):

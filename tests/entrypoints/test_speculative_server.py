@@ -73,6 +73,7 @@ def test_greedy_equals_plain_decoding_and_reports_acceptance(server, tokenizer, 
     assert meta["spec_verify_ct"] > 0
     assert meta["spec_accept_length"] > 1.5  # the answer quotes the prompt
     assert 0 < meta["spec_accept_rate"] <= 1
+    assert meta["spec_accept_rate"] == meta["spec_accepted_tokens"] / meta["spec_draft_tokens"]
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     assert "sglang:spec_verify_steps_total" in metrics
     assert "sglang:spec_accept_length" in metrics
