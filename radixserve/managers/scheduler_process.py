@@ -55,7 +55,7 @@ def run_scheduler_process(
             server_args.tp_size,
             server_args.dist_init_addr,
             server_args.device,
-            tp_rank % max(1, server_args.tp_size // server_args.nnodes),
+            tp_rank - server_args.local_tp_ranks.start,
         )
         if tp.world_size > 1:
             from radixserve.distributed.tp_sync import check_ranks_agree

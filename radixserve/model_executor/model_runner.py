@@ -90,7 +90,7 @@ class ModelRunner:
         self.lora_manager: LoRAManager | None = None  # --lora-paths (set once the model is)
         self.tp = tp or TpGroup.single()
         # The TP ranks on this machine share its cores and its memory.
-        self.local_ranks = max(1, server_args.tp_size // server_args.nnodes)
+        self.local_ranks = len(server_args.local_tp_ranks)
         if self.device == "cpu" and not self.is_draft:
             threads = server_args.num_threads or max(1, physical_core_count() // self.local_ranks)
             torch.set_num_threads(threads)
