@@ -402,9 +402,6 @@ class Engine:
             stream=False if stream is None else stream,
             **extra,
         )
-        lora, given = obj.lora_path, prompt is not None or input_ids is not None
-        if isinstance(lora, list) and len(lora) == 1 and given and obj.is_single:
-            obj.lora_path = lora[0]  # (SGLang takes a one-item list for one prompt)
         return obj
 
     def generate(

@@ -77,8 +77,8 @@ def verify_request_fields(obj: GenerateReqInput) -> None:
     _verify_bootstrap(obj)
     lora = obj.lora_path
     if isinstance(lora, list):
-        ok = not obj.is_single and len(lora) == obj.batch_size
-        ok = ok and all(x is None or isinstance(x, str) for x in lora)
+        # (one prompt may name its adapter in a one-item list, as SGLang takes it)
+        ok = len(lora) == obj.batch_size and all(x is None or isinstance(x, str) for x in lora)
         _expect("lora_path", lora, ok, "an adapter name, or one (or null) per prompt of a batch")
     else:
         _expect("lora_path", lora, lora is None or isinstance(lora, str), "an adapter name")

@@ -886,7 +886,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         return LoRAUpdateReqOutput(True)
 
     def unload_lora_adapter(self, req: UnloadLoRAAdapterReq) -> LoRAUpdateReqOutput:
-        """Refused while a request of the adapter is anywhere in the scheduler."""
+        """Refused while a request of the adapter is anywhere in the scheduler (the
+        TokenizerManager has waited for those it sent)."""
         name = req.lora_name
         manager = getattr(self.tp_worker.model_runner, "lora_manager", None)
         if manager is None or name not in self.lora_names:

@@ -54,6 +54,7 @@ DRAIN_BATCH = 256  # outputs handled per wake-up before other tasks get the loop
 RETRY_AFTER_S = 1  # what a 503 for overload tells the client to wait
 DISCONNECT_POLL_S = 2.0  # how often a waiting request checks that its client is still there
 RID_DRAIN_WAIT_S = 2.0  # how long a request waits for an aborted one of its rid to drain
+LORA_UNLOAD_WAIT_S = 120.0  # how long an unload waits for the adapter's requests in flight
 __all__ = ["RequestError", "ReqState", "TokenizerManager"]
 Triple = tuple[float | None, int, str | None]
 
@@ -380,7 +381,7 @@ class TokenizerManager:
                 f"logprob_start_len {obj.logprob_start_len} is past the prompt's "
                 f"{len(input_ids)} tokens"
             )
-        lora_id = obj.lora_path
+        lora_id = obj.lora_path[0] if isinstance(obj.lora_path, list) else obj.lora_path
         if lora_id is not None:
             self._adapter_key(lora_id)  # an unknown one is refused before the grammar check
         # The client's key has a namespace of its own: it could name an adapter's ("lora:...")
@@ -751,24 +752,38 @@ class TokenizerManager:
             return out
 
     async def unload_lora_adapter(self, name: str) -> LoRAUpdateReqOutput:
-        """Refused while requests of the adapter are in flight; new ones are refused from
-        the moment this starts."""
+        """As in SGLang: new requests naming the adapter are refused from the moment this
+        starts, and the unload waits (up to LORA_UNLOAD_WAIT_S) for those in flight to finish.
+        Refusing while any was in flight, an unload under steady traffic almost never passed."""
         async with self._lora_guard():
             if name not in self.lora_keys:
                 return LoRAUpdateReqOutput(False, f"no LoRA adapter named {name!r} is loaded")
-            # (Those whose clients left are still in the scheduler until their abort passes.)
-            states = [*self.rid_to_state.values(), *self._draining.values()]
-            users = sum(1 for s in states if s is not None and s.lora_id == name)
-            if users:
-                return LoRAUpdateReqOutput(
-                    False, f"{users} requests still use LoRA adapter {name!r}; unload it after them"
-                )
             path, key = self.lora_paths.pop(name), self.lora_keys.pop(name)
+            try:
+                deadline = time.monotonic() + LORA_UNLOAD_WAIT_S
+                while (users := self._lora_users(name)) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+            except BaseException:  # (the client left, or the server stops: still loaded)
+                self.lora_paths[name], self.lora_keys[name] = path, key
+                raise
+            if users:
+                self.lora_paths[name], self.lora_keys[name] = path, key
+                return LoRAUpdateReqOutput(
+                    False,
+                    f"{users} requests still use LoRA adapter {name!r} after "
+                    f"{LORA_UNLOAD_WAIT_S:g} s; it stays loaded",
+                )
             out = await self._control(UnloadLoRAAdapterReq(name), LoRAUpdateReqOutput)
             if not out.success:
                 self.lora_paths[name], self.lora_keys[name] = path, key
                 await self._undo_on_replicas(LoadLoRAAdapterReq(name, path, restore=True))
             return out
+
+    def _lora_users(self, name: str) -> int:
+        """Requests of the adapter in flight: registered ones, and those whose clients left
+        (still in the scheduler until their abort passes)."""
+        states = [*self.rid_to_state.values(), *self._draining.values()]
+        return sum(1 for s in states if s is not None and s.lora_id == name)
 
     async def _undo_on_replicas(self, req: LoadLoRAAdapterReq | UnloadLoRAAdapterReq) -> None:
         """A LoRA load or unload that some data-parallel replicas refused (each decides alone;

@@ -484,7 +484,11 @@ def test_logprob_fields_per_prompt_and_sglangs_named_parameters(engine):
         logprob_start_len=0,
         top_logprobs_num=2,
     )["meta_info"]
-    assert first["output_token_logprobs"] == alone["output_token_logprobs"]
+    # (the same tokens; the values within float32 rounding: a batch of two and one prompt
+    # alone take different matmul kernels on some CPUs, AMD Zen 5's among them)
+    batched, single = first["output_token_logprobs"], alone["output_token_logprobs"]
+    assert [t[1:] for t in batched] == [t[1:] for t in single]
+    assert [t[0] for t in batched] == pytest.approx([t[0] for t in single], abs=1e-5)
     with pytest.raises(RequestError, match="return_logprob must be a boolean, or a list of one"):
         engine.generate(input_ids=[[5], [6]], return_logprob=[True])
     with pytest.raises(RequestError, match="image_data is not supported"):
