@@ -667,13 +667,15 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         if len(occupying) >= self.max_running_requests and self.chunked_req is None:
             return None
         order = self.policy.calc_priority(self.waiting_queue, running, self.chunked_req)
-        # Mixed decode tokens come out of the chunk budget; with as many running requests as
-        # the chunk holds, mixing would leave no room for any prefill, so this round does not mix.
+        # Mixed decode tokens come out of the chunk budget; where they would leave less than a
+        # page of it, no prompt could be admitted (a prompt takes whole pages), so this round
+        # does not mix (with page 16, chunks of 16 and one request running, none was admitted
+        # until every running request had finished).
         chunk = self.chunked_prefill_size
         mixed = (
             self.server_args.enable_mixed_chunk
             and bool(running)
-            and (chunk is None or len(running) < chunk)
+            and (chunk is None or chunk - len(running) >= self.page_size)
         )
         adder = PrefillAdder(
             self.tree_cache,
@@ -734,7 +736,10 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         batch.chunked_req = intermediate
         batch.prepare_for_extend()
         self.stats.num_prefill_batches += 1
-        if mixed and self.chunked_req is None and self._decode_fits(self.running_batch):
+        # The running requests decode beside every chunk, intermediate ones included (SARATHI's
+        # decode-maximal batching, SGLang's mix_with_running): mixing only the last chunk left
+        # them waiting for a long prompt's whole prefill, as with mixing off.
+        if mixed and self._decode_fits(self.running_batch):
             batch.mix_with_running(self.running_batch)
             self.running_batch = self._new_batch([])
         return batch

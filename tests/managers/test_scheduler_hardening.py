@@ -13,6 +13,7 @@ from radixserve.managers.schedule_batch import Req
 from radixserve.managers.schedule_policy import PrefillAdder
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import RadixCache
+from radixserve.model_executor.forward_batch import ForwardMode
 from radixserve.sampling_params import SamplingParams
 
 
@@ -86,6 +87,55 @@ def test_mixed_chunk_with_more_running_requests_than_the_chunk(page_size):
     assert len(r.s.running_batch.reqs) + len(r.s.last_batch.reqs) >= 17
     r.submit("long", [(j * 3) % 90 + 3 for j in range(100)], max_new=8)
     r.submit("short", [9, 8, 7], max_new=5)
+    r.drain()
+    r.check_complete()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_chunk_decodes_the_running_requests_beside_every_chunk(overlap):
+    """A long prompt's intermediate chunks ran alone: a running request made no progress for
+    its whole chunked prefill (12 chunks), as with mixing off."""
+    r = Run(total_tokens=4096, overlap=overlap, enable_mixed_chunk=True, chunked_prefill_size=16)
+    r.submit("a", [5, 6, 7, 8, 9], max_new=60, stream=True)
+    for _ in range(3):
+        r.step()
+    before = len(r.tokens()["a"])
+    r.submit("long", [(j * 7) % 90 + 3 for j in range(200)], max_new=4)
+    modes = []
+    for _ in range(30):
+        batch = r.step()
+        if batch.forward_mode == ForwardMode.DECODE:
+            break
+        modes.append(batch.forward_mode)
+    assert len(modes) >= 13 and set(modes) == {ForwardMode.MIXED}
+    assert len(r.tokens()["a"]) - before >= len(modes) - 2  # (one step in flight with overlap)
+    r.drain()
+    r.check_complete()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_chunk_admits_prompts_beside_a_running_request_with_pages(overlap):
+    """Page 16, chunks of 16: one running request left a mixed round 15 tokens of budget, less
+    than the page a prompt takes, so nothing was admitted until every running request ended
+    (one request at a time: 241 steps for 8 requests instead of 52)."""
+    r = Run(
+        total_tokens=4096,
+        overlap=overlap,
+        enable_mixed_chunk=True,
+        chunked_prefill_size=16,
+        page_size=16,
+    )
+    for i in range(8):
+        r.submit(f"q{i}", [(i * 13 + j) % 90 + 3 for j in range(10)], max_new=30)
+        for _ in range(3):
+            r.step()
+    most = 0
+    for _ in range(200):
+        if not r.s.has_work():
+            break
+        batch = r.step()
+        most = max(most, len(batch.reqs) if batch is not None else 0)
+    assert most >= 6
     r.drain()
     r.check_complete()
 
