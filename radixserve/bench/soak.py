@@ -52,7 +52,7 @@ from radixserve.bench.soak_actions import (
     run_action,
 )
 from radixserve.bench.soak_inputs import WORDS
-from radixserve.bench.soak_report import evaluate, print_report
+from radixserve.bench.soak_report import evaluate, print_report, rows_key
 
 MAX_FAILURE_EXAMPLES = 50
 RETRY_AFTER_S = 1.0  # a worker's pause after a 503
@@ -164,7 +164,7 @@ def is_drained(info: dict[str, Any]) -> bool:
         and info.get("queued") == 0
         and free == info["max_total_num_tokens"]
         and info.get("protected_tokens", 0) == 0
-        and info.get("free_request_rows") == info.get("max_running_requests")
+        and info.get("free_request_rows") == info.get(rows_key(info))
     )
 
 

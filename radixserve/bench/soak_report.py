@@ -45,11 +45,18 @@ def _diff(info: dict[str, Any], whole: str, *parts: str) -> int | None:
     return int(info[whole]) - sum(int(info[k]) for k in parts)
 
 
+def rows_key(info: dict[str, Any]) -> str:
+    """The key of the server's request rows, every replica's: max_running_requests is one
+    replica's (as SGLang reports it); a server without the total gives only that."""
+    total = "max_running_requests_total"
+    return total if total in info else "max_running_requests"
+
+
 def leaks(info: dict[str, Any]) -> dict[str, int | None]:
     return {
         "leaked_slots": _diff(info, "max_total_num_tokens", "available_tokens", "evictable_tokens"),
         "locked_tokens": info.get("protected_tokens"),
-        "leaked_rows": _diff(info, "max_running_requests", "free_request_rows"),
+        "leaked_rows": _diff(info, rows_key(info), "free_request_rows"),
     }
 
 

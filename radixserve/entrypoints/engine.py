@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, MutableSequence
 from concurrent.futures import CancelledError, Future
 from typing import Any
 
@@ -37,6 +37,33 @@ from radixserve.managers.tokenizer_utils import load_tokenizer_for
 from radixserve.utils import PortArgs, zmq_socket
 
 _DONE = object()  # the end of a stream's queue (Engine._start_stream)
+
+
+def _put_latest(items: MutableSequence[Any], item: Any) -> None:
+    """Queue a stream's output in place of an unread one of the same stream (its "index": a
+    batch's or n > 1's): each is a cumulative copy, so the newer covers the older, and a reader
+    busy elsewhere kept one per token, O(output²) memory (250 MB for 8,000 tokens). Errors and
+    the end are never replaced, and nothing is queued after them."""
+    if isinstance(item, dict):
+        for i, old in enumerate(items):
+            if isinstance(old, dict) and old.get("index") == item.get("index"):
+                items[i] = item
+                return
+    items.append(item)
+
+
+class _LatestQueue(queue.Queue):
+    """A sync stream's outputs, the latest of each stream unread (_put_latest)."""
+
+    def _put(self, item: Any) -> None:
+        _put_latest(self.queue, item)
+
+
+class _AsyncLatestQueue(asyncio.Queue):
+    """An async stream's outputs, the latest of each stream unread (_put_latest)."""
+
+    def _put(self, item: Any) -> None:
+        _put_latest(self._queue, item)  # type: ignore[attr-defined]
 
 
 logger = logging.getLogger(__name__)
@@ -444,7 +471,7 @@ class Engine:
         return self._submit(pump())
 
     def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
-        q: queue.Queue = queue.Queue()
+        q = _LatestQueue()
         pump = self._start_stream(obj, q.put)
         try:
             while (item := q.get()) is not _DONE:
@@ -473,7 +500,7 @@ class Engine:
         them: each waiting stream held one of the caller's executor threads, and more open
         streams than threads stalled one another and the caller's own to_thread calls."""
         loop = asyncio.get_running_loop()
-        items: asyncio.Queue = asyncio.Queue()
+        items = _AsyncLatestQueue()
 
         def put(item: Any) -> None:
             try:
@@ -615,7 +642,14 @@ def server_info_view(args: ServerArgs, info: dict[str, Any]) -> dict[str, Any]:
         "dp_size": args.dp_size,
         "disaggregation_mode": args.disaggregation_mode,
     }
-    return {**shown, **layout, **info, **_sglang_state(info)}
+    # A figure named as an argument (max_running_requests) keeps the argument's meaning, one
+    # replica's value, resolved ("auto" too); the replicas' sum is `<name>_total`. The sum
+    # overwrote the argument: 16 for --max-running-requests 8 --dp-size 2.
+    replica = (info.get("replicas") or [info])[0]
+    named = [k for k in info if k in shown]
+    per_replica = {k: replica.get(k, info[k]) for k in named}
+    totals = {f"{k}_total": info[k] for k in named}
+    return {**shown, **layout, **info, **per_replica, **totals, **_sglang_state(info)}
 
 
 def _sglang_state(info: dict[str, Any]) -> dict[str, Any]:

@@ -171,6 +171,53 @@ def test_stream_items_are_snapshots_the_caller_may_keep(engine):
     check(asyncio.run(collect()))
 
 
+def _pumps(engine, monkeypatch) -> list:
+    """The futures of the streams' pumps (Engine._start_stream), to wait for a stream's end."""
+    pumps, start = [], engine._start_stream
+
+    def started(*args):
+        pumps.append(start(*args))
+        return pumps[-1]
+
+    monkeypatch.setattr(engine, "_start_stream", started)
+    return pumps
+
+
+def test_a_stream_read_slowly_keeps_only_its_latest_output(engine, monkeypatch):
+    """Every output was queued as a copy of all so far for a reader busy elsewhere: O(output²)
+    memory (250 MB for 8,000 tokens). Read after the request's end, a stream gives its final
+    output once, one per index for a batch, the tokens that a non-streamed request gives."""
+    params = {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0}
+    alone, want = engine.generate("hello", params), engine.generate(["hello", "world"], params)
+    pumps = _pumps(engine, monkeypatch)
+
+    it = engine.generate("hello", params, stream=True, return_logprob=True)
+    assert next(it)["meta_info"]["finish_reason"] is None
+    pumps[-1].result(60)
+    (last,) = list(it)
+    assert last["output_ids"] == alone["output_ids"] and last["text"] == alone["text"]
+    assert len(last["meta_info"]["output_token_logprobs"]) == 48
+
+    it = engine.generate(["hello", "world"], params, stream=True)
+    first = next(it)
+    pumps[-1].result(60)
+    rest = list(it)
+    assert sorted(out["index"] for out in rest) == [0, 1]  # (the first's index went on)
+    assert all(out["meta_info"]["finish_reason"] is not None for out in rest)
+    assert first["output_ids"] == want[first["index"]]["output_ids"][: len(first["output_ids"])]
+    for out in rest:
+        assert out["output_ids"] == want[out["index"]]["output_ids"]
+
+    async def read_after_the_end() -> list:
+        it = await engine.async_generate("hello", params, stream=True)
+        await it.__anext__()
+        await asyncio.wrap_future(pumps[-1])  # (after the outputs it put on this loop)
+        return [out async for out in it]
+
+    (last,) = asyncio.run(read_after_the_end())
+    assert last["output_ids"] == alone["output_ids"]
+
+
 def test_an_engine_shut_down_refuses_at_once_and_leaves_no_files(tmp_path):
     from radixserve import Engine
 
@@ -456,6 +503,7 @@ def test_server_info_is_sglangs_shape(engine):
     assert info["tp_size"] == info["dp_size"] == 1 and info["dtype"] == "float32"
     assert info["model_path"] and info["api_key"] is None
     assert info["running"] == 0 and "available_tokens" in info
+    assert info["max_running_requests"] == info["max_running_requests_total"] > 0
 
 
 def test_logprob_fields_per_prompt_and_sglangs_named_parameters(engine):

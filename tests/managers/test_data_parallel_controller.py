@@ -4,6 +4,7 @@ and control requests fanned out, replies merged, the prefix index bounded."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -185,6 +186,23 @@ def test_merge_server_infos_sums_and_lists_the_replicas():
     assert merged["spec_step_cost_ms"] == {"verify": 0}  # not a number: replica 0's
     assert "dp_rank" not in merged
     assert [r["dp_rank"] for r in merged["replicas"]] == [0, 1]
+
+
+def test_server_info_keeps_the_launch_arguments_per_replica():
+    """The replicas' summed max_running_requests overwrote the argument of that name in
+    /get_server_info: 16 for --max-running-requests 8 --dp-size 2. The sum, the server's
+    capacity, is a key of its own; the dashboard's "of N" reads the merged figure itself."""
+    from radixserve.args import ServerArgs
+    from radixserve.entrypoints.engine import server_info_view
+
+    args = ServerArgs(max_running_requests=8, max_total_tokens=100, dp_size=2)
+    merged = merge_server_infos([_info(r, max_running_requests=8) for r in (0, 1)])
+    assert merged["max_running_requests"] == 16  # (the dashboard's whole-server figure)
+    view = server_info_view(args, merged)
+    assert view["max_running_requests"] == 8 and view["max_running_requests_total"] == 16
+    assert view["max_total_tokens"] == 100 and view["max_total_num_tokens"] == 200
+    auto = server_info_view(dataclasses.replace(args, max_running_requests=None), merged)
+    assert auto["max_running_requests"] == 8  # the resolved "auto", per replica
 
 
 def test_the_shared_storage_tier_is_counted_once():
