@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from radixserve.disaggregation.side import DisaggSide, prompt_fingerprint
+from radixserve.disaggregation.side import DisaggSide, adapter_of, prompt_fingerprint
 from radixserve.io_struct import RoomRefusedReq
 from radixserve.managers.schedule_batch import Req
 from radixserve.managers.schedule_policy import lora_fits
@@ -233,6 +233,7 @@ class DecodePrealloc(DisaggSide):
                     "room": req.bootstrap_room,
                     "rid": req.rid,
                     "prompt": prompt_fingerprint(req.origin_input_ids),
+                    "adapter": adapter_of(req),
                     "reply_to": self.channel.address,
                     "slots": slots.tolist(),
                     "layout": self.layout.__dict__,

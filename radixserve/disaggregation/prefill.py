@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any
 
-from radixserve.disaggregation.side import DisaggSide, prompt_fingerprint
+from radixserve.disaggregation.side import DisaggSide, adapter_of, prompt_fingerprint
 from radixserve.io_struct import RoomRefusedReq
 from radixserve.managers.schedule_batch import Req
 
@@ -52,6 +52,13 @@ class SilentPeer(RuntimeError):
 
 class TooLate(RuntimeError):
     """A transfer not tried: the decode side's deadline for the KV passed while it queued."""
+
+
+def _adapter_name(key: str | None) -> str:
+    if key is None:
+        return "the base model"
+    _, name, digest = key.rsplit(":", 2) if key.count(":") >= 2 else ("", key, "")
+    return f"LoRA adapter {name!r} (files {digest})"
 
 
 class PrefillBootstrap(DisaggSide):
@@ -125,6 +132,12 @@ class PrefillBootstrap(DisaggSide):
             error = (
                 f"bootstrap_room {req.bootstrap_room} pairs two different prompts (each "
                 "request needs a room of its own; do both servers use the same tokenizer?)"
+            )
+        elif "adapter" in reservation and reservation["adapter"] != adapter_of(req):
+            theirs, ours = reservation["adapter"], adapter_of(req)
+            error = (
+                f"the decode server serves it with {_adapter_name(theirs)} and this server with "
+                f"{_adapter_name(ours)} (both servers need the same adapter files under its name)"
             )
         if error is not None:
             self._fail_reservation(reservation, error)

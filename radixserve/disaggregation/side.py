@@ -38,6 +38,15 @@ class DisaggSide:
         self.transfer.close()
 
 
+def adapter_of(req: Any) -> str | None:
+    """The LoRA adapter a request is served with, as both sides compare it: the adapter part
+    of its cache namespace ("lora:<name>:<hash of its files>"); None for the base model. Two
+    servers with different adapters (or files) under one name paired, and the decode side
+    continued the prefill side's KV under other weights."""
+    key = req.extra_key
+    return None if key is None or not key.startswith("lora:") else key.split("|", 1)[0]
+
+
 def prompt_fingerprint(input_ids: list[int]) -> str:
     """What both sides compare before a transfer: two requests that share a bootstrap room
     (a client reusing rooms) paired with each other and swapped their outputs."""

@@ -18,6 +18,7 @@ import torch
 from rs_testing import SchedulerHarness, make_tiny_served_model
 
 from radixserve.disaggregation.channel import ControlChannel
+from radixserve.disaggregation.side import prompt_fingerprint
 from radixserve.disaggregation.transfer import TransferError
 from radixserve.io_struct import TokenizedGenerateReqInput
 from radixserve.sampling_params import SamplingParams
@@ -260,6 +261,51 @@ def test_a_refused_layout_refuses_the_prefill_copy_that_comes_after_it(model, ki
         assert h.scheduler.disagg.failed_peers == {}
         # The room is forgotten once used: a later copy on it pairs as ever.
         assert 3 not in h.scheduler.disagg.refused
+        h.run_until_idle()
+        h.scheduler.assert_drained()
+    finally:
+        decode.channel.close()
+        h.scheduler.disagg.close()
+
+
+@pytest.mark.parametrize("adapter", ["lora:a:0123456789abcdef", None])
+def test_copies_served_with_different_adapters_are_refused_not_paired(model, adapter):
+    """The decode server served its copy with adapter a (or with a's other files, mid-way
+    through a rolling reload), this one with the base model: they paired, and the decode side
+    continued this side's KV under other weights, a 200 with tokens neither would give."""
+    h, port = _prefill_harness(model)
+    decode = Peer()
+    try:
+        prompt = list(range(5, 45))
+        reserve = {
+            "type": "reserve",
+            "room": 5,
+            "rid": "a",
+            "reply_to": decode.channel.address,
+            "slots": list(range(len(prompt))),
+            "layout": h.scheduler.disagg.layout.__dict__,
+            "desc": {},
+            "prompt": prompt_fingerprint(prompt),
+            "adapter": adapter,
+        }
+        decode.channel.send(f"tcp://127.0.0.1:{port}", reserve)
+        req = TokenizedGenerateReqInput(
+            "a",
+            None,
+            prompt,
+            SamplingParams(max_new_tokens=4, temperature=0),
+            bootstrap_host="127.0.0.1",
+            bootstrap_port=port,
+            bootstrap_room=5,
+            extra_key=None if adapter is not None else "lora:a:fedcba9876543210",
+        )
+        h.scheduler.process_input_requests([req])
+        _step_until(h, decode, lambda: "a" in h.finish_reasons(), "refusal")
+        reason = h.finish_reasons()["a"]
+        assert reason["status_code"] == 400, reason
+        assert "LoRA adapter 'a'" in reason["message"] and "base model" in reason["message"]
+        _step_until(h, decode, lambda: decode.find("failed", 5), "the decode side told")
+        assert "LoRA adapter 'a'" in decode.find("failed", 5)["error"]
         h.run_until_idle()
         h.scheduler.assert_drained()
     finally:
