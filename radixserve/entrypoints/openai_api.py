@@ -362,11 +362,14 @@ def completion_logprobs(
         prompt_tops = meta.get("input_top_logprobs") or []
         for k, triple in enumerate(meta.get("input_token_logprobs") or []):
             entries.append((triple, prompt_tops[k] if k < len(prompt_tops) else None))
+    # An echoed prompt's first token starts the text: decoded alone, as the echo is (a
+    # SentencePiece decoder strips the text's leading space).
+    first_alone = bool(entries)
     pairs = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
     entries += [(pairs[k], tops[k] if k < len(tops) else None) for k in range(start, len(pairs))]
-    for (lp, tid, *_), top in entries:
-        s = tok(tid)
+    for k, ((lp, tid, *_), top) in enumerate(entries):
+        s = tok.alone(tid) if k == 0 and first_alone else tok(tid)
         out.tokens.append(s)
         out.token_logprobs.append(_finite(lp))
         out.top_logprobs.append(_top_by_text(tok, top) if top else None)

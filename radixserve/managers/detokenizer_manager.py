@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.io_struct import BatchStrOutput, BatchTokenIDOutput
+from radixserve.managers.tokenizer_utils import from_a_character_start
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +139,11 @@ class DetokenizerManager:
 
     def _start(self, context: list[int], decode_kw: dict[str, Any]) -> DecodeStatus:
         """A request's state before its first output: decoded after `context`, the prompt's
-        last tokens. Where they end inside a character, its tokens are read again with the
-        output's (a byte-fallback decoder makes a byte run that starts inside a character all
-        U+FFFD)."""
+        last tokens, from a character's start as the scheduler's match decodes them. Where
+        they end inside a character, its tokens are read again with the output's (a
+        byte-fallback decoder makes a byte run that starts inside a character all U+FFFD)."""
         text = self.tokenizer.decode(context, **decode_kw)
+        context, text = from_a_character_start(self.tokenizer, context, text, **decode_kw)
         read = len(context)
         if text.endswith(REPLACEMENT_CHAR):  # (or with a U+FFFD of its own)
             whole = self._whole_characters(context, len(context), decode_kw)
@@ -183,7 +185,16 @@ class DetokenizerManager:
         after = self.tokenizer.decode(window, **decode_kw)
         before = self.tokenizer.decode(window[:-1], **decode_kw)
         # (the last token may complete a character the tokens before it began)
-        return len(after) - len(os.path.commonprefix((after, before)))
+        prior = len(os.path.commonprefix((after, before)))
+        if before.endswith(REPLACEMENT_CHAR):
+            # Or after the characters before the one they end inside: a byte-fallback decoder
+            # read the complete ones in their byte run U+FFFD too ('🙂' before the first byte
+            # of 'Ω'), and a stop string they completed was taken for the last token's (found
+            # where min_new_tokens had let it pass, and cut from text already sent).
+            whole = self._whole_characters(window[:-1], len(window) - 1, decode_kw)
+            if whole is not None:
+                prior = max(prior, len(os.path.commonprefix((after, whole[1]))))
+        return len(after) - prior
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

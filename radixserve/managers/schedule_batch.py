@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from radixserve.managers.tokenizer_utils import from_a_character_start
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import RadixKey
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
@@ -252,16 +253,32 @@ class Req:
                 break
             ids = self.output_ids[-(n + extra) :]
             tail = self._decode_tail(tokenizer, ids)
-        before = self._decode_tail(tokenizer, ids[:-1], len(ids) == len(self.output_ids))
         # Where the newest token's text starts (it may complete a character before).
+        prev, whole = ids[:-1], len(ids) == len(self.output_ids)
+        before = self._decode_tail(tokenizer, prev, whole)
         new = len(os.path.commonprefix((tail, before)))
+        found = self._stops_from(tail, new)
+        # Or after the characters before the one the tokens before it end inside: a
+        # byte-fallback decoder read the complete ones in their byte run U+FFFD too ('🙂'
+        # before the first byte of 'Ω'), and a stop string they completed before
+        # min_new_tokens was taken for new. (Decoded only to drop a stop found.)
+        for k in range(1, min(3, len(prev)) + 1):
+            if not found or not before.endswith("\ufffd"):
+                break
+            before = self._decode_tail(tokenizer, prev[:-k], whole)
+            new = max(new, len(os.path.commonprefix((tail, before))))
+            found = self._stops_from(tail, new)
         # Of those it completes, the one that starts first in the text (not in the list): the
         # text is cut there.
+        return min(found, key=lambda f: f[0])[1] if found else None
+
+    def _stops_from(self, tail: str, new: int) -> list[tuple[int, str]]:
+        """(start, stop string) of each stop's first occurrence in `tail` that ends at its
+        character `new` or later: one that the text from `new` on completes."""
         found = [
             (tail.find(s, max(0, new - len(s) + 1)), s) for s in self.sampling_params.stop_strs
         ]
-        found = [(i, s) for i, s in found if i >= 0]
-        return min(found, key=lambda f: f[0])[1] if found else None
+        return [(i, s) for i, s in found if i >= 0]
 
     def _decode_tail(self, tokenizer: Any, ids: list[int], whole: bool | None = None) -> str:
         """The text of `ids`, the output's last tokens; where they are the whole output
@@ -274,6 +291,8 @@ class Req:
         if not context:
             return tokenizer.decode(ids, skip_special_tokens=False)
         head = tokenizer.decode(context, skip_special_tokens=False)
+        # (from a character's start, as the detokenizer decodes the output)
+        context, head = from_a_character_start(tokenizer, context, head, skip_special_tokens=False)
         text = tokenizer.decode(context + ids, skip_special_tokens=False)
         # (where the prompt ends inside a character, the output's text starts with it whole)
         return text[len(os.path.commonprefix((head, text))) :]

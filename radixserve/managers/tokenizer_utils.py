@@ -20,9 +20,27 @@ def tokenizer_source(server_args: Any) -> str:
     return ensure_default_model()
 
 
+def from_a_character_start(
+    tokenizer: Any, ids: list[int], text: str, **decode_kw: Any
+) -> tuple[list[int], str]:
+    """`ids`, decoded as `text`, without the leading tokens (3 at most: a UTF-8 character has
+    4 bytes) that end a character begun before them, and their text: where the prompt's last
+    tokens, the output's decode context, start. A byte-fallback decoder (Llama 2, Mistral,
+    Gemma) makes a byte run that is not UTF-8 as a whole all U+FFFD, so the output's characters
+    that continued it read U+FFFD, and stop strings in them never matched. The scheduler and
+    the detokenizer both start there. Unchanged where no such start is found."""
+    if not text.startswith("\ufffd"):
+        return ids, text
+    for k in range(1, min(3, len(ids)) + 1):
+        rest = tokenizer.decode(ids[k:], **decode_kw)
+        if not rest.startswith("\ufffd"):
+            return ids[k:], rest
+    return ids, text
+
+
 class TokenStrings:
-    """Token id → its text as the tokenizer decodes it alone (cached; at most the
-    vocabulary): the text of logprob entries."""
+    """Token id → its text inside a text (cached; at most the vocabulary): the text of
+    logprob entries."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -30,11 +48,22 @@ class TokenStrings:
         self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
+        """Its bytes where they are UTF-8 (a SentencePiece word keeps the leading space it
+        loses decoded alone: legacy `tokens` join to the text, and `text_offset` counts it),
+        else (part of a character) as it decodes alone."""
         s = self._cache.get(token_id)
         if s is None:
-            s = self.tokenizer.decode([token_id])
+            try:
+                s = bytes(self.token_bytes(token_id)).decode("utf-8")
+            except UnicodeDecodeError:
+                s = self.alone(token_id)
             self._cache[token_id] = s
         return s
+
+    def alone(self, token_id: int) -> str:
+        """Its text decoded alone: a text's first token's (a SentencePiece decoder strips the
+        text's leading space)."""
+        return self.tokenizer.decode([token_id])
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's own UTF-8 bytes (OpenAI's logprob `bytes`): a token holding part of a
@@ -47,7 +76,7 @@ class TokenStrings:
         return b
 
     def _token_bytes(self, token_id: int) -> list[int]:
-        text = self(token_id)
+        text = self.alone(token_id)
         try:
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
         except Exception:  # (a tokenizer without pieces)
