@@ -88,6 +88,7 @@ class GenerateReqInput:
             **self.pairing(i),
             data_parallel_rank=self.data_parallel_rank,
             lora_path=_item(self.lora_path, i),
+            log_metrics=self.log_metrics,
         )
 
     def pairing(self, k: int) -> dict[str, Any]:
@@ -145,6 +146,7 @@ class TokenizedGenerateReqInput:
     bootstrap_room: int | None = None
     data_parallel_rank: int | None = None  # --dp-size: the replica asked for (None: any)
     lora_id: str | None = None  # the LoRA adapter's name (its KV namespace is in extra_key)
+    log_metrics: bool = True  # False: the server's own (warm-up, probe), not in the counters
 
 
 @dataclass

@@ -285,7 +285,7 @@ class DecodePrealloc(DisaggSide):
         req.fill_ids = list(req.origin_input_ids)
         req.admitted = True
         req.cached_tokens = int(msg.get("cached_tokens") or 0)
-        self.s.stats.on_first_admission(n, req.cached_tokens)
+        self.s.stats.on_first_admission(req)
         if req.return_logprob and msg.get("input_logprobs") is not None:
             req.input_token_logprobs, req.input_top_logprobs = msg["input_logprobs"]
         logprob = None

@@ -27,9 +27,9 @@ Each event is `data: <json>` with these fields (where each number comes from):
 * latency: ttft_mean, ttft_max, tpot_mean (streaming requests), e2e_mean (all), their counts
   streamed_requests and finished_requests, and per-second series over window_s
   (TokenizerManager.latency_window);
-* counters since start (SchedulerStats): num_requests, num_finished, num_aborted,
-  num_retractions, prompt_tokens, cached_tokens, generation_tokens, num_prefill_batches,
-  num_decode_batches.
+* counters since start (SchedulerStats; clients' requests, not the warm-up or probes):
+  num_requests, num_finished, num_aborted, num_retractions, prompt_tokens, cached_tokens,
+  generation_tokens, num_prefill_batches, num_decode_batches.
 A snapshot the scheduler did not answer in time is `{"time", "error"}`.
 """
 

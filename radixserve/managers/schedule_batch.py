@@ -96,6 +96,7 @@ class Req:
         self.finished_reason: dict[str, Any] | None = None
         self.to_abort: str | None = None
         self.admitted = False
+        self.log_metrics = True  # False: the server's own request, not in SchedulerStats
         self.open_ended = False  # no max_new_tokens given: it ends at EOS or the context's end
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
         self.num_retractions = 0

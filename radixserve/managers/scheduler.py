@@ -275,6 +275,8 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
         req.bootstrap_host = recv.bootstrap_host
         req.bootstrap_port = recv.bootstrap_port
         req.bootstrap_room = recv.bootstrap_room
+        req.log_metrics = recv.log_metrics
+        self.stats.on_arrival(req)
         error = self._validate(req)
         if error is not None:
             self._reject(req, error)
@@ -731,7 +733,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
             if not r.admitted:
                 r.admitted = True
                 r.cached_tokens = len(r.prefix_indices)
-                self.stats.on_first_admission(len(r.origin_input_ids), r.cached_tokens)
+                self.stats.on_first_admission(r)
         batch = self._new_batch(can_run)
         batch.chunked_req = intermediate
         batch.prepare_for_extend()

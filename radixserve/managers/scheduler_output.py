@@ -110,7 +110,7 @@ class SchedulerOutputMixin:
             req.finished_reason = finish_abort(req.to_abort)
             return
         req.output_ids.append(token)
-        self.stats.generation_tokens += 1
+        self.stats.generation_tokens += req.log_metrics
         if logprob is not None:
             req.output_token_logprobs.append((logprob[0], token))
             if logprob[1] is not None and req.top_logprobs_num:
@@ -124,9 +124,7 @@ class SchedulerOutputMixin:
         # A P/D prefill request keeps its KV until the transfer to the decode server is done.
         if self.disagg is None or not self.disagg.on_finished(req):
             self.tree_cache.cache_finished_req(req)
-        self.stats.num_finished += 1
-        if req.finished_reason and req.finished_reason["type"] == "abort":
-            self.stats.num_aborted += 1
+        self.stats.on_finished(req)
 
     def _abort_chunked(self, req: Req) -> None:
         req.finished_reason = finish_abort(req.to_abort or "aborted")

@@ -33,7 +33,9 @@ class NewTokenRatioTracker:
 
 @dataclass
 class SchedulerStats:
-    num_requests: int = 0  # admitted for the first time
+    # Clients' requests only: the server's own (its warm-up, /health_generate's probes) are
+    # not counted (a probe every 10 s added 8,640 requests a day).
+    num_requests: int = 0  # arrived
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generation_tokens: int = 0
@@ -54,17 +56,27 @@ class SchedulerStats:
         self.spec_accepted_tokens += accepted
         self.spec_committed_tokens += committed
 
-    def on_aborted(self, req: Any) -> None:
-        """A request aborted outside a step's results: finished too where it was admitted (so
-        num_requests - num_finished is what is in flight; a running request aborted was
-        never counted as finished)."""
-        self.num_aborted += 1
-        self.num_finished += bool(req.admitted)
+    def on_arrival(self, req: Any) -> None:
+        self.num_requests += req.log_metrics
 
-    def on_first_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
-        self.num_requests += 1
-        self.prompt_tokens += prompt_tokens
-        self.cached_tokens += cached_tokens
+    def on_finished(self, req: Any) -> None:
+        """However it ends (num_requests - num_finished is what is in flight)."""
+        if req.log_metrics:
+            self.num_finished += 1
+            reason = req.finished_reason
+            self.num_aborted += bool(reason and reason["type"] == "abort")
+
+    def on_aborted(self, req: Any) -> None:
+        """A request aborted outside a step's results (queued, running, or refused on its
+        arrival: more were counted aborted than had arrived, when admission counted them)."""
+        if req.log_metrics:
+            self.num_aborted += 1
+            self.num_finished += 1
+
+    def on_first_admission(self, req: Any) -> None:
+        if req.log_metrics:
+            self.prompt_tokens += len(req.origin_input_ids)
+            self.cached_tokens += req.cached_tokens
 
     def snapshot(self, **gauges: Any) -> dict[str, Any]:
         out = asdict(self)

@@ -406,6 +406,7 @@ class TokenizerManager:
             bootstrap_port=obj.bootstrap_port,
             bootstrap_room=obj.bootstrap_room,
             data_parallel_rank=obj.data_parallel_rank,
+            log_metrics=obj.log_metrics,
         )
 
     def _adapter_key(self, lora_id: str) -> str:

@@ -435,3 +435,38 @@ def test_a_request_that_does_not_stream_sends_its_tokens_every_50():
     assert sum(sizes) == 123 and sizes.count(1) == 3  # the stream: a token at a time
     assert sorted(n for n in sizes if n != 1) == [20, 50, 50]
     run.check_complete()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_servers_own_requests_are_not_counted(overlap):
+    """The warm-up and /health_generate's probes (log_metrics false) were in the dashboard's
+    counters: a fresh server showed a request, and a probe every 10 s added 8,640 a day."""
+    from radixserve.io_struct import TokenizedGenerateReqInput
+
+    r = Run(overlap=overlap)
+    probe = TokenizedGenerateReqInput(
+        "probe", None, [5, 6, 7], SamplingParams(max_new_tokens=3), log_metrics=False
+    )
+    r.s.process_input_requests([probe])
+    r.submit("user", [8, 9, 10, 11], max_new=2)
+    r.drain()
+    stats = r.s.stats
+    assert (stats.num_requests, stats.num_finished, stats.num_aborted) == (1, 1, 0)
+    assert (stats.prompt_tokens, stats.generation_tokens) == (4, 2)
+
+
+def test_requests_aborted_before_their_admission_are_counted_as_arrived_and_finished():
+    """num_requests counted admissions while num_aborted counted every abort: 6 requests
+    aborted in the queue showed 3 requests and 6 aborted."""
+    r = Run(max_running=1)
+    r.submit("running", [5, 6, 7], max_new=20)
+    r.step()
+    for i in range(4):
+        r.submit(f"queued{i}", [8 + i, 9, 10], max_new=4)
+    r.step()
+    for i in range(4):
+        r.abort(f"queued{i}")
+    r.submit("refused", [], max_new=4)  # (an empty prompt: refused on its arrival)
+    r.drain()
+    stats = r.s.stats
+    assert (stats.num_requests, stats.num_finished, stats.num_aborted) == (6, 6, 5)

@@ -850,6 +850,23 @@ def test_one_prompt_may_name_its_adapter_in_a_one_item_list(lora):
     run(body())
 
 
+@pytest.mark.parametrize("batch", [False, True])
+def test_the_servers_own_requests_reach_the_scheduler_marked(batch):
+    """log_metrics false (the warm-up, /health_generate) stayed in the TokenizerManager: the
+    scheduler's counters, the dashboard's, counted them."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        obj = GenerateReqInput(input_ids=[[5, 6], [7, 8]] if batch else [5, 6], log_metrics=False)
+        task = asyncio.create_task(_collect(tm, obj))
+        while len(sockets.requests()) < (2 if batch else 1):
+            await asyncio.sleep(0.01)
+        assert [r.log_metrics for r in sockets.requests()] == [False] * (2 if batch else 1)
+        task.cancel()
+
+    run(body())
+
+
 def _answer_control(sockets: FakeSockets, tm: TokenizerManager, success: bool = True) -> None:
     assert isinstance(sockets.sent[-1], UnloadLoRAAdapterReq)
     tm._dispatch(LoRAUpdateReqOutput(success, "" if success else "refused"))
