@@ -98,6 +98,13 @@ class SamplingBatchInfo:
                 logits[i] = apply_request_processors(logits[i], r)
         if self.vocab_mask is not None:
             logits = logits.masked_fill(self.vocab_mask, float("-inf"))
+            # A grammar row short of min_new_tokens: EOS and the stop ids banned after its
+            # mask, wherever the grammar allows another token (it ended at its first EOS).
+            for i, r in self.processed_rows:
+                if r.grammar is not None and len(r.output_ids) < r.sampling_params.min_new_tokens:
+                    row = ban_stop_tokens(logits[i], r)
+                    if torch.isfinite(row).any():
+                        logits[i] = row
         return logits
 
 
@@ -129,7 +136,7 @@ def needs_processing(r: SamplingReq) -> bool:
         or sp.presence_penalty
         or sp.repetition_penalty != 1.0
         or sp.logit_bias
-        or (len(r.output_ids) < sp.min_new_tokens and getattr(r, "grammar", None) is None)
+        or len(r.output_ids) < sp.min_new_tokens
     )
 
 
@@ -156,16 +163,20 @@ def apply_request_processors(logits: torch.Tensor, r: SamplingReq) -> torch.Tens
         ids = torch.tensor([int(k) for k in sp.logit_bias], dtype=torch.int64, device=dev)
         vals = torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype, device=dev)
         logits = logits.index_add(0, ids, vals)
-    # A grammar decides itself when EOS is allowed; banning it could leave no token at all.
+    # (a grammar row's ban comes after its mask: apply_logits_processors)
     if len(r.output_ids) < sp.min_new_tokens and getattr(r, "grammar", None) is None:
-        banned = list(r.eos_token_ids) + list(sp.stop_token_ids or [])
-        if banned and not sp.ignore_eos:
-            logits = logits.index_fill(0, torch.tensor(banned, device=dev), float("-inf"))
-        elif sp.stop_token_ids:
-            logits = logits.index_fill(
-                0, torch.tensor(sp.stop_token_ids, device=dev), float("-inf")
-            )
+        logits = ban_stop_tokens(logits, r)
     return logits
+
+
+def ban_stop_tokens(logits: torch.Tensor, r: SamplingReq) -> torch.Tensor:
+    """min_new_tokens: EOS (unless ignore_eos) and the stop token ids forbidden in [V]."""
+    sp = r.sampling_params
+    banned = [] if sp.ignore_eos else list(r.eos_token_ids)
+    banned += list(sp.stop_token_ids or [])
+    if not banned:
+        return logits
+    return logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))
 
 
 @dataclass

@@ -105,3 +105,20 @@ def test_constrained_requests_share_the_radix_cache(engine):
     second = engine.generate(input_ids=ids, sampling_params=p)
     assert second["meta_info"]["cached_tokens"] >= len(ids) - 1
     assert first["text"] == second["text"]
+
+
+def test_min_new_tokens_holds_under_a_grammar_that_can_go_on(engine):
+    """The grammar's first EOS ended the request, min_new_tokens ignored (3 tokens for a
+    minimum of 20); where the grammar can only end (a fixed answer), it ends there."""
+    prompt = _prompt(engine, "Answer briefly.")
+    params = [
+        {"regex": r"(yes|no)( (yes|no))*", "min_new_tokens": 12, "max_new_tokens": 40},
+        {"regex": r"(yes|no)", "min_new_tokens": 12, "max_new_tokens": 40},
+    ]
+    eos = engine.tokenizer_manager.eos_token_ids
+    for p in params:  # (a model that ends wherever the grammar lets it)
+        p.update(temperature=0.0, logit_bias={str(t): 100.0 for t in eos})
+    going_on, fixed = engine.generate(input_ids=[prompt, prompt], sampling_params=params)
+    assert going_on["meta_info"]["completion_tokens"] >= 12, going_on
+    assert re.fullmatch(params[0]["regex"], going_on["text"]), going_on["text"]
+    assert fixed["text"] in ("yes", "no") and fixed["meta_info"]["finish_reason"]["type"] == "stop"

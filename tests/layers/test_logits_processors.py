@@ -211,6 +211,29 @@ def test_vocab_mask_applies_after_processors():
     assert torch.equal(got[0, 5:], reference(logits[0], reqs[0])[5:])
 
 
+@pytest.mark.parametrize("grammar_allows_more", [True, False])
+def test_min_new_tokens_bans_eos_after_a_grammar_mask_that_allows_another_token(
+    grammar_allows_more,
+):
+    """min_new_tokens was ignored with a grammar: regex (ab|cd|ef)+ and min 20 ended at 3
+    tokens, at the grammar's first EOS (SGLang's and vLLM's ban applies with grammars too).
+    Where the grammar allows nothing but EOS and the stop ids (a closed JSON object), they
+    stay allowed: a row with no token left cannot be sampled."""
+    r = make_req(output=(20,), min_new_tokens=3, stop_token_ids=[40])
+    r.grammar = object()
+    info = SamplingBatchInfo.from_reqs([r, make_req()], V, "cpu")
+    mask = torch.ones(2, V, dtype=torch.bool)
+    mask[1] = False
+    mask[0, [EOS, 40, *([9] if grammar_allows_more else [])]] = False
+    info.vocab_mask = mask
+    logits = random_logits(2)
+    logits[0, EOS] = 50.0
+    got = info.apply_logits_processors(logits)
+    allowed = torch.isfinite(got[0]).nonzero().view(-1).tolist()
+    assert allowed == ([9] if grammar_allows_more else [EOS, 40])
+    assert torch.equal(got[1], logits[1])
+
+
 def test_greedy_sampler_picks_argmax_of_processed_row():
     reqs = [
         make_req(temperature=0.0, repetition_penalty=2.0),
