@@ -188,3 +188,8 @@ def check_length(n: int, sp: SamplingParams, context_len: int, explicit: bool = 
             f"{sp.max_new_tokens} to generate), which exceeds the model's context length "
             f"of {context_len} tokens."
         )
+    if n + sp.min_new_tokens > context_len:  # (it could only end by length, short of it)
+        raise RequestError(
+            f"min_new_tokens (min_tokens) {sp.min_new_tokens} does not fit: the prompt has {n} "
+            f"tokens and the model's context length is {context_len} (at most {context_len - n})."
+        )

@@ -867,6 +867,23 @@ def test_the_servers_own_requests_reach_the_scheduler_marked(batch):
     run(body())
 
 
+def test_a_min_new_tokens_past_the_context_is_refused():
+    """min_tokens 5000 with a 1024-token context ran to `length` after 1022 tokens, short of
+    the minimum asked (vLLM refuses it)."""
+
+    async def body():
+        tm, sockets = _make_tm()  # (context 256, a prompt of 3)
+        with pytest.raises(RequestError, match=r"min_new_tokens \(min_tokens\) 254 does not"):
+            await _collect(tm, _req(min_new_tokens=254, max_new_tokens=None))
+        assert sockets.requests() == []
+        task = asyncio.create_task(_collect(tm, _req(min_new_tokens=253, max_new_tokens=None)))
+        while not sockets.requests():
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    run(body())
+
+
 def _answer_control(sockets: FakeSockets, tm: TokenizerManager, success: bool = True) -> None:
     assert isinstance(sockets.sent[-1], UnloadLoRAAdapterReq)
     tm._dispatch(LoRAUpdateReqOutput(success, "" if success else "refused"))
