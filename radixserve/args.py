@@ -473,6 +473,30 @@ class ServerArgs:
                 "--enable-hierarchical-cache does not move the draft model's KV: drop "
                 "--speculative-draft-model-path (NGRAM speculation works)"
             )
+        if self.hicache_storage_backend == "file":
+            self._check_hicache_storage_dir()
+
+    def _check_hicache_storage_dir(self) -> None:
+        """A directory, or one that can be made (found by the scheduler after the model
+        loaded, a bad one was a raw OSError and a traceback; "" wrote into the working
+        directory)."""
+        import tempfile
+
+        given = self.hicache_storage_dir
+        if not given.strip():
+            raise ValueError("--hicache-storage-dir is empty: give a directory")
+        path = os.path.abspath(os.path.expanduser(given))
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"--hicache-storage-dir {given!r} is not a directory")
+        parent = path
+        while not os.path.exists(parent):  # (the tier makes the missing ones)
+            parent = os.path.dirname(parent)
+        try:  # (a write, not os.access: that says yes to root, even on /proc)
+            os.rmdir(tempfile.mkdtemp(dir=parent))
+        except OSError as e:
+            raise ValueError(
+                f"--hicache-storage-dir {given!r}: cannot write in {parent!r} ({e.strerror})"
+            ) from None
 
     def _check_disaggregation(self) -> None:
         mode = self.disaggregation_mode

@@ -141,6 +141,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
                 self.allocator,
                 runner.token_to_kv_pool,
                 runner.model_path,
+                self.context_len,
             )
         else:
             self.tree_cache = RadixCache(

@@ -8,11 +8,12 @@ depend on besides the tokens: the model (its absolute path and the name, size an
 weight files), how it runs (dtype, quantization, dummy weights' seed, context length) and the KV
 layout, so a server never reads KV another model, or the same path's older weights, computed.
 
-A block file is a 16-byte header (magic, payload length, crc32 of the payload) and the
-payload; it is written to a temporary name and renamed, so a reader never sees half a block,
-and a block that fails its checks on read (truncated, corrupted, foreign) is a miss: its key
-leaves the index and its file is deleted, so the prefix is recomputed and written again. The
-temporary files of a server killed in the middle of a write are removed at the next start.
+A block file is a 16-byte header (magic, payload length, crc32 of the key and the payload)
+and the payload; it is written to a temporary name and renamed, so a reader never sees half a
+block, and a block that fails its checks on read (truncated, corrupted, foreign, or another
+block's file under this key) is a miss: its key leaves the index and its file is deleted, so
+the prefix is recomputed and written again. The temporary files of a server killed in the
+middle of a write are removed at the next start.
 
 The cache controller's storage thread calls get/set; the scheduler thread only asks `exists`,
 which is answered from an in-memory index (the directory listing at start-up plus what this
@@ -41,11 +42,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 STORAGE_BACKENDS = ("file",)
-# A block file's header: magic, payload bytes, crc32 of the payload. Part of the namespace, so
-# a change of format starts a new directory instead of reading old blocks as corrupt.
+# A block file's header: magic, payload bytes, crc32 of the key and the payload (block_crc).
+# Part of the namespace, so a change of format starts a new directory instead of reading old
+# blocks as corrupt.
 BLOCK_HEADER = struct.Struct("<4sQI")
 BLOCK_MAGIC = b"RSKV"
-FILE_FORMAT = 2  # 2: block keys tell no extra key from the key "None"
+# 2: block keys tell no extra key from the key "None"; 3: the checksum covers the key.
+FILE_FORMAT = 3
 # The files of a model directory whose contents decide the KV (the weights and the config).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 # A temporary block file this old was left by a process killed in the middle of a write (a
@@ -75,6 +78,12 @@ def block_hashes(
         if i >= start_block:
             out.append(h.hexdigest())
     return out
+
+
+def block_crc(key: str, data: bytes) -> int:
+    """crc32 of the key, then the payload: another block's file copied or renamed under this
+    key (well formed, the right size) fails the check instead of being served as its KV."""
+    return zlib.crc32(data, zlib.crc32(key.encode()))
 
 
 class HiCacheStorage(ABC):
@@ -140,9 +149,11 @@ class HiCacheFile(HiCacheStorage):
             return None
         if len(header) == BLOCK_HEADER.size:
             magic, length, crc = BLOCK_HEADER.unpack(header)
-            if magic == BLOCK_MAGIC and length == len(data) and crc == zlib.crc32(data):
+            if magic == BLOCK_MAGIC and length == len(data) and crc == block_crc(key, data):
                 return data
-        logger.warning("hierarchical cache: storage block %s is damaged; deleted", key)
+        logger.warning(
+            "hierarchical cache: storage block %s is damaged or another block's; deleted", key
+        )
         self.delete(key)
         return None
 
@@ -151,7 +162,7 @@ class HiCacheFile(HiCacheStorage):
         try:
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
-                f.write(BLOCK_HEADER.pack(BLOCK_MAGIC, len(data), zlib.crc32(data)))
+                f.write(BLOCK_HEADER.pack(BLOCK_MAGIC, len(data), block_crc(key, data)))
                 f.write(data)
             os.replace(tmp, self._path(key))
         except OSError as e:
@@ -262,6 +273,18 @@ def storage_namespace(
     base = os.path.basename(identity["path"].rstrip("/")) or "model"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in base)[:48]
     return f"{safe}-{digest[:16]}"
+
+
+def check_block_size(block_size: int, context_len: int, pool_tokens: int) -> None:
+    """Only whole blocks are stored: a block longer than any request can be (the context
+    length, the device KV pool) was accepted, and nothing was ever written to the storage
+    tier."""
+    if block_size > min(context_len, pool_tokens):
+        raise ValueError(
+            f"--hicache-storage-block-size {block_size} is longer than any request can be "
+            f"(the context length is {context_len} tokens, the device KV pool {pool_tokens}): "
+            "no block would ever be stored; lower it"
+        )
 
 
 def create_storage(

@@ -348,13 +348,20 @@ def create_hiradix_cache(
     allocator: TokenToKVPoolAllocator,
     kv_pool: Any,
     model_path: str,
+    context_len: int,
     clock: Callable[[], float] | None = None,
 ) -> HiRadixCache:
     """The Scheduler's tree cache with --enable-hierarchical-cache (`model_path`: the model the
-    runner loaded, part of the storage tier's namespace)."""
-    from radixserve.mem_cache.hicache_storage import create_storage, model_identity
+    runner loaded, part of the storage tier's namespace; `context_len`: the longest request)."""
+    from radixserve.mem_cache.hicache_storage import (
+        check_block_size,
+        create_storage,
+        model_identity,
+    )
 
     sa = server_args
+    if sa.hicache_storage_backend is not None:
+        check_block_size(sa.hicache_storage_block_size, context_len, allocator.size)
     buffers = device_kv_buffers(kv_pool)
     size = host_pool_tokens(
         allocator.size,

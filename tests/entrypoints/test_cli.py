@@ -67,6 +67,11 @@ BAD_FLAGS = [
     (["--enable-hierarchical-cache", "--hicache-ratio", "nan"], "--hicache-ratio must be > 0"),
     (["--enable-hierarchical-cache", "--hicache-ratio", "inf"], "--hicache-ratio must be > 0"),
     (["--enable-hierarchical-cache", "--hicache-ratio", "0.5"], "--hicache-ratio 0.5: the host"),
+    (  # (found after the model loaded: "" wrote into the working directory)
+        ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+        + ["--hicache-storage-dir", ""],
+        "--hicache-storage-dir is empty",
+    ),
     (["--node-rank", "5"], "--node-rank 5 needs --nnodes > 5"),
     (["--model-path", "/nonexistent/model"], "--model-path '/nonexistent/model' does not exist"),
     (["--tokenizer-path", "/nonexistent/tok"], "--tokenizer-path '/nonexistent/tok' does not"),

@@ -194,25 +194,29 @@ def damage_prompt_and_plain(tiny_model) -> tuple[list[int], list[int]]:
         return prompt, plain.generate(input_ids=prompt, sampling_params=_params())["output_ids"]
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "swap"])
 def test_damaged_blocks_are_recomputed_and_rewritten(
     tiny_model, tmp_path, damage, damage_prompt_and_plain
 ):
-    """Block files damaged between runs (random bytes of the right size; cut in half): the
-    restarted engine reads none of them, computes the prompt (outputs equal a plain
-    engine's) and writes its blocks again, whole and readable."""
+    """Block files damaged between runs (random bytes of the right size; cut in half; each
+    one another block's well-formed file): the restarted engine reads none of them, computes
+    the prompt (outputs equal a plain engine's) and writes its blocks again, whole and
+    readable."""
     prompt, want = damage_prompt_and_plain
     _write_blocks(tiny_model, tmp_path, prompt)
     (namespace,) = os.listdir(tmp_path)
     files = [tmp_path / namespace / f for f in os.listdir(tmp_path / namespace)]
     assert len(files) == 4
     rng = random.Random(0)
-    for f in files:
+    contents = [f.read_bytes() for f in files]
+    for i, f in enumerate(files):
         size = f.stat().st_size
         if damage == "corrupt":
             f.write_bytes(bytes(rng.randrange(256) for _ in range(size)))
-        else:
+        elif damage == "truncate":
             f.write_bytes(f.read_bytes()[: size // 2])
+        else:  # (served as its own, it gave wrong outputs on every later server)
+            f.write_bytes(contents[(i + 1) % len(files)])
     with _engine(tiny_model, **file_storage_flags(tmp_path)) as second:
         got = second.generate(input_ids=prompt, sampling_params=_params())
         _wait_for_storage_writes(second, 128)  # the recomputed blocks, written again

@@ -47,6 +47,27 @@ def test_invalid_combinations_are_rejected(flags, message):
         ServerArgs(**flags)
 
 
+def test_a_storage_dir_that_cannot_be_written_is_refused_at_start(tmp_path):
+    """Found by the scheduler after the model loaded, such a directory was a raw OSError and a
+    traceback, and "" wrote the blocks into the server's working directory."""
+    a_file = tmp_path / "file"
+    a_file.write_bytes(b"")
+    refused = {
+        "": "--hicache-storage-dir is empty",
+        str(a_file): "is not a directory",
+        str(a_file / "kv"): f"cannot write in '{a_file}'",
+    }
+    if os.path.isdir("/proc"):  # (os.access says yes to root there)
+        refused["/proc/kv"] = "cannot write in '/proc'"
+    for directory, message in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ServerArgs(**STORAGE, hicache_storage_dir=directory)
+    new = tmp_path / "new" / "kv"
+    assert ServerArgs(**STORAGE, hicache_storage_dir=str(new))  # made by the tier, later
+    assert ServerArgs(**STORAGE, hicache_storage_dir=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # the check leaves nothing behind
+
+
 @pytest.mark.parametrize("page, block", [(16, 64), (48, 96), (128, 128)])
 def test_any_page_size_serves_the_hierarchical_cache(page, block):
     """--page-size 128 was refused for the storage block size's default (64), a flag the
@@ -73,6 +94,16 @@ def test_host_tier_smaller_than_the_device_pool_is_rejected():
     assert host_pool_tokens(1000, 1024, ratio=2.0, size_gb=0.001, page_size=1) == 1048
     with pytest.raises(ValueError, match="at least the device KV pool"):
         FakeRun(total_tokens=512, enable_hierarchical_cache=True, hicache_ratio=0.5)
+
+
+@pytest.mark.parametrize("device_tokens, block", [(8192, 4096), (512, 1024)])
+def test_a_storage_block_longer_than_any_request_is_refused(tmp_path, device_tokens, block):
+    """Past the context length or the device pool, no request
+    fills a block: it was accepted and the storage tier was never written."""
+    flags = {**STORAGE, "hicache_storage_dir": str(tmp_path), "hicache_storage_block_size": block}
+    with pytest.raises(ValueError, match=f"block-size {block} is longer than any request"):
+        FakeRun(total_tokens=device_tokens, **flags)
+    assert not os.listdir(tmp_path)  # refused before the tier was made
 
 
 def test_block_hashes_chain_over_the_prefix():
@@ -121,6 +152,20 @@ def test_a_damaged_block_file_is_a_miss_and_is_deleted(tmp_path, damage):
     assert store.get("k") is None
     assert not store.exists("k") and not path.exists()  # so it is computed and written again
     assert store.set("k", data) and store.get("k") == data
+
+
+def test_another_blocks_file_under_a_key_is_a_miss_and_is_deleted(tmp_path):
+    """A well-formed block copied over another key's file (same size, valid header) was
+    served as that key's KV: wrong outputs, on every later server of the directory."""
+    store = HiCacheFile(str(tmp_path), "ns")
+    mine, other = os.urandom(4096), os.urandom(4096)
+    assert store.set("mine", mine) and store.set("other", other)
+    path = tmp_path / "ns" / "mine.kv"
+    path.write_bytes((tmp_path / "ns" / "other.kv").read_bytes())
+    assert store.get("mine") is None
+    assert not store.exists("mine") and not path.exists()
+    assert store.get("other") == other
+    assert store.set("mine", mine) and store.get("mine") == mine
 
 
 def test_temporary_files_of_a_killed_writer_are_removed_at_start(tmp_path):
