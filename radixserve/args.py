@@ -335,6 +335,10 @@ class ServerArgs:
         if self.api_key is not None and self.api_key != self.api_key.strip():
             # (HTTP trims a header's value, and httpx or OpenAI's client refuse to send it)
             raise ValueError("--api-key starts or ends with whitespace, which no client can send")
+        if self.api_key is not None and not all(" " <= c <= "~" for c in self.api_key):
+            # (an HTTP header carries Latin-1 at most: httpx, OpenAI's client and browsers send
+            # ASCII; every request was a 401)
+            raise ValueError("--api-key must be printable ASCII, which any client can send")
         self._check_environment()
         if self.chat_template is not None:
             check_chat_template(self.chat_template)

@@ -53,6 +53,8 @@ BAD_FLAGS = [
     (["--api-key", " "], "--api-key is empty"),  # (no client can send it)
     (["--served-model-name", ""], "--served-model-name is empty"),
     (["--api-key", "sekrit "], "--api-key starts or ends with whitespace"),  # (a 401 always)
+    (["--api-key", "s€krit"], "--api-key must be printable ASCII"),
+    (["--api-key", "se\tkrit"], "--api-key must be printable ASCII"),
     (
         ["--dp-size", "100000"],
         "--dp-size 100000 is more than 8 replicas per CPU",
