@@ -369,6 +369,7 @@ def create_hiradix_cache(
         sa.hicache_ratio,
         sa.hicache_size,
         sa.page_size,
+        replicas=sa.dp_size,  # (all on this host: the hierarchical cache refuses TP, so nnodes)
     )
     host_pool = HostKVPool(buffers, size, sa.page_size)
     storage = None

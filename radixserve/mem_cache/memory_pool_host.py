@@ -103,12 +103,18 @@ def device_kv_buffers(kv_pool: Any) -> list[torch.Tensor]:
 
 
 def host_pool_tokens(
-    device_tokens: int, bytes_per_token: int, ratio: float, size_gb: float, page_size: int
+    device_tokens: int,
+    bytes_per_token: int,
+    ratio: float,
+    size_gb: float,
+    page_size: int,
+    replicas: int = 1,
 ) -> int:
     """--hicache-size GB when > 0, else --hicache-ratio × the device pool; whole pages, at
     least the device pool (every device node may need its host copy), and within the host's
     available memory (as SGLang checks: an absurd value failed as a raw allocation error, or
-    a size past the RAM was zero-filled until the OOM killer came)."""
+    a size past the RAM was zero-filled until the OOM killer came), with the tiers of the
+    other `replicas` (--dp-size) starting beside it (each checked the whole memory alone)."""
     if size_gb > 0:
         n = int(size_gb * 2**30) // bytes_per_token
         flag = f"--hicache-size {size_gb:g}"
@@ -122,10 +128,11 @@ def host_pool_tokens(
             f"pool ({device_tokens} tokens): raise --hicache-ratio (>= 1) or --hicache-size"
         )
     available = available_host_bytes()
-    if available is not None and n * bytes_per_token > available:
+    if available is not None and n * bytes_per_token * replicas > available:
+        tiers = f" (× {replicas} replicas of --dp-size)" if replicas > 1 else ""
         raise ValueError(
-            f"{flag} asks for a {n * bytes_per_token / 2**30:.1f} GiB host tier; this machine "
-            f"has {available / 2**30:.1f} GiB available: lower it"
+            f"{flag} asks for a {n * bytes_per_token / 2**30:.1f} GiB host tier{tiers}; this "
+            f"machine has {available / 2**30:.1f} GiB available: lower it"
         )
     return n
 

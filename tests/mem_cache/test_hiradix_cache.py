@@ -87,6 +87,18 @@ def test_a_host_tier_past_the_hosts_memory_is_refused_naming_the_flag(ratio, siz
         host_pool_tokens(1000, 64, ratio=ratio, size_gb=size_gb, page_size=1)
 
 
+def test_the_host_tiers_of_dp_replicas_are_checked_together(monkeypatch):
+    """Each --dp-size replica checked its tier against the whole available memory alone, and
+    they start together: two tiers of 60 % each passed, and zero-filled past the RAM."""
+    monkeypatch.setattr(
+        "radixserve.mem_cache.memory_pool_host.available_host_bytes", lambda: 100 * 2**30
+    )
+    one = int(60 * 2**30) // 64
+    assert host_pool_tokens(1000, 64, ratio=one / 1000, size_gb=0, page_size=1) == one
+    with pytest.raises(ValueError, match=r"host tier \(× 2 replicas of --dp-size\)"):
+        host_pool_tokens(1000, 64, ratio=one / 1000, size_gb=0, page_size=1, replicas=2)
+
+
 def test_host_tier_smaller_than_the_device_pool_is_rejected():
     with pytest.raises(ValueError, match="at least the device KV pool"):
         host_pool_tokens(1000, 64, ratio=0.5, size_gb=0, page_size=1)
