@@ -110,8 +110,8 @@ def test_host_tier_smaller_than_the_device_pool_is_rejected():
 
 @pytest.mark.parametrize("device_tokens, block", [(8192, 4096), (512, 1024)])
 def test_a_storage_block_longer_than_any_request_is_refused(tmp_path, device_tokens, block):
-    """Past the context length or the device pool, no request
-    fills a block: it was accepted and the storage tier was never written."""
+    """Past the context length or the device pool, no request fills a block: it was
+    accepted and the storage tier was never written."""
     flags = {**STORAGE, "hicache_storage_dir": str(tmp_path), "hicache_storage_block_size": block}
     with pytest.raises(ValueError, match=f"block-size {block} is longer than any request"):
         FakeRun(total_tokens=device_tokens, **flags)
