@@ -131,17 +131,21 @@ class LoRAConfig:
         # PEFT's LoraConfig writes lora_alpha; a config without it means PEFT's default, 8
         # (not r: the adapter's scale came out r / 8 times PEFT's).
         r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)
-        if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
-            raise LoRAError(
-                f"LoRA adapter {path!r}: r must be a positive integer, lora_alpha a number"
-            )
+        rslora = cfg.get("use_rslora", False)
+        # (bool is an int to Python: "r": true was rank 1; "use_rslora": "false" was true)
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise LoRAError(f"LoRA adapter {path!r}: r must be a positive integer, got {r!r}")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise LoRAError(f"LoRA adapter {path!r}: lora_alpha must be a number, got {alpha!r}")
+        if not isinstance(rslora, bool):
+            raise LoRAError(f"LoRA adapter {path!r}: use_rslora must be true or false")
         try:
             alpha = float(alpha)  # an integer beyond a float's range overflows
         except OverflowError:
             alpha = math.inf
         if not math.isfinite(alpha):
             raise LoRAError(f"LoRA adapter {path!r}: lora_alpha must be finite, got {alpha}")
-        return cls(r=r, alpha=alpha, use_rslora=bool(cfg.get("use_rslora", False)))
+        return cls(r=r, alpha=alpha, use_rslora=rslora)
 
 
 @dataclass

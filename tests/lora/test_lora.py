@@ -389,6 +389,9 @@ def _shape(tiny) -> ModelShape:
         ({"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
         ({"bias": "all"}, None, "biases"),
         ({"r": 0}, None, "positive integer"),
+        ({"r": True}, None, "positive integer"),  # (bool is an int: it was rank 1)
+        ({"lora_alpha": "16"}, None, "lora_alpha must be a number"),
+        ({"use_rslora": "false"}, None, "use_rslora must be true or false"),  # (it was true)
         ({"lora_alpha": float("inf")}, None, "lora_alpha must be finite"),
         ({"lora_alpha": float("nan")}, None, "lora_alpha must be finite"),
         ({"lora_alpha": 10**400}, None, "lora_alpha must be finite"),  # (OverflowError)
