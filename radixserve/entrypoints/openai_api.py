@@ -201,8 +201,10 @@ def completion_to_generate(
 
 
 def routing_fields(req: Any) -> dict[str, Any]:
-    """What SGLang's router adds (see RoutingFields): the P/D pairing, the --dp-aware rank."""
+    """What SGLang's router adds (see RoutingFields): the P/D pairing, the --dp-aware rank;
+    and the request's priority."""
     return {
+        "priority": req.priority,
         "bootstrap_host": req.bootstrap_host,
         "bootstrap_port": req.bootstrap_port,
         "bootstrap_room": req.bootstrap_room,

@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     create_model,
     field_serializer,
     field_validator,
@@ -204,6 +205,7 @@ class SamplingFields(RoutingFields):
     model: str | None = None
     # A LoRA adapter by name (SGLang's field; `model` may name it too), one per prompt or one.
     lora_path: str | list[str | None] | None = None
+    priority: StrictInt | None = None  # SGLang's: --schedule-policy priority, larger first
     n: Annotated[int, RANGES["n"]] = 1
     temperature: Annotated[float | None, RANGES["temperature"]] = None
     top_p: Annotated[float | None, RANGES["top_p"]] = None
@@ -414,7 +416,7 @@ class GenerateRequest(RoutingFields):
     top_logprobs_num: TopLogprobs | list[TopLogprobs] = 0
     logprob_start_len: LogprobStart | list[LogprobStart] = -1  # -1: no prompt logprobs
     return_text_in_logprobs: bool = False
-    priority: int | None = None
+    priority: StrictInt | None = None  # (true, "5" and 2.0 were taken: the Engine refuses them)
     lora_path: str | list[str | None] | None = None  # a LoRA adapter's name, or one per prompt
     # Added by SGLang's router; no-ops here (the model is the one this server serves).
     model: str | None = Field(None, exclude=True)

@@ -614,3 +614,21 @@ def test_overload_is_a_503_with_retry_after(make_client, fake_tm, path, body):
     assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
     assert resp.json()["error"]["type"] == "service_unavailable"
     assert "overloaded" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+def test_priority_reaches_the_scheduler_and_must_be_an_integer(fake_tm, make_client, path):
+    """SGLang's completion and chat requests take `priority` (--schedule-policy priority): a
+    400 here ("unsupported field"); /generate took true, "5" and 2.0 as integers."""
+    body = {
+        "/v1/completions": {"prompt": "ab", "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+        "/generate": {"text": "ab"},
+    }[path]
+    with make_client(fake_tm) as client:
+        r = client.post(path, json={**body, "priority": -7})
+        assert r.status_code == 200, r.text
+        assert fake_tm.requests[-1].priority == -7
+        for bad in (True, "5", 2.0):
+            r = client.post(path, json={**body, "priority": bad})
+            assert r.status_code == 400 and "priority" in r.text, (bad, r.text)
