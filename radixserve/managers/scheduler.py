@@ -633,14 +633,19 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
     def refuse_past_queue_limit(self) -> None:
         """--max-queued-requests: new requests that this round could not start wait, up to
         that many; the latest to arrive past it get a 503 now (SGLang bounds its waiting queue
-        alike). Retracted requests are not new: they always wait."""
+        alike), or with --schedule-policy priority the lowest-ranked (SGLang's: a newcomer
+        that ranks higher takes the place of one that ranks lower; on a tie, it is refused).
+        Retracted requests are not new: they always wait."""
         limit = self.server_args.max_queued_requests
         if limit is None:
             return
         new = [r for r in self.waiting_queue if not r.admitted]
         if len(new) <= limit:
             return
-        new.sort(key=lambda r: r.arrival_time)
+        if self.server_args.schedule_policy == "priority":
+            new.sort(key=lambda r: (-(r.priority or 0), r.arrival_time))
+        else:
+            new.sort(key=lambda r: r.arrival_time)
         for req in new[limit:]:
             self.waiting_queue.remove(req)
             message = f"the request queue is full ({limit} waiting, --max-queued-requests)"

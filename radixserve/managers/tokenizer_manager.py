@@ -78,6 +78,7 @@ class ReqState:
     # GenerateReqInput.router_merges_prompt_logprobs: the prompt's token logprobs are left out
     omit_input_logprobs: bool = False
     log_metrics: bool = True  # GenerateReqInput.log_metrics
+    priority: int = 0  # GenerateReqInput.priority (None: 0, as --schedule-policy priority)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.monotonic)
     last_time: float = 0.0
@@ -580,7 +581,8 @@ class TokenizerManager:
                 f"a batch of {len(rids)} requests (prompts times n) is more than the "
                 f"{limit} this server holds at once (--max-queued-requests); split it"
             )
-        if limit is not None and len(self.rid_to_state) + len(rids) > limit:
+        full = limit is not None and len(self.rid_to_state) + len(rids) > limit
+        if full and not self._outranks_one_in_flight(tokenized_list[0].priority):
             raise RequestError(
                 f"the server is overloaded: more than {limit} requests in flight "
                 "(--max-queued-requests); retry later",
@@ -588,12 +590,21 @@ class TokenizerManager:
                 {"Retry-After": str(RETRY_AFTER_S)},
             )
 
+    def _outranks_one_in_flight(self, priority: int | None) -> bool:
+        """--schedule-policy priority: a request that ranks above one in flight passes the
+        bound; the scheduler refuses the lowest-ranked waiting request instead (a
+        high-priority request was refused while low-priority ones waited)."""
+        if self.server_args.schedule_policy != "priority" or not self.rid_to_state:
+            return False
+        return (priority or 0) > min(s.priority for s in self.rid_to_state.values())
+
     def _register(
         self, tokenized: TokenizedGenerateReqInput, log_metrics: bool, received: float
     ) -> ReqState:
         state = ReqState(tokenized.rid, tokenized.stream, len(tokenized.input_ids))
         state.created = received
         state.log_metrics = log_metrics
+        state.priority = tokenized.priority or 0
         state.lora_id = tokenized.lora_id
         state.return_logprob = tokenized.return_logprob
         if tokenized.return_logprob and tokenized.return_text_in_logprobs:

@@ -420,6 +420,31 @@ def test_max_queued_requests_bounds_the_requests_waiting_for_kv(overlap):
     assert run.s.stats.num_retractions > 0
 
 
+def test_with_the_priority_policy_the_queue_bound_refuses_the_lowest_ranked():
+    """The latest arrivals were refused whatever their priority: a priority-100 request got
+    a 503 while priority-0 ones waited. Now, as in SGLang, the lowest-ranked wait no longer
+    (the newest of a rank first)."""
+    from radixserve.io_struct import TokenizedGenerateReqInput
+
+    run = Run(total_tokens=200, max_running=16, schedule_policy="priority", max_queued_requests=2)
+    priorities = [0, 0, 0, 0, 0, 0, 5, 0, 9, 5]
+    for i, priority in enumerate(priorities):
+        sp = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+        msg = TokenizedGenerateReqInput(f"r{i}", None, [10 + i] * 40, sp, priority=priority)
+        run.s.process_input_requests([msg])
+    run.step()
+    refused = sorted(rid for rid, r in run.reasons().items() if r.get("status_code") == 503)
+    waiting = sorted(r.rid for r in run.s.waiting_queue if not r.admitted)
+    started = [r.rid for r in run.s.last_batch.reqs]
+    assert started and set(started) <= {"r8", "r6", "r9"}  # (the ranks' order: 9, 5, 5)
+    rank = sorted(range(10), key=lambda i: (-priorities[i], i))
+    kept = [f"r{i}" for i in rank if f"r{i}" not in started][:2]
+    assert waiting == sorted(kept)
+    assert refused == sorted({f"r{i}" for i in range(10)} - set(started) - set(kept))
+    assert "r9" not in refused and "r6" not in refused
+    run.drain()
+
+
 def test_a_request_that_does_not_stream_sends_its_tokens_every_50():
     """A request that does not stream sent nothing until it finished: a server busy with
     long ones showed no output, and /health_generate answered 503 after 60 s. It sends every

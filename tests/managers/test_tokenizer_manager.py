@@ -382,6 +382,29 @@ def test_past_the_queue_bound_a_request_gets_503_at_once():
     run(body())
 
 
+def test_with_the_priority_policy_a_request_that_outranks_one_in_flight_passes_the_bound():
+    """A priority-100 request got the 503 while priority-0 ones waited; it goes to the
+    scheduler now, which refuses the lowest-ranked waiting request instead."""
+
+    async def body():
+        tm, sockets = _make_tm(max_queued_requests=1, schedule_policy="priority")
+        tasks = [asyncio.create_task(_collect(tm, _req())) for _ in range(3)]
+        await _settle()
+        for obj in (_req(), GenerateReqInput(input_ids=[5, 6], priority=0)):
+            with pytest.raises(RequestError) as e:
+                await _collect(tm, obj)
+            assert e.value.status_code == 503
+        high = GenerateReqInput(input_ids=[5, 6], priority=100, rid="high")
+        tasks.append(asyncio.create_task(_collect(tm, high)))
+        await _settle()
+        assert [t.rid for t in sockets.requests()][-1] == "high"
+        for t in sockets.requests():
+            await sockets.inbox.put(_output(t.rid, "ok", [1], LENGTH))
+        assert [o["text"] for o in await asyncio.gather(*tasks)] == ["ok"] * 4
+
+    run(body())
+
+
 def test_a_batch_larger_than_the_queue_bound_is_a_400_even_when_idle():
     """It got a 503 with Retry-After: 1 on an idle server; no retry could ever pass."""
 
