@@ -311,11 +311,14 @@ class GgufHeader:
 
     metadata: dict[str, Any]
     size_needed: int
+    tensor_types: frozenset[GGMLQuantizationType] = frozenset()
 
 
 def read_gguf_header(path: str) -> GgufHeader | None:
     """The header alone (GGUFReader maps and indexes every tensor: seconds for a large file);
-    None where it is not one this reads (GGUF v2/v3, little-endian) or is itself cut short."""
+    None where it is not one this reads (GGUF v2/v3, little-endian). A header that cannot be
+    read is a ValueError: the header holds the vocabulary (megabytes), so a download that
+    stopped early ends there (the loader failed with a raw struct error after the start)."""
     import struct
 
     scalars = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
@@ -351,6 +354,12 @@ def read_gguf_header(path: str) -> GgufHeader | None:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF" or take(f, "<I") not in (2, 3):
                 return None
+    except (OSError, EOFError, struct.error):
+        return None
+    types: set[GGMLQuantizationType] = set()
+    try:
+        with open(path, "rb") as f:
+            f.seek(8)
             n_tensors, n_pairs = take(f, "<Q"), take(f, "<Q")
             metadata: dict[str, Any] = {}
             for _ in range(n_pairs):
@@ -367,13 +376,19 @@ def read_gguf_header(path: str) -> GgufHeader | None:
                 numel = 1
                 for _ in range(take(f, "<I")):
                     numel *= take(f, "<Q")
-                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(take(f, "<I"))]
+                kind = GGMLQuantizationType(take(f, "<I"))
+                types.add(kind)
+                block, block_bytes = GGML_QUANT_SIZES[kind]
                 data_end = max(data_end, take(f, "<Q") + numel // block * block_bytes)
             align = metadata.get("general.alignment", 32)
             start = -(-f.tell() // align) * align
-    except (OSError, EOFError, KeyError, ValueError, struct.error, OverflowError):
-        return None
-    return GgufHeader(metadata, start + data_end)
+    except (OSError, EOFError, KeyError, ValueError, struct.error, OverflowError) as e:
+        why = "it ends inside it" if isinstance(e, (EOFError, struct.error)) else repr(e)
+        raise ValueError(
+            f"the GGUF file {path} is cut short or damaged: its header cannot be read ({why}; "
+            "a download or copy that did not finish?)"
+        ) from None
+    return GgufHeader(metadata, start + data_end, frozenset(types))
 
 
 def check_gguf_header(path: str, tp_size: int = 1) -> None:
@@ -391,12 +406,30 @@ def check_gguf_header(path: str, tp_size: int = 1) -> None:
             f"the GGUF file {path} is cut short: {size} bytes of the {header.size_needed} its "
             "tensors need (a download or copy that did not finish?)"
         )
+    for kind in sorted(header.tensor_types):
+        if not _dequantizable(kind):
+            raise ValueError(
+                f"the GGUF file {path} holds tensors of quant type {kind.name}, which the "
+                "installed gguf package cannot dequantize"
+            )
     heads = header.metadata.get(f"{arch}.attention.head_count")
     if tp_size > 1 and isinstance(heads, int):
         from radixserve.distributed.parallel_state import local_head_counts
 
         kv_heads = header.metadata.get(f"{arch}.attention.head_count_kv", heads)
         local_head_counts(heads, kv_heads, tp_size)
+
+
+@functools.cache
+def _dequantizable(kind: GGMLQuantizationType) -> bool:
+    """Whether _dequantize reads this type: one block of zeros tried (the loader's
+    NotImplementedError came after the start-up, with a traceback)."""
+    _, block_bytes = GGML_QUANT_SIZES[kind]
+    try:
+        dequantize(np.zeros(block_bytes, dtype=np.uint8), kind)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _metadata(reader: GGUFReader, key: str) -> Any:

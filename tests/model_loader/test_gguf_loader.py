@@ -398,6 +398,33 @@ def test_a_cut_short_gguf_and_heads_tp_cannot_split_are_refused_before_start(
         f.truncate(size - 1)
     with pytest.raises(ValueError, match=f"cut short: {size - 1} bytes of the {size}"):
         check_model_config(str(tiny), "auto", None)
+    # Cut inside the header (it holds the vocabulary: megabytes): a raw struct error and a
+    # traceback from the loader, after the start-up.
+    with open(tiny, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="cut short or damaged: its header cannot be read"):
+        check_model_config(str(tiny), "auto", None)
+
+
+def test_a_quant_type_the_gguf_package_cannot_read_is_refused_before_start(
+    tmp_path: Path,
+) -> None:
+    """Q8_1 failed with NotImplementedError and a traceback after 10 s of loading."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from radixserve.model_loader.loader import check_model_config
+
+    path = tmp_path / "q81.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+    raw = np.zeros((4, 2 * block_bytes), dtype=np.uint8)  # 4 rows of 2 blocks
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=GGMLQuantizationType.Q8_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="quant type Q8_1, which the installed gguf package"):
+        check_model_config(str(path), "auto", None)
 
 
 def test_heads_tp_cannot_split_are_refused_before_start_for_a_directory(tmp_path: Path) -> None:
