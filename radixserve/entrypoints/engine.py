@@ -163,8 +163,16 @@ class Subprocesses:
         return infos[0]
 
     def _check_stop(self) -> None:
+        """Between the polls of a start-up wait: interrupted, or the detokenizer dead already
+        (it was found only once the schedulers had loaded the model: minutes, for a large
+        one)."""
         if self._stop is not None and self._stop.is_set():
             raise StartupInterrupted("the start-up was interrupted")
+        detokenizer = self.detokenizer
+        if detokenizer is not None and detokenizer.exitcode is not None:
+            raise RuntimeError(
+                f"the detokenizer exited during start-up (code {detokenizer.exitcode})"
+            )
 
     def _wait_ready(self, pipe: Any, proc: mp.Process, name: str) -> dict[str, Any]:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

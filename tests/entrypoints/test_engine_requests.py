@@ -596,3 +596,21 @@ def test_sglangs_sampling_param_names(engine):
     assert got["output_ids"] == want["output_ids"]
     with pytest.raises(RequestError, match="stop_regex is not supported"):
         engine.generate(input_ids=[5], sampling_params={"stop_regex": ["a+"]})
+
+
+def test_a_detokenizer_dead_during_the_model_load_fails_the_start_at_once():
+    """The start-up waited for the scheduler's "ready" (the model loaded: minutes for a large
+    one) before it looked at the detokenizer, killed 8 s in."""
+    from types import SimpleNamespace
+
+    from radixserve.entrypoints.engine import Subprocesses
+
+    procs = object.__new__(Subprocesses)
+    procs._stop = None
+    procs.detokenizer = SimpleNamespace(exitcode=-9)
+    loading = SimpleNamespace(is_alive=lambda: True, exitcode=None)
+    silent = SimpleNamespace(poll=lambda timeout: time.sleep(timeout) or False)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"the detokenizer exited during start-up \(code -9\)"):
+        procs._wait_ready(silent, loading, "scheduler")
+    assert time.monotonic() - start < 5
