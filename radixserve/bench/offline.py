@@ -40,13 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns = build_parser().parse_args(argv)
     from radixserve.entrypoints.engine import Engine
+    from radixserve.managers.tokenizer_utils import load_tokenizer_for
+    from radixserve.model_loader.loader import check_model_files
     from radixserve.utils import configure_logging
 
     configure_logging(ns.log_level)
     extra = ns.extra_sampling_params
-    with Engine(ServerArgs.from_cli_args(ns)) as engine:
-        ns.tokenize_prompt = True  # the Engine takes token ids
-        reqs = datasets.build_dataset(ns, engine.tokenizer)
+    args = ServerArgs.from_cli_args(ns)
+    check_model_files(args)
+    ns.tokenize_prompt = True  # the Engine takes token ids
+    # (before the model loads: a bad --dataset-path was found a minute into the run)
+    reqs = datasets.build_dataset(ns, load_tokenizer_for(args))
+    with Engine(args) as engine:
         params = [
             {
                 "max_new_tokens": r.output_len,

@@ -69,12 +69,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     from radixserve.managers.tokenizer_utils import load_tokenizer_for
     from radixserve.model_executor.model_runner import ModelRunner
+    from radixserve.model_loader.loader import check_model_files
     from radixserve.utils import configure_logging
 
     configure_logging(ns.log_level)
     if ns.window < 2:
         raise SystemExit("--window must be at least 2")
     args = ServerArgs.from_cli_args(ns)
+    check_model_files(args)  # (a directory without config.json was a tokenizer error)
     need = kv_pool_tokens(1, ns.window + 8, args.page_size)  # one window, in whole pages
     if args.max_total_tokens is None or args.max_total_tokens < need:
         args = dataclasses.replace(args, max_total_tokens=need)

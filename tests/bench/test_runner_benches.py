@@ -102,3 +102,25 @@ def test_overheads_pure_step_runs_with_pages_larger_than_one(tiny):
     runner = ModelRunner(pure_step_args(base, 20, 6))
     result = one_batch.run_case(runner, 1, 20, 6)
     assert result["median_decode_latency_s"] > 0
+
+
+def test_perplexity_and_offline_refuse_bad_inputs_before_loading_a_model(tmp_path, monkeypatch):
+    """perplexity of a directory without config.json said that sentencepiece or tiktoken was
+    missing; offline read its --dataset-path only once the Engine had loaded the model."""
+    from radixserve.bench import offline
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="without config.json"):
+        perplexity.main(["--model-path", str(empty), "--device", "cpu"])
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the model was loaded before the dataset was read")
+
+    monkeypatch.setattr("radixserve.entrypoints.engine.Engine", no_engine)
+    tiny = make_tiny_served_model(str(tmp_path / "tiny"))
+    with pytest.raises((ValueError, OSError), match="nope.json"):
+        offline.main(
+            ["--model-path", tiny, "--device", "cpu", "--dataset-name", "sharegpt",
+             "--dataset-path", str(tmp_path / "nope.json"), "--num-prompts", "2"]
+        )  # fmt: skip
