@@ -912,18 +912,24 @@ def _answer_control(sockets: FakeSockets, tm: TokenizerManager, success: bool = 
     tm._dispatch(LoRAUpdateReqOutput(success, "" if success else "refused"))
 
 
+async def _adapter_request_running() -> tuple[TokenizerManager, FakeSockets, asyncio.Task]:
+    """A TokenizerManager serving adapter "a", and request "r" of it in flight."""
+    tm, sockets = _make_tm()
+    _with_adapter(tm)
+    obj = _req("r")
+    obj.lora_path = "a"
+    running = asyncio.create_task(_collect(tm, obj))
+    await _settle()
+    return tm, sockets, running
+
+
 def test_an_unload_refuses_new_requests_and_waits_for_those_in_flight():
     """The unload was refused while any request of the adapter was in flight, and requests
     kept being admitted meanwhile: under steady traffic it almost never passed (1 try in 366).
     As in SGLang, new requests are refused from its start, and it waits for the others."""
 
     async def body():
-        tm, sockets = _make_tm()
-        _with_adapter(tm)
-        obj = _req("r")
-        obj.lora_path = "a"
-        running = asyncio.create_task(_collect(tm, obj))
-        await _settle()
+        tm, sockets, running = await _adapter_request_running()
         unload = asyncio.create_task(tm.unload_lora_adapter("a"))
         await asyncio.sleep(0.1)
         assert not unload.done()
@@ -951,14 +957,9 @@ def test_an_unload_waits_for_the_requests_whose_clients_left(monkeypatch):
     monkeypatch.setattr("radixserve.managers.tokenizer_manager.LORA_UNLOAD_WAIT_S", 0.2)
 
     async def body():
-        tm, sockets = _make_tm()
-        _with_adapter(tm)
-        obj = _req("r")
-        obj.lora_path = "a"
-        task = asyncio.create_task(_collect(tm, obj))
-        await _settle()
+        tm, sockets, running = await _adapter_request_running()
         tm.abort_request("r")
-        task.cancel()
+        running.cancel()
         out = await tm.unload_lora_adapter("a")
         assert (
             not out.success and "1 requests still use LoRA adapter 'a' after 0.2 s" in out.message
@@ -971,12 +972,7 @@ def test_an_unload_waits_for_the_requests_whose_clients_left(monkeypatch):
 
 def test_an_unload_whose_client_leaves_while_it_waits_keeps_the_adapter():
     async def body():
-        tm, sockets = _make_tm()
-        _with_adapter(tm)
-        obj = _req("r")
-        obj.lora_path = "a"
-        running = asyncio.create_task(_collect(tm, obj))
-        await _settle()
+        tm, _, running = await _adapter_request_running()
         unload = asyncio.create_task(tm.unload_lora_adapter("a"))
         await asyncio.sleep(0.05)
         assert "a" not in tm.lora_keys
