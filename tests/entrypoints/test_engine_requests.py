@@ -151,11 +151,12 @@ def test_ctrl_c_in_a_blocking_generate_aborts_its_request(engine):
 
 def test_stream_items_are_snapshots_the_caller_may_keep(engine):
     """Each item holds the tokens (and logprobs) as of its own output, not a list the engine's
-    thread goes on extending."""
-    params = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}
+    thread goes on extending. (A reader slower than the engine gets only the latest output:
+    on a loaded machine the stream may be one item.)"""
+    params = {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0}
 
     def check(items: list) -> None:
-        assert len(items) > 1
+        assert items and items[-1]["meta_info"]["completion_tokens"] == 48
         for item in items:
             n = item["meta_info"]["completion_tokens"]
             assert len(item["output_ids"]) == n

@@ -138,7 +138,7 @@ def _drained(info: dict[str, Any]) -> bool:
         and info["queued"] == 0
         and free == info["max_total_num_tokens"]
         and info["protected_tokens"] == 0
-        and info["free_request_rows"] == info["max_running_requests_total"]
+        and info["free_request_rows"] == info["max_running_requests"]
     )
 
 
