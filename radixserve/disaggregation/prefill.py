@@ -55,9 +55,10 @@ class TooLate(RuntimeError):
 
 
 def _adapter_name(key: str | None) -> str:
+    """adapter_of's key ("lora:<name>:<hash of its files>"; a name may hold colons) in words."""
     if key is None:
         return "the base model"
-    _, name, digest = key.rsplit(":", 2) if key.count(":") >= 2 else ("", key, "")
+    name, _, digest = key.removeprefix("lora:").rpartition(":")
     return f"LoRA adapter {name!r} (files {digest})"
 
 
