@@ -42,6 +42,14 @@ class LoRAError(ValueError):
     """An adapter that cannot be served (the message says which and why)."""
 
 
+def is_adapter_name(name: str) -> bool:
+    """Whether requests can name an adapter so: not empty, no whitespace, and no "|" (the
+    separator of a request's cache namespace after its adapter's key: a P/D pair compares the
+    part before it, and a name holding one was cut there, so two servers with different files
+    under it paired)."""
+    return bool(name) and "|" not in name and not any(c.isspace() for c in name)
+
+
 def parse_lora_paths(items: tuple[str, ...] | list[str]) -> dict[str, str]:
     """--lora-paths items (`name=path`, or a path that names itself) as {name: path}."""
     out: dict[str, str] = {}
@@ -50,8 +58,11 @@ def parse_lora_paths(items: tuple[str, ...] | list[str]) -> dict[str, str]:
         if not sep:
             name = path = item
         name, path = name.strip(), path.strip()
-        if not name or not path or any(c.isspace() for c in name):
-            raise LoRAError(f"--lora-paths: {item!r} is not name=path or a path")
+        if not path or not is_adapter_name(name):
+            raise LoRAError(
+                f"--lora-paths: {item!r} is not name=path or a path "
+                "(a name has no whitespace or '|')"
+            )
         if name in out:
             raise LoRAError(f"--lora-paths: the name {name!r} is given twice")
         out[name] = path

@@ -36,7 +36,13 @@ from radixserve.io_struct import (
     UnloadLoRAAdapterReq,
     new_rid,
 )
-from radixserve.lora.adapter import LoRAError, adapter_key, check_adapter_dir, parse_lora_paths
+from radixserve.lora.adapter import (
+    LoRAError,
+    adapter_key,
+    check_adapter_dir,
+    is_adapter_name,
+    parse_lora_paths,
+)
 from radixserve.managers.grammar_check import GrammarCheck
 from radixserve.managers.live_stats import LatencyWindow
 from radixserve.managers.request_checks import (
@@ -745,8 +751,10 @@ class TokenizerManager:
         async with self._lora_guard():
             if name in self.lora_keys:
                 return LoRAUpdateReqOutput(False, f"a LoRA adapter named {name!r} is loaded")
-            if not name or any(c.isspace() for c in name):
-                return LoRAUpdateReqOutput(False, f"{name!r} is not an adapter name")
+            if not is_adapter_name(name):
+                return LoRAUpdateReqOutput(
+                    False, f"{name!r} is not an adapter name (no whitespace or '|')"
+                )
 
             def checked_key() -> str:
                 check_adapter_dir(path)

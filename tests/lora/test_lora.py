@@ -516,6 +516,8 @@ def test_the_flags(tiny, tmp_path):
         ({"lora_paths": (dora,)}, "DoRA"),
         ({"lora_paths": (str(tmp_path),)}, "adapter_config.json"),
         ({"lora_paths": ("x=" + str(tmp_path / "nope"),)}, "not a directory"),
+        # (a request's cache namespace is "<adapter key>|<its extra key>")
+        ({"lora_paths": (f"x|y={a}",)}, "no whitespace or '|'"),
         ({"max_loras_per_batch": 0}, "max-loras-per-batch"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -785,6 +787,8 @@ def test_adapters_load_and_unload_while_serving(tiny):
         assert not e.load_lora_adapter("a", ads["b"])["success"]
         bad = e.load_lora_adapter("x", "/nonexistent")
         assert not bad["success"] and "not a directory" in bad["message"]
+        bad = e.load_lora_adapter("x|y", ads["b"])
+        assert not bad["success"] and "not an adapter name" in bad["message"]
         huge = write_adapter(os.path.join(os.path.dirname(ads["a"]), "huge"), tiny["model"], 4)
         with open(os.path.join(huge, "adapter_config.json")) as f:
             conf = json.load(f)
