@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.io_struct import BatchStrOutput, BatchTokenIDOutput
-from radixserve.managers.tokenizer_utils import from_a_character_start
+from radixserve.managers.tokenizer_utils import before_a_cut_character, from_a_character_start
 
 logger = logging.getLogger(__name__)
 
@@ -154,14 +154,8 @@ class DetokenizerManager:
     def _whole_characters(
         self, ids: list[int], most: int, decode_kw: dict[str, Any]
     ) -> tuple[int, str] | None:
-        """The fewest last tokens of `ids` (up to `most`, and 3: a UTF-8 character has 4 bytes
-        at most) whose removal leaves text that does not end inside a character: how many,
-        and that text; None where there are none."""
-        for k in range(1, min(3, most) + 1):
-            head = self.tokenizer.decode(ids[:-k], **decode_kw)
-            if not head.endswith(REPLACEMENT_CHAR):
-                return k, head
-        return None
+        """`before_a_cut_character`, decoded as the request's text is."""
+        return before_a_cut_character(lambda t: self.tokenizer.decode(t, **decode_kw), ids, most)
 
     def _cut_in_a_character(self, st: DecodeStatus, full: str, decode_kw: dict[str, Any]) -> str:
         """The text of an output that ends inside a character (cut by max_tokens): the

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from radixserve.managers.tokenizer_utils import from_a_character_start
+from radixserve.managers.tokenizer_utils import before_a_cut_character, from_a_character_start
 from radixserve.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import RadixKey
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
@@ -263,12 +263,11 @@ class Req:
         # byte-fallback decoder read the complete ones in their byte run U+FFFD too ('🙂'
         # before the first byte of 'Ω'), and a stop string they completed before
         # min_new_tokens was taken for new. (Decoded only to drop a stop found.)
-        for k in range(1, min(3, len(prev)) + 1):
-            if not found or not before.endswith("\ufffd"):
-                break
-            before = self._decode_tail(tokenizer, prev[:-k], whole)
-            new = max(new, len(os.path.commonprefix((tail, before))))
-            found = self._stops_from(tail, new)
+        if found and before.endswith("\ufffd"):
+            cut = before_a_cut_character(lambda t: self._decode_tail(tokenizer, t, whole), prev)
+            if cut is not None:
+                new = max(new, len(os.path.commonprefix((tail, cut[1]))))
+                found = self._stops_from(tail, new)
         # Of those it completes, the one that starts first in the text (not in the list): the
         # text is cut there.
         return min(found, key=lambda f: f[0])[1] if found else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
@@ -36,6 +37,22 @@ def from_a_character_start(
         if not rest.startswith("\ufffd"):
             return ids[k:], rest
     return ids, text
+
+
+def before_a_cut_character(
+    decode: Callable[[list[int]], str], ids: list[int], most: int = 3
+) -> tuple[int, str] | None:
+    """The fewest last tokens of `ids` (up to `most`, and 3: a UTF-8 character has 4 bytes at
+    most) whose removal leaves text, as `decode` reads it, that does not end inside a
+    character: how many, and that text; None where there are none. A byte-fallback decoder
+    (Llama 2, Mistral, Gemma) makes a whole byte run U+FFFD where it ends inside a character,
+    the complete characters before it too. The scheduler's stop match and the detokenizer both
+    read the text up to there."""
+    for k in range(1, min(3, most, len(ids)) + 1):
+        head = decode(ids[:-k])
+        if not head.endswith("\ufffd"):
+            return k, head
+    return None
 
 
 class TokenStrings:
