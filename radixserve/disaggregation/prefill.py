@@ -126,15 +126,12 @@ class PrefillBootstrap(DisaggSide):
                 f"the decode server reserved {len(reservation['slots'])} slots for a prompt of "
                 f"{len(req.origin_input_ids)} tokens (do both servers use the same tokenizer?)"
             )
-        elif reservation.get("prompt", None) not in (
-            None,
-            prompt_fingerprint(req.origin_input_ids),
-        ):
+        elif reservation["prompt"] != prompt_fingerprint(req.origin_input_ids):
             error = (
                 f"bootstrap_room {req.bootstrap_room} pairs two different prompts (each "
                 "request needs a room of its own; do both servers use the same tokenizer?)"
             )
-        elif "adapter" in reservation and reservation["adapter"] != adapter_of(req):
+        elif reservation["adapter"] != adapter_of(req):
             theirs, ours = reservation["adapter"], adapter_of(req)
             error = (
                 f"the decode server serves it with {_adapter_name(theirs)} and this server with "

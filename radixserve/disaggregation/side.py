@@ -1,10 +1,11 @@
 """What both sides of a P/D pair hold: the scheduler, the layout the peer must match (pool,
-vocabulary, backend), the KV transfer backend, the control channel (bound on `port`; 0: a free
+vocabulary, model, backend), the KV transfer backend, the control channel (bound on `port`; 0: a free
 one) and the counters."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any
 
 from radixserve.disaggregation.channel import ControlChannel
@@ -21,7 +22,8 @@ class DisaggSide:
         self.timeout = args.disaggregation_timeout
         backend = args.disaggregation_transfer_backend
         vocab_size = scheduler.model_config.vocab_size
-        self.layout = KVLayout.of(kv_pool, scheduler.page_size, vocab_size, backend)
+        model = model_fingerprint(args, scheduler.tp_worker.model_runner.model_path)
+        self.layout = KVLayout.of(kv_pool, scheduler.page_size, vocab_size, backend, model)
         host = transfer_host(args.host)
         self.transfer = create_transfer(backend, kv_pool, host)
         # (the prefill side answers pings on a thread of its own, never late: see channel)
@@ -36,6 +38,27 @@ class DisaggSide:
     def close(self) -> None:
         self.channel.close()
         self.transfer.close()
+
+
+def model_fingerprint(server_args: Any, model_path: str) -> str:
+    """The weights a side runs, as both compare them: its config and weight files (sizes and a
+    digest of each one's ends, as TP ranks compare theirs; a single file's name aside, which
+    may differ between machines), --quantization, and the seed of dummy weights. Servers of
+    two models of the same shapes paired, and the decode side continued the prefill side's KV
+    under other weights: a 200 with tokens neither gives."""
+    from radixserve.distributed.tp_sync import model_files_digest
+    from radixserve.mem_cache.hicache_storage import WEIGHT_SUFFIXES
+
+    single = os.path.isfile(model_path)
+    files = [
+        ("" if single else name, size, digest)
+        for name, size, digest in model_files_digest(model_path)
+        if name == "config.json" or name.endswith(WEIGHT_SUFFIXES)
+    ]
+    sa = server_args
+    seed = sa.random_seed if sa.load_format == "dummy" else None
+    data = repr((files, sa.quantization, seed)).encode()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def adapter_of(req: Any) -> str | None:

@@ -35,8 +35,9 @@ class TransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What the two sides must share. The vocabulary too: a first token the decode model has
-    no embedding for crashed its scheduler; and the backend: a `fake` prefill side sent the KV
+    """What the two sides must share. The model too (two of the same shapes paired); the
+    vocabulary: a first token the decode model has no embedding for crashed its scheduler; and
+    the backend: a `fake` prefill side sent the KV
     in `done` to a Mooncake decode side that ignores it there (its pool stayed unwritten)."""
 
     num_layers: int
@@ -46,13 +47,15 @@ class KVLayout:
     page_size: int
     vocab_size: int
     transfer_backend: str
+    model: str  # (side.model_fingerprint)
 
     @classmethod
-    def of(cls, kv_pool: Any, page_size: int, vocab_size: int, backend: str) -> KVLayout:
+    def of(
+        cls, kv_pool: Any, page_size: int, vocab_size: int, backend: str, model: str
+    ) -> KVLayout:
         k = kv_pool.k_buffer[0]
-        return cls(
-            kv_pool.num_layers, k.shape[1], k.shape[2], str(k.dtype), page_size, vocab_size, backend
-        )
+        shape = (kv_pool.num_layers, k.shape[1], k.shape[2], str(k.dtype))
+        return cls(*shape, page_size, vocab_size, backend, model)
 
     def mismatch(self, other: dict[str, Any]) -> str | None:
         """Why a decode server's layout (`other`) cannot pair with this prefill server's."""
@@ -62,6 +65,13 @@ class KVLayout:
             return (
                 f"the transfer backends differ: decode {other.get('transfer_backend')} vs "
                 f"prefill {backend}; start both with the same --disaggregation-transfer-backend"
+            )
+        model = mine.pop("model")
+        if other.get("model") != model:
+            return (
+                f"the prefill and decode servers run different models (fingerprint decode "
+                f"{other.get('model')} vs prefill {model}: their config or weight files, or "
+                "--quantization); serve the same model files on both"
             )
         diffs = [f"{k} {other.get(k)!r} vs {v!r}" for k, v in mine.items() if other.get(k) != v]
         if not diffs:

@@ -8,8 +8,9 @@ request, and both engines' pools drained afterwards. Plus the transfer backends'
 from __future__ import annotations
 
 import concurrent.futures
-import pickle
+import json
 import random
+import shutil
 import threading
 import time
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 import torch
 from rs_testing import make_tiny_served_model, reference_greedy
 
+from radixserve.disaggregation.channel import decode_message, encode_message
 from radixserve.disaggregation.transfer import (
     FakeTransfer,
     KVLayout,
@@ -202,7 +204,7 @@ def test_contiguous_runs_coalesce_only_where_both_sides_advance_together():
 
 
 def test_a_layout_mismatch_is_named():
-    layout = KVLayout(30, 3, 64, "torch.float32", 1, 49152, "fake")
+    layout = KVLayout(30, 3, 64, "torch.float32", 1, 49152, "fake", "0123456789abcdef")
     assert layout.mismatch(layout.__dict__) is None
     error = layout.mismatch({**layout.__dict__, "dtype": "torch.bfloat16"})
     assert error is not None and "dtype" in error and "same model" in error
@@ -215,6 +217,29 @@ def test_a_layout_mismatch_is_named():
     assert (
         error is not None and "transfer backends differ: decode mooncake vs prefill fake" in error
     )
+    # Two models of the same shapes paired: the decode side continued the KV under its own.
+    error = layout.mismatch({**layout.__dict__, "model": "fedcba9876543210"})
+    assert error is not None and "run different models (fingerprint decode fedcba" in error
+
+
+def test_the_model_fingerprint_follows_the_weights_not_where_they_are(model, tmp_path):
+    """A copy of the model elsewhere (another machine's path) pairs; another model of the same
+    shapes, or the same files under --quantization, does not."""
+    from rs_testing import make_tiny_model_dir
+
+    from radixserve.args import ServerArgs
+    from radixserve.disaggregation.side import model_fingerprint
+
+    args = ServerArgs(model_path=model)
+    mine = model_fingerprint(args, model)
+    copy = shutil.copytree(model, tmp_path / "copy")
+    (copy / "README.txt").write_text("a file that is not the model's")
+    assert model_fingerprint(args, str(copy)) == mine
+    other = make_tiny_served_model(str(tmp_path / "other"))  # (the same seed: equal weights)
+    make_tiny_model_dir(other, "llama", seed=1)
+    assert model_fingerprint(args, other) != mine
+    int8 = ServerArgs(model_path=model, quantization="w8a8_int8")
+    assert model_fingerprint(int8, model) != mine
 
 
 def _pools(dtype) -> tuple[MHATokenToKVPool, MHATokenToKVPool]:
@@ -237,7 +262,7 @@ def _check_moved(src, dst, from_slots, to_slots) -> None:
 @pytest.mark.parametrize("backend", ["fake", "mooncake"])
 def test_a_backend_moves_exactly_the_slots_asked(backend, dtype):
     """Also a one-byte pool (--kv-cache-dtype fp8_*); the fake backend's payload crosses the
-    control channel pickled, as it does between the two schedulers."""
+    control channel's encoding, as it does between the two schedulers."""
     if backend == "mooncake":
         try:
             from mooncake.engine import TransferEngine  # noqa: F401
@@ -247,8 +272,10 @@ def test_a_backend_moves_exactly_the_slots_asked(backend, dtype):
     src_pool, dst_pool = _pools(dtype)
     sender, receiver = cls(src_pool, "127.0.0.1"), cls(dst_pool, "127.0.0.1")
     from_slots, to_slots = [3, 4, 5, 20, 7], [10, 11, 12, 13, 40]
-    payload = pickle.loads(pickle.dumps(sender.send(receiver.descriptor(), from_slots, to_slots)))
-    receiver.receive(payload, to_slots)
+    payload = sender.send(receiver.descriptor(), from_slots, to_slots)
+    done = {"type": "done", "room": 1, "token": 5, "logprob": None, "top_logprobs": None}
+    done.update(input_logprobs=None, cached_tokens=0, payload=payload)
+    receiver.receive(decode_message(encode_message(done))["payload"], to_slots)
     _check_moved(src_pool, dst_pool, from_slots, to_slots)
     sender.close()
     receiver.close()
@@ -544,6 +571,79 @@ def test_the_prefill_side_answers_pings_while_its_loop_is_busy():
     finally:
         decode.close()
         prefill.close()
+
+
+class _RunsWhenUnpickled:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("answer_pings", [True, False])
+def test_the_channel_reads_only_its_own_messages_and_never_unpickles(tmp_path, answer_pings):
+    """The bootstrap port listens on the network (--host 0.0.0.0 across machines), and both
+    sides unpickled whatever reached it: one message ran its sender's code in the scheduler.
+    A message short of its fields ended the scheduler (KeyError 'room'). Each is dropped with
+    a warning now; the well-formed one after them is read."""
+    import pickle
+
+    import zmq
+
+    from radixserve.disaggregation.channel import ControlChannel
+
+    marker = tmp_path / "ran"
+    ping = {"type": "ping", "reply_to": "tcp://127.0.0.1:1", "to": "p"}
+    bad = [
+        [pickle.dumps(_RunsWhenUnpickled(str(marker)))],
+        [pickle.dumps({"type": "reserve", "room": 1})],
+        [b"0"],
+        [b"[]"],
+        [b"\xff"],
+        [json.dumps({"type": "reserve"}).encode()],  # (each field missing)
+        [json.dumps({"type": "failed", "room": [1], "error": "x"}).encode()],  # unhashable
+        [json.dumps({"type": "abort", "room": True, "reply_to": "x"}).encode()],
+        [json.dumps({"type": "queued", "room": 1, "reply_to": 5, "layout": {}}).encode()],
+        [json.dumps({"type": "done", "room": 1, "token": 3, "cached_tokens": 0}).encode(), b"x"],
+        [
+            json.dumps(
+                {
+                    "type": "done",
+                    "room": 1,
+                    "token": 3,
+                    "cached_tokens": 0,
+                    "payload": {"shape": [4]},
+                }
+            ).encode(),
+            b"xyz",
+        ],  # fmt: skip
+        [
+            json.dumps(
+                {"type": "done", "room": 1, "token": 3, "cached_tokens": 0, "top_logprobs": [[0.5]]}
+            ).encode()
+        ],  # fmt: skip
+        [json.dumps({"type": "ping", "to": "p"}).encode()],
+    ]
+    channel = ControlChannel("127.0.0.1", 0, "127.0.0.1", answer_pings=answer_pings)
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.PUSH)
+    sender.setsockopt(zmq.LINGER, 0)
+    try:
+        sender.connect(channel.address)
+        for frames in [*bad, [json.dumps(ping).encode()]]:
+            sender.send_multipart(frames)
+        seen: list = []
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            seen = channel.recv_all()
+            time.sleep(0.01)
+        assert seen == [ping]
+        assert not marker.exists()
+    finally:
+        sender.close()
+        ctx.term()
+        channel.close()
 
 
 def test_a_silent_prefill_server_that_writes_here_keeps_its_slots_until_it_is_known_gone(

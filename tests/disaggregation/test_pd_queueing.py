@@ -209,6 +209,7 @@ def test_a_prefill_copy_queued_on_a_live_decode_server_waits_for_its_reservation
                 "slots": list(range(len(prompt))),
                 "layout": layout,
                 "desc": {},
+                "prompt": prompt_fingerprint(prompt),
             },
         )
         _step_until(h, decode, lambda: decode.find("done", 1), "transfer")
@@ -233,6 +234,8 @@ def test_a_prefill_copy_queued_on_a_live_decode_server_waits_for_its_reservation
         ({"vocab_size": 280}, "vocab_size 280 vs "),
         # crossed backends: the KV never written (fake → mooncake) or a misleading 503
         ({"transfer_backend": "mooncake"}, "transfer backends differ: decode mooncake vs prefill"),
+        # another model of the same shapes: its tokens were neither server's
+        ({"model": "0" * 16}, "run different models (fingerprint decode 0000000000000000"),
     ],
 )
 def test_a_refused_layout_refuses_the_prefill_copy_that_comes_after_it(model, kind, differs, match):
@@ -250,6 +253,7 @@ def test_a_refused_layout_refuses_the_prefill_copy_that_comes_after_it(model, ki
         msg = {"type": kind, "room": 3, "reply_to": decode.channel.address, "layout": layout}
         if kind == "reserve":
             msg.update(rid="a", slots=list(range(len(prompt))), desc={})
+            msg.update(prompt=prompt_fingerprint(prompt))
         decode.channel.send(address, msg)
         _step_until(h, decode, lambda: decode.find("failed", 3), "refusal")
         assert match in decode.find("failed", 3)["error"]
@@ -372,6 +376,7 @@ def _reserve_from(h: SchedulerHarness, decode: Peer, port: int, rooms: dict[int,
             "slots": list(range(n)),
             "layout": h.scheduler.disagg.layout.__dict__,
             "desc": {},
+            "prompt": prompt_fingerprint(prompt),
         }
         decode.channel.send(f"tcp://127.0.0.1:{port}", reserve)
 
