@@ -129,12 +129,12 @@ class RoutingFields(RequestModel):
 
     # The router's --dp-aware: which --dp-size replica serves the request (checked against
     # this server's dp_size by the TokenizerManager).
-    data_parallel_rank: int | None = Field(None, ge=0)
+    data_parallel_rank: StrictInt | None = Field(None, ge=0)
     # One value, or (a batch, or n > 1) one per prompt or per choice; checked with the rest of
     # the request (request_checks._verify_bootstrap).
     bootstrap_host: str | list[str] | None = None
-    bootstrap_port: int | list[int] | None = None
-    bootstrap_room: int | list[int] | None = None
+    bootstrap_port: StrictInt | list[StrictInt] | None = None
+    bootstrap_room: StrictInt | list[StrictInt] | None = None
     return_hidden_states: bool = Field(False, exclude=True)
 
 

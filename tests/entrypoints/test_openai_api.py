@@ -632,3 +632,20 @@ def test_priority_reaches_the_scheduler_and_must_be_an_integer(fake_tm, make_cli
         for bad in (True, "5", 2.0):
             r = client.post(path, json={**body, "priority": bad})
             assert r.status_code == 400 and "priority" in r.text, (bad, r.text)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field", ["bootstrap_port", "bootstrap_room", "data_parallel_rank"])
+def test_pairing_and_routing_fields_must_be_integers(fake_tm, make_client, path, field):
+    """The router's fields: true was taken as 1 (room 1, port 1, replica 1), where /generate
+    and the Engine refuse it."""
+    body = {
+        "/v1/completions": {"prompt": "ab", "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+    }[path]
+    with make_client(fake_tm) as client:
+        for bad in (True, "5", 2.0, [True]):
+            if field == "data_parallel_rank" and isinstance(bad, list):
+                continue
+            r = client.post(path, json={**body, field: bad})
+            assert r.status_code == 400 and field in r.text, (bad, r.text)
