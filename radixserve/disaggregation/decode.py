@@ -317,6 +317,15 @@ class DecodePrealloc(DisaggSide):
                 del self.peers[address]
                 continue
             if now - peer["pong"] > PEER_SILENT_S:
+                if peer.get("instance") is None:  # (never answered: a wrong address, or down)
+                    silent = (
+                        f"no prefill server answers at {address} (check bootstrap_host and "
+                        "bootstrap_port: the prefill server's --disaggregation-bootstrap-port)"
+                    )
+                    on_the_way = silent
+                else:
+                    silent = f"the prefill server at {address} stopped answering"
+                    on_the_way = f"{silent} while its KV was on the way"
                 # Silent is not gone (a stopped or starved process wakes up and writes what it
                 # was asked to): its rooms are aborted there and, where it writes into this
                 # pool itself, their slots wait in quarantine until it answers for them, comes
@@ -324,18 +333,10 @@ class DecodePrealloc(DisaggSide):
                 # a late write corrupted that request's KV.
                 for room, req in list(self.waiting_kv.items()):
                     if self.peer_address(req) == address:
-                        self._drop(
-                            room,
-                            f"the prefill server at {address} stopped answering while its "
-                            "KV was on the way",
-                            tell_peer=True,
-                        )
+                        self._drop(room, on_the_way, tell_peer=True)
                 # Those still queued for slots would each reserve and wait out the pings again
                 # (the only end of their wait for slots: no timeout while the peer answers).
-                self._fail_queued(
-                    lambda r, a=address: self.peer_address(r) == a,
-                    f"the prefill server at {address} stopped answering",
-                )
+                self._fail_queued(lambda r, a=address: self.peer_address(r) == a, silent)
             if now - peer["ping"] >= PING_INTERVAL_S:
                 peer["ping"] = now
                 self.channel.send(
