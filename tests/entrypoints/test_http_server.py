@@ -235,6 +235,17 @@ class TestServing:
         )
         tokens = [t for c in stream for t in (c.choices[0].logprobs.tokens if c.choices else [])]
         assert tokens == blp.tokens
+        # max_tokens 0 scores the prompt alone (SGLang's and the legacy API's): it was a 400.
+        scored = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=3, **GREEDY
+        )
+        slp = scored.choices[0].logprobs
+        assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+        assert slp.tokens == blp.tokens[:n_prompt]
+        assert all(
+            (a is None and b is None) or abs(a - b) < 1e-4
+            for a, b in zip(slp.token_logprobs, blp.token_logprobs[:n_prompt], strict=True)
+        )
 
     def test_completion_stream(self, client):
         kw = dict(model=MODEL, prompt="The sky is", max_tokens=6, extra_body=IGNORE_EOS, **GREEDY)
@@ -418,7 +429,6 @@ class TestServing:
     # -- bad input --------------------------------------------------------------------------------
     BAD = [
         ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400),

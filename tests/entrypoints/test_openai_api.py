@@ -372,7 +372,6 @@ def test_chat_response_logprobs(fake_tm, make_client):
 
 BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 0}, 400),
-    ({"prompt": "x", "max_tokens": 0}, 400),
     ({"prompt": "x", "max_tokens": -3}, 400),
     ({"prompt": "x", "temperature": -0.1}, 400),
     ({"prompt": "x", "top_p": 0}, 400),
