@@ -208,7 +208,16 @@ class ModelRunner:
         """Tokens from the end of Python's reference documentation (bench perplexity's default
         text, shipped with Python; that benchmark scores its beginning), or fixed pseudo-random
         ids where the tokenizer cannot be loaded or does not fit the model."""
-        n = min(self.CALIBRATION_TOKENS, self.max_total_num_tokens - 1, self.context_len)
+        # As many whatever the flags: the quantized weights follow from them, and two servers
+        # of one model (replicas, a P/D pair) sized their pools or contexts apart ran two
+        # models (a pool of one token calibrated on none: a traceback after the load).
+        n = min(self.CALIBRATION_TOKENS, self.model_config.max_position_embeddings)
+        if n > min(self.max_total_num_tokens - 1, self.context_len):
+            raise ValueError(
+                f"--quantization w8a8_int8 calibrates on {n} tokens, more than the context "
+                f"length ({self.context_len}) or the KV pool ({self.max_total_num_tokens} "
+                "tokens) holds: raise --context-length or --max-total-tokens"
+            )
         vocab = self.model_config.vocab_size
         try:
             from radixserve.bench.perplexity import default_text

@@ -132,6 +132,31 @@ def _tiny_gguf_of(tmp_path: Path, monkeypatch, name: str, qtypes: list[QT]) -> s
     return str(path)
 
 
+def test_w8a8_calibrates_on_as_many_tokens_whatever_the_pool(tmp_path: Path) -> None:
+    """SmoothQuant's factors (and so the quantized weights) follow from the calibration
+    prefill, which took min(512, pool - 1, context) tokens: two servers of one model sized
+    apart ran two models (35 of 40 greedy tokens apart), and a one-token pool ended in a
+    traceback after the load. A pool or context too small for it is refused now."""
+    from rs_testing import make_tiny_served_model
+
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    model = make_tiny_served_model(str(tmp_path / "m"))
+
+    def runner(**kw: int) -> ModelRunner:
+        args = dict(model_path=model, device="cpu", dtype="float32", quantization="w8a8_int8")
+        return ModelRunner(ServerArgs(**args, **kw).resolve())
+
+    def factors(r: ModelRunner) -> list[torch.Tensor]:
+        return [layer.input_layernorm.smoothed_by for layer in r.model.model.layers]
+
+    big, small = runner(max_total_tokens=4096), runner(max_total_tokens=600, context_length=600)
+    assert all(torch.equal(a, b) for a, b in zip(factors(big), factors(small), strict=True))
+    for kw in ({"max_total_tokens": 300}, {"max_total_tokens": 1}, {"context_length": 200}):
+        with pytest.raises(ValueError, match="w8a8_int8 calibrates on 512 tokens"):
+            runner(**kw)
+
+
 def test_loading_a_quantized_gguf_says_which_flag_runs_it_as_stored(
     tmp_path: Path, monkeypatch, caplog, default_gguf: str
 ) -> None:
