@@ -61,6 +61,11 @@ RETRY_AFTER_S = 1  # what a 503 for overload tells the client to wait
 DISCONNECT_POLL_S = 2.0  # how often a waiting request checks that its client is still there
 RID_DRAIN_WAIT_S = 2.0  # how long a request waits for an aborted one of its rid to drain
 LORA_UNLOAD_WAIT_S = 120.0  # how long an unload waits for the adapter's requests in flight
+# Up to this many characters of a request's prompts are tokenized on the event loop, the rest
+# on a worker thread (HF tokenizers release the GIL): a 2.6 MB prompt held every other request
+# and stream for 6 s. That many take a few ms, about one decode step, while a hop to a thread
+# costs ~0.1 ms, more than a short prompt's whole encode (which stays as cheap as it was).
+ENCODE_ON_LOOP_CHARS = 16 * 1024
 __all__ = ["RequestError", "ReqState", "TokenizerManager"]
 Triple = tuple[float | None, int, str | None]
 
@@ -354,9 +359,12 @@ class TokenizerManager:
         self._grammar_check.close()  # requests still in their grammar check get the 503 now
 
     # -- requests -------------------------------------------------------------------------------
-    def tokenize_one(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+    def tokenize_one(
+        self, obj: GenerateReqInput, encoded: list[int] | None = None
+    ) -> TokenizedGenerateReqInput:
         """Tokenize one single request whose fields generate_request has checked (for the whole
-        batch at once) and verify its sampling params; RequestError names a bad field."""
+        batch at once) and verify its sampling params; RequestError names a bad field.
+        `encoded`: its text's tokens, when tokenize_and_check encoded them off the loop."""
         if obj.input_ids is not None:
             input_ids = list(obj.input_ids)  # type: ignore[arg-type]
             if any(t < 0 or t >= self.vocab_size for t in input_ids):  # type: ignore[operator]
@@ -364,7 +372,7 @@ class TokenizerManager:
             text = None
         else:
             text = obj.text  # type: ignore[assignment]
-            input_ids = self.encode(text)
+            input_ids = self.encode(text) if encoded is None else encoded
         if not input_ids:
             raise RequestError("the prompt is empty")
         try:
@@ -445,9 +453,14 @@ class TokenizerManager:
         return self.encode(text, add_special_tokens=False)
 
     def encode(self, text: str, **kwargs: Any) -> list[int]:
-        """The text's tokens; a text too long for any of its tokenizations to fit the context
-        is refused first (a 4 MB prompt held the serving loop for 8 s, and every other
-        request with it, to be refused for its length; 50 MB took the server's memory)."""
+        """The text's tokens; a text too long for the context is refused unread (check_chars)."""
+        self.check_chars(text)
+        return self.tokenizer.encode(text, **kwargs)
+
+    def check_chars(self, text: str) -> None:
+        """Refuse a text too long for any of its tokenizations to fit the context, before it
+        is tokenized (a 4 MB prompt was tokenized for 8 s to be refused for its length; 50 MB
+        took the server's memory)."""
         if self._max_token_chars is None:  # (no token decodes to more characters than this)
             vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
             self._max_token_chars = max(map(len, vocab), default=64)
@@ -458,12 +471,17 @@ class TokenizerManager:
                 f"the prompt has {len(text)} characters: more than the {self.context_len} "
                 "tokens of the context length can hold"
             )
-        return self.tokenizer.encode(text, **kwargs)
 
-    async def tokenize_and_check(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
-        """tokenize_one, then the grammar check on a worker thread (compiling a large schema
-        must not stall the event loop that serves every other request)."""
-        tokenized = self.tokenize_one(obj)
+    async def tokenize_and_check(
+        self, obj: GenerateReqInput, on_loop: bool = True
+    ) -> TokenizedGenerateReqInput:
+        """tokenize_one (its text encoded on a worker thread unless `on_loop`), then the grammar
+        check on a worker thread (compiling a large schema must not stall the event loop that
+        serves every other request)."""
+        encoded = None
+        if not on_loop and obj.input_ids is None:
+            encoded = await asyncio.to_thread(self.encode, obj.text)  # type: ignore[arg-type]
+        tokenized = self.tokenize_one(obj, encoded)
         sp = tokenized.sampling_params
         if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
             try:
@@ -525,9 +543,17 @@ class TokenizerManager:
         verify_request_fields(obj)
         n = num_choices(obj)
         singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
+        for single in singles:  # (a batch's prompt too long is refused before any is tokenized)
+            if single.text is not None:
+                self.check_chars(single.text)
         tokenized_list, parents = [], []
+        budget = ENCODE_ON_LOOP_CHARS  # what is left of the characters tokenized on the loop
         for i, single in enumerate(singles):
-            base = await self.tokenize_and_check(single)
+            chars = len(single.text or "")
+            on_loop = chars <= budget
+            if on_loop:
+                budget -= chars
+            base = await self.tokenize_and_check(single, on_loop)
             subs = [base] if n == 1 else _choices(base, n)
             for j, sub in enumerate(subs):  # each sub-request's own P/D pairing
                 for name, value in obj.pairing(j * len(singles) + i).items():
@@ -537,11 +563,11 @@ class TokenizerManager:
             # all its sub-requests (request_abort).
             group = obj.rid if not obj.is_single and isinstance(obj.rid, str) else None
             parents += [group] if n == 1 else [group or base.rid] * n
+        await self._await_drained(tokenized_list)
         if self.dead is not None:  # it died during the checks: nobody would answer
             raise RequestError(self.dead, 503)
-        self._bind_adapters(tokenized_list)
-        await self._await_drained(tokenized_list)
-        self._admit(tokenized_list)
+        self._bind_adapters(tokenized_list)  # (no await from here until the states register)
+        self._admit(tokenized_list, parents)
         return tokenized_list, parents, n
 
     def _tell_peers_refused(self, obj: GenerateReqInput, message: str) -> None:
@@ -572,15 +598,25 @@ class TokenizerManager:
                 return  # (_admit says why)
             await asyncio.sleep(0.005)
 
-    def _admit(self, tokenized_list: list[TokenizedGenerateReqInput]) -> None:
-        """Refuse a duplicate live rid (400) and load past the queue bound (503), before any
-        sub-request is sent."""
+    def _admit(
+        self, tokenized_list: list[TokenizedGenerateReqInput], parents: list[str | None]
+    ) -> None:
+        """Refuse a rid that is taken (400) and load past the queue bound (503), before any
+        sub-request is sent. The group rid of an n > 1 request or a batch is taken with its
+        sub-requests' rids: /abort_request with a rid shared by a group and a request stopped
+        only the request."""
         rids = [t.rid for t in tokenized_list]
+        groups = {p for p in parents if p is not None}
+        live_groups = {s.parent_rid for s in self.rid_to_state.values()}
         seen: set[str] = set()
         for rid in rids:
-            if rid in self.rid_to_state or rid in self._draining or rid in seen:
+            taken = rid in self.rid_to_state or rid in self._draining or rid in live_groups
+            if taken or rid in seen or rid in groups:
                 raise RequestError(f"a request with rid {rid!r} is already running")
             seen.add(rid)
+        for group in groups:
+            if group in self.rid_to_state or group in live_groups:
+                raise RequestError(f"a request with rid {group!r} is already running")
         limit = self.max_in_flight
         if limit is not None and len(rids) > limit:  # no retry could ever succeed
             raise RequestError(

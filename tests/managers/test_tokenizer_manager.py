@@ -267,6 +267,45 @@ def test_duplicate_rids_inside_a_batch_send_nothing():
     run(body())
 
 
+def _batch(rid: str, n: int = 1) -> GenerateReqInput:
+    return GenerateReqInput(input_ids=[[5], [6]], rid=rid, sampling_params={"n": n})
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (lambda: _req("p", n=2), lambda: _req("p")),  # the rid of choices p_0, p_1 in flight
+        (lambda: _batch("p"), lambda: _req("p")),  # the rid of a batch's prompts in flight
+        (lambda: _req("p"), lambda: _req("p", n=2)),  # choices whose rid is in flight
+        (lambda: _req("p", n=2), lambda: _batch("p", n=2)),  # p_0_0, ... of a second group p
+    ],
+)
+def test_the_rid_of_an_n_request_or_a_batch_in_flight_is_taken(first, second):
+    """/abort_request with the rid of an n > 1 request or a batch aborts its sub-requests
+    (`<rid>_<i>`); a request given the same rid meanwhile was admitted, and the abort then
+    stopped only that one."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        task = asyncio.create_task(_collect(tm, first()))
+        await _settle()
+        sent = sockets.requests()
+        refused = asyncio.create_task(_collect(tm, second()))
+        for _ in range(100):  # (admitted, it would wait for output)
+            if refused.done():
+                break
+            await asyncio.sleep(0.01)
+        assert refused.done() and sockets.requests() == sent
+        with pytest.raises(RequestError, match="'p' is already running") as e:
+            await refused
+        assert e.value.status_code == 400
+        for t in sent:
+            await sockets.inbox.put(_output(t.rid, "hi", [1], LENGTH))
+        assert await task
+
+    run(body())
+
+
 # -- item 9: n > 1 with a seed -------------------------------------------------------------------
 def test_seeded_choices_get_their_own_seeds():
     async def body():
@@ -843,6 +882,31 @@ def test_an_adapter_reloaded_during_the_grammar_check_namespaces_its_new_files(u
     run(body())
 
 
+def test_an_adapter_reloaded_while_a_retry_waits_for_its_rid_namespaces_its_new_files():
+    """The same, for a retry that waits for its rid's aborted request to finish: its adapter
+    was bound before that wait."""
+
+    async def body():
+        tm, sockets = _make_tm()
+        tm.lora_keys = {"a": "lora:a:old"}
+        tm._draining["r"] = None  # aborted here, not yet finished in the scheduler
+        obj = _req("r")
+        obj.lora_path = "a"
+        task = asyncio.create_task(_collect(tm, obj))
+        await _settle()
+        assert sockets.requests() == []  # it waits
+        tm.lora_keys["a"] = "lora:a:new"
+        del tm._draining["r"]
+        for _ in range(100):
+            if sockets.requests():
+                break
+            await asyncio.sleep(0.01)
+        assert sockets.requests()[0].extra_key == "lora:a:new"
+        task.cancel()
+
+    run(body())
+
+
 # -- LoRA loads and unloads ---------------------------------------------------------------------
 def _with_adapter(tm: TokenizerManager, name: str = "a") -> None:
     tm.lora_paths[name], tm.lora_keys[name] = f"/adapters/{name}", f"lora:{name}"
@@ -1037,9 +1101,9 @@ def test_the_latency_counts_the_checks_before_dispatch():
         tm, sockets = _make_tm()
         check = tm.tokenize_and_check
 
-        async def slow_check(obj):
+        async def slow_check(obj, *args):
             await asyncio.sleep(0.3)
-            return await check(obj)
+            return await check(obj, *args)
 
         tm.tokenize_and_check = slow_check
         task = asyncio.create_task(_collect(tm, _req("r")))
