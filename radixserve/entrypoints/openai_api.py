@@ -11,6 +11,7 @@ a null logprob, as in OpenAI's legacy API.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from radixserve.entrypoints.openai_responses import (
 )
 from radixserve.entrypoints.openai_tools import history_tool_calls, template_tools, tool_call_schema
 from radixserve.io_struct import GenerateReqInput
-from radixserve.managers.tokenizer_manager import RequestError
+from radixserve.managers.tokenizer_manager import ENCODE_ON_LOOP_CHARS, RequestError
 from radixserve.managers.tokenizer_utils import TokenStrings
 from radixserve.parser.reasoning_parser import ReasoningParser
 
@@ -269,6 +270,30 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     if req.reasoning_effort is not None:
         kwargs = {"reasoning_effort": req.reasoning_effort, **kwargs}
     return kwargs
+
+
+async def chat_to_generate_off_loop(
+    req: ChatCompletionRequest,
+    tokenizer_manager: Any,
+    chat_template: str | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> GenerateReqInput:
+    """chat_to_generate, on a worker thread for a long conversation as for a long prompt
+    (ENCODE_ON_LOOP_CHARS): its template and tokens held the serving loop, and every other
+    request and stream with it (a 2.4 MB message: 1.5 s)."""
+    args = (req, tokenizer_manager, chat_template, defaults)
+    if _chat_chars(req) <= ENCODE_ON_LOOP_CHARS:
+        return chat_to_generate(*args)
+    return await asyncio.to_thread(chat_to_generate, *args)
+
+
+def _chat_chars(req: ChatCompletionRequest) -> int:
+    def chars(content: Any) -> int:
+        if isinstance(content, str):
+            return len(content)
+        return sum(len(part.text or "") for part in content or ())
+
+    return sum(chars(m.content) + len(m.reasoning_content or "") for m in req.messages)
 
 
 def chat_to_generate(

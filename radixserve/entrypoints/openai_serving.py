@@ -37,7 +37,7 @@ from radixserve.entrypoints.http_utils import (
 from radixserve.entrypoints.openai_api import (
     Prompts,
     chat_logprobs,
-    chat_to_generate,
+    chat_to_generate_off_loop,
     completion_logprobs,
     completion_to_generate,
     finish_reason,
@@ -300,7 +300,9 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, request: Request | None
     ) -> Response:
         lora = self._lora_of(req)
-        obj = chat_to_generate(req, self.tm, self.chat_template, self.sampling_defaults)
+        obj = await chat_to_generate_off_loop(
+            req, self.tm, self.chat_template, self.sampling_defaults
+        )
         obj.lora_path = lora
         parsing = self._chat_parsing(req, obj)
         rid, created = "chatcmpl-" + new_rid(), int(time.time())

@@ -37,7 +37,11 @@ from radixserve.entrypoints.http_utils import (
     json_response,
     parse_body,
 )
-from radixserve.entrypoints.openai_api import chat_logprobs, chat_to_generate, finish_reason
+from radixserve.entrypoints.openai_api import (
+    chat_logprobs,
+    chat_to_generate_off_loop,
+    finish_reason,
+)
 from radixserve.entrypoints.openai_tools import (
     ChatParsing,
     ReasoningText,
@@ -295,7 +299,9 @@ class ResponsesServing:
         serving = self.openai
         lora = serving._lora_of(chat)
         model = serving._model_name(chat)
-        obj = chat_to_generate(chat, self.tm, serving.chat_template, serving.sampling_defaults)
+        obj = await chat_to_generate_off_loop(
+            chat, self.tm, serving.chat_template, serving.sampling_defaults
+        )
         obj.lora_path = lora
         parsing = serving._chat_parsing(chat, obj)
         response = self._response(req, model)

@@ -153,3 +153,42 @@ def test_detokenize_decodes_while_the_loop_serves_others():
 
     run(body())
     assert tok.on_loop == [False]
+
+
+class GatedChatTokenizer(GatedTokenizer):
+    def apply_chat_template(self, messages: list[dict[str, Any]], **_: Any) -> str:
+        return "".join(m["content"] for m in messages)
+
+
+@pytest.mark.parametrize("size,on_loop", [(ENCODE_ON_LOOP_CHARS + 1, False), (100, True)])
+def test_a_long_chat_is_rendered_and_tokenized_while_the_loop_serves_others(size, on_loop):
+    """The chat template and its tokens ran on the loop: a 2.4 MB message held the server
+    1.5 s. A short conversation stays there (a thread costs more than its encode)."""
+    tok = GatedChatTokenizer("x" if not on_loop else "")
+
+    async def body():
+        tm, sockets = _make_tm()
+        tm.tokenizer = tok
+        app = build_app(ServerArgs(model_path="/models/tiny.gguf"), lambda metrics: tm)
+        transport = httpx.ASGITransport(app=app)
+        chat = {"messages": [{"role": "user", "content": "x" * size}], "max_tokens": 1}
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://server") as client,
+        ):
+            opener = asyncio.create_task(_open_the_gate(tok)) if not on_loop else None
+            post = asyncio.create_task(client.post("/v1/chat/completions", json=chat))
+            for _ in range(500):  # (bounded: a failed encode ends the post instead)
+                if sockets.requests() or post.done():
+                    break
+                await asyncio.sleep(0.01)
+            for t in sockets.requests():
+                await sockets.inbox.put(_output(t.rid, "hi", [1], LENGTH))
+            reply = await post
+            if opener is not None:
+                await opener
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == "hi"
+
+    run(body())
+    assert tok.on_loop[:1] == [on_loop]
