@@ -212,9 +212,12 @@ async def _warm_up(state: AppState) -> None:
     prompts at once: every load-balance method sends them to N different replicas."""
     tm = state.tokenizer_manager
     params = {"max_new_tokens": 2, "temperature": 0}
+    # (its last tokens where the context is shorter: with --context-length 16 it was refused,
+    # and the first user request paid for the start-up)
+    keep = max(1, tm.context_len - params["max_new_tokens"])
     objs = [
         GenerateReqInput(
-            input_ids=tm.tokenizer.encode(f"{i or ''}The capital city of France is"),
+            input_ids=tm.tokenizer.encode(f"{i or ''}The capital city of France is")[-keep:],
             sampling_params=params,
             log_metrics=False,  # not a user's: its cold-start TTFT is not in the histograms
         )

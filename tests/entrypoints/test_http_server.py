@@ -767,6 +767,19 @@ def test_the_warm_up_flush_is_asked_again_until_the_scheduler_accepts_it(fake_tm
     assert answers == [] and len(fake_tm.requests) == 1
 
 
+def test_the_warm_up_prompt_fits_a_short_context(fake_tm):
+    """With --context-length 16 the warm-up prompt (29 tokens) was refused, and the first
+    user request paid for the start-up: it keeps its last tokens now, room left for two new."""
+    from radixserve.args import ServerArgs
+    from radixserve.entrypoints.http_server import AppState, _warm_up
+
+    fake_tm.context_len = 8
+    state = AppState(ServerArgs(model_path="/models/tiny-llama.gguf"), tokenizer_manager=fake_tm)
+    asyncio.run(asyncio.wait_for(_warm_up(state), 10))
+    (warm,) = fake_tm.requests
+    assert len(warm.input_ids) + warm.sampling_params["max_new_tokens"] == 8
+
+
 def test_a_warm_up_cancelled_with_the_start_up_logs_no_error(fake_tm, caplog):
     """A child dying during the warm-up cancels the start-up: the warm-up's gather, cancelled
     with it, logged "_GatheringFuture exception was never retrieved" and a traceback."""
