@@ -30,7 +30,6 @@ from radixserve.managers.tokenizer_manager import RequestError, detached
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 1.0
 # Reachable without the API key, as in SGLang (probes and scrapers; /dashboard is a page
 # without data, its stream needs the key).
 OPEN_PATHS = ("/health", "/health_generate", "/metrics", "/dashboard")
@@ -168,20 +167,29 @@ def install_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> 
 
 
 async def until_disconnected(aw: Awaitable[Any], request: Request | None) -> Any:
-    """Await `aw`, cancelling it (so the TokenizerManager aborts the request) if the client
-    disconnects first."""
+    """Await `aw`, cancelling it (so the TokenizerManager aborts the request) as soon as the
+    client disconnects: the server's disconnect message is awaited, not polled (a poll each
+    second let an abandoned request run on for up to that long, and the client's
+    retry with its rid was refused meanwhile as a duplicate)."""
     task = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(_disconnect(request)) if request is not None else None
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if request is not None and await request.is_disconnected():
-                raise ClientDisconnected
+        done, _ = await asyncio.wait({task, gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientDisconnected
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
+        for t in (task, gone):
+            if t is not None and not t.done():
+                t.cancel()
+                await asyncio.wait({t})
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client is gone. The body has been read: the next message the server
+    has for the request is its disconnect (or, once answered, the end of the response)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def collect(gen: AsyncIterator[Any], request: Request | None) -> Any:

@@ -90,3 +90,40 @@ def test_the_first_streamed_item_is_a_copy_kept_until_the_response_starts():
     assert first["output_ids"] == [7] and first["meta_info"]["output_token_logprobs"] == [
         (-0.5, 7, None)
     ]
+
+
+def test_a_client_gone_is_noticed_at_once_not_at_the_next_poll():
+    """The disconnect was polled every second: an abandoned request ran on for up to that
+    long, and its client's retry with the same rid was refused as a duplicate meanwhile."""
+    from radixserve.entrypoints.http_utils import ClientDisconnected, until_disconnected
+
+    async def body() -> None:
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": b"", "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        work = asyncio.Event()  # never set: the request's work outlives its client
+        cancelled = []
+
+        async def generate() -> None:
+            try:
+                await work.wait()
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        waiter = asyncio.ensure_future(until_disconnected(generate(), request))
+        await asyncio.sleep(0)
+        gone.set()
+        for _ in range(20):  # a few turns of the loop, no clock (the poll waited a second)
+            await asyncio.sleep(0)
+        assert waiter.done() and cancelled == [True]
+        assert isinstance(waiter.exception(), ClientDisconnected)
+
+    asyncio.run(body())
