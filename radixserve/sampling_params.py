@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-6
+# Stops are matched against every step of the request, in the scheduler's loop: a million
+# stop strings (a 10 MB body) made each step of every request take seconds, and the watchdog
+# shut the server down. Bounds far past any real use (OpenAI takes 4 stop strings).
+MAX_STOP_STRS = 256
+MAX_STOP_STR_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 4096
 TOP_K_ALL = 1 << 30
 
 
@@ -151,12 +157,26 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}"
             )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids, more than the "
+                f"{MAX_STOP_TOKEN_IDS} a request may give"
+            )
         for tid in self.stop_token_ids:
             if not is_int(tid) or tid < 0 or (vocab_size and tid >= vocab_size):
                 raise SamplingParamsError(f"stop_token_ids has an invalid token id {tid!r}")
         stop_ok = self.stop is None or isinstance(self.stop, (str, list, tuple))
         if not stop_ok or any(not isinstance(s, str) or not s for s in self.stop_strs):
             raise SamplingParamsError("stop must be a non-empty string or a list of them")
+        if len(self.stop_strs) > MAX_STOP_STRS:
+            raise SamplingParamsError(
+                f"stop has {len(self.stop_strs)} strings, more than the {MAX_STOP_STRS} a "
+                "request may give"
+            )
+        if any(len(s) > MAX_STOP_STR_CHARS for s in self.stop_strs):
+            raise SamplingParamsError(
+                f"stop has a string longer than {MAX_STOP_STR_CHARS} characters"
+            )
         grammars = [x for x in (self.json_schema, self.regex, self.ebnf) if x is not None]
         if len(grammars) > 1:
             raise SamplingParamsError("only one of json_schema, regex and ebnf may be set")

@@ -84,6 +84,10 @@ def test_top_k_1_equals_greedy(engine):
         ({"max_new_tokens": -1}, "max_new_tokens"),
         ({"n": 0}, "n"),
         ({"bogus": 1}, "bogus"),
+        # (matched every step in the scheduler's loop: a million stalled the whole server)
+        ({"stop": ["x"] * 257}, "stop has 257 strings, more than the 256"),
+        ({"stop": "x" * 1025}, "stop has a string longer than 1024"),
+        ({"stop_token_ids": [1] * 4097}, "stop_token_ids has 4097 ids, more than the 4096"),
     ],
 )
 def test_bad_sampling_parameter_names_the_field(engine, params, field):
