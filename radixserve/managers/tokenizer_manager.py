@@ -4,6 +4,7 @@ generate_request: tokenize and verify → create rid_to_state[rid] (before dispa
 → send TokenizedGenerateReqInput to the scheduler → wait on the state's event, which
 _drain_outputs sets when the detokenizer's BatchStrOutput for that rid arrives → yield dicts.
 Any failure (bad input, client gone, abort) removes the state and tells the scheduler.
+Until it registers, the request is in _arriving: an abort or an adapter's unload finds it there.
 """
 
 from __future__ import annotations
@@ -121,6 +122,27 @@ class ReqState:
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
 
 
+@dataclass(eq=False)
+class _Arrival:
+    """A request from its arrival in generate_request until it registers (its tokenizing,
+    grammar check and rid wait: seconds for a large schema), as an abort or an adapter's unload
+    finds it there."""
+
+    rid: Any  # GenerateReqInput.rid as its client gave it (unverified: compared, never hashed)
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> cache namespace at arrival
+    aborted: set[str] = field(default_factory=set)  # its rids that /abort_request named
+    aborted_all: bool = False
+
+    def names(self, rid: str) -> bool:
+        """Whether `rid` is one its client gave: its own, its group's, one of a batch's."""
+        return rid in self.rid if isinstance(self.rid, list) else rid == self.rid
+
+    def hits(self, state: ReqState) -> bool:
+        """Whether an abort sent while it arrived names this sub-request (as request_abort
+        would have, had it been registered)."""
+        return self.aborted_all or state.rid in self.aborted or state.parent_rid in self.aborted
+
+
 def detached(out: Any) -> Any:
     """An output (dict, or list of them) that stays as it is: `ReqState.snapshot`'s dicts
     share the state's lists, which later outputs extend. For an item kept across an await."""
@@ -175,6 +197,7 @@ class TokenizerManager:
         # Aborted here, not yet finished in the scheduler: the state of a waiter that went away
         # (its late outputs still count in the metrics), None for one already finished here.
         self._draining: dict[str, ReqState | None] = {}
+        self._arriving: set[_Arrival] = set()  # requests not yet in rid_to_state (see _Arrival)
         self.dead: str | None = None  # why no request can be served any more (fail_all)
         self.closed = False  # close() ran: nothing can be sent any more
         queued = getattr(server_args, "max_queued_requests", None)
@@ -396,9 +419,8 @@ class TokenizerManager:
                 f"logprob_start_len {obj.logprob_start_len} is past the prompt's "
                 f"{len(input_ids)} tokens"
             )
+        # (an unknown adapter was refused as the request arrived: _resolve_adapters)
         lora_id = obj.lora_path[0] if isinstance(obj.lora_path, list) else obj.lora_path
-        if lora_id is not None:
-            self._adapter_key(lora_id)  # an unknown one is refused before the grammar check
         # The client's key has a namespace of its own: it could name an adapter's ("lora:...")
         # and read, or write base-model KV into, that adapter's cache. The adapter's part is
         # added by _bind_adapters.
@@ -430,14 +452,26 @@ class TokenizerManager:
             raise RequestError(f"unknown LoRA adapter {lora_id!r}; loaded: {loaded}")
         return self.lora_keys[lora_id]
 
-    def _bind_adapters(self, tokenized_list: list[TokenizedGenerateReqInput]) -> None:
-        """Namespace each request's KV by its adapter's contents, as loaded now: called with no
-        await before the request is registered (an unload waits for registered requests). Bound
-        before the grammar check, an adapter unloaded and loaded from other files meanwhile
-        served the new weights from the old files' cached KV."""
+    def _resolve_adapters(self, obj: GenerateReqInput) -> dict[str, str]:
+        """The cache namespaces of the adapters a request names (its fields verified), as
+        loaded when it arrives; an unknown one is refused before anything else is done."""
+        lora = obj.lora_path
+        names = lora if isinstance(lora, list) else [lora]
+        return {name: self._adapter_key(name) for name in names if name is not None}
+
+    def _bind_adapters(
+        self, tokenized_list: list[TokenizedGenerateReqInput], adapters: dict[str, str]
+    ) -> None:
+        """Namespace each request's KV by its adapter's contents, as resolved when it arrived
+        (`adapters`). From its arrival to its end the request counts as the adapter's user
+        (_lora_users) and an unload waits for it, so no other files can be loaded under the
+        name meanwhile: the key resolved then is that of the weights that serve it. (Without
+        that wait, a key taken before the grammar check served the new files' weights from the
+        old files' cached KV after an unload and a reload during the check; taken after it, the
+        request got a 400 "unknown LoRA adapter" when an unload came first.)"""
         for t in tokenized_list:
             if t.lora_id is not None:
-                key = self._adapter_key(t.lora_id)
+                key = adapters[t.lora_id]
                 t.extra_key = key + ("" if t.extra_key is None else f"|{t.extra_key}")
 
     def apply_chat_template(
@@ -504,11 +538,15 @@ class TokenizerManager:
         self.start()
         if self.dead is not None:
             raise RequestError(self.dead, 503)
+        arrival = _Arrival(obj.rid)
+        self._arriving.add(arrival)
         try:
-            tokenized_list, parents, n = await self._tokenize_and_admit(obj)
+            tokenized_list, parents, n = await self._tokenize_and_admit(obj, arrival)
         except RequestError as e:
             self._tell_peers_refused(obj, str(e))
             raise
+        finally:
+            self._arriving.discard(arrival)  # (no await from here until the states register)
         states = [self._register(t, obj.log_metrics, received) for t in tokenized_list]
         # (the prefill server's copy reaches the client through the router: see the field; it
         # merges the prompt's token logprobs of one non-streamed answer, not its top ones)
@@ -526,6 +564,8 @@ class TokenizerManager:
             self.send_to_scheduler.send_pyobj(tokenized_list[0])
         else:
             self.send_to_scheduler.send_pyobj(BatchTokenizedGenerateReqInput(tokenized_list))
+        if arrival.aborted or arrival.aborted_all:  # (/abort_request named it as it arrived)
+            self._abort_on_arrival(arrival, states)
         if obj.is_single and n == 1:
             async for out in self._wait_one(states[0], request):
                 yield out
@@ -535,12 +575,22 @@ class TokenizerManager:
         else:
             yield await self._gather(states, request)
 
+    def _abort_on_arrival(self, arrival: _Arrival, states: list[ReqState]) -> None:
+        """Aborts that came while the request arrived (sent after it: the scheduler ends it as
+        a queued request, and its waiter receives finish_reason "abort", as if registered)."""
+        for state in states:
+            if arrival.hits(state):
+                self.send_to_scheduler.send_pyobj(AbortReq(state.rid))
+
     async def _tokenize_and_admit(
-        self, obj: GenerateReqInput
+        self, obj: GenerateReqInput, arrival: _Arrival
     ) -> tuple[list[TokenizedGenerateReqInput], list[str | None], int]:
         """Every sub-request tokenized and checked, and admitted (a RequestError otherwise):
         (the sub-requests, the rid each is aborted by as a group, n)."""
         verify_request_fields(obj)
+        # Before the first await: as in SGLang, an unload that starts after the request
+        # arrived waits for it (_lora_users), and one under way refuses it.
+        arrival.adapters = self._resolve_adapters(obj)
         n = num_choices(obj)
         singles = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
         for single in singles:  # (a batch's prompt too long is refused before any is tokenized)
@@ -549,6 +599,8 @@ class TokenizerManager:
         tokenized_list, parents = [], []
         budget = ENCODE_ON_LOOP_CHARS  # what is left of the characters tokenized on the loop
         for i, single in enumerate(singles):
+            if i:  # (others are served between prompts: many with a large n held the loop)
+                await asyncio.sleep(0)
             chars = len(single.text or "")
             on_loop = chars <= budget
             if on_loop:
@@ -566,7 +618,7 @@ class TokenizerManager:
         await self._await_drained(tokenized_list)
         if self.dead is not None:  # it died during the checks: nobody would answer
             raise RequestError(self.dead, 503)
-        self._bind_adapters(tokenized_list)  # (no await from here until the states register)
+        self._bind_adapters(tokenized_list, arrival.adapters)
         self._admit(tokenized_list, parents)
         return tokenized_list, parents, n
 
@@ -729,19 +781,26 @@ class TokenizerManager:
     def request_abort(self, rid: str) -> bool:
         """An abort asked by someone other than the waiter (e.g. /abort_request): the state stays
         so the waiter receives the scheduler's finish_reason "abort". The rid of an n > 1
-        request aborts each of its choices."""
+        request aborts each of its choices. A request still arriving (in its grammar check, say)
+        is marked, and aborted as it registers (SGLang registers it first: the abort found it)."""
         if rid in self.rid_to_state:
             rids = [rid]
         else:
             rids = [r for r, s in self.rid_to_state.items() if s.parent_rid == rid]
         for r in rids:
             self.send_to_scheduler.send_pyobj(AbortReq(r))
-        return bool(rids)
+        arriving = [a for a in self._arriving if a.names(rid)]
+        for a in arriving:
+            a.aborted.add(rid)
+        return bool(rids or arriving)
 
     def request_abort_all(self) -> int:
         """Abort every request in flight (/abort_request with abort_all); their waiters receive
-        finish_reason "abort". Returns how many there were."""
-        n = len(self.rid_to_state)
+        finish_reason "abort". Returns how many there were (a request still arriving counts
+        once, its sub-requests being unknown yet)."""
+        for a in self._arriving:
+            a.aborted_all = True
+        n = len(self.rid_to_state) + len(self._arriving)
         self.send_to_scheduler.send_pyobj(AbortReq("", abort_all=True))
         return n
 
@@ -836,10 +895,12 @@ class TokenizerManager:
             return out
 
     def _lora_users(self, name: str) -> int:
-        """Requests of the adapter in flight: registered ones, and those whose clients left
-        (still in the scheduler until their abort passes)."""
+        """Requests of the adapter in flight: those still arriving (see _bind_adapters),
+        registered ones, and those whose clients left (still in the scheduler until their abort
+        passes)."""
         states = [*self.rid_to_state.values(), *self._draining.values()]
-        return sum(1 for s in states if s is not None and s.lora_id == name)
+        arriving = sum(1 for a in self._arriving if name in a.adapters)
+        return arriving + sum(1 for s in states if s is not None and s.lora_id == name)
 
     async def _undo_on_replicas(self, req: LoadLoRAAdapterReq | UnloadLoRAAdapterReq) -> None:
         """A LoRA load or unload that some data-parallel replicas refused (each decides alone;

@@ -860,53 +860,6 @@ def test_a_request_in_its_grammar_check_when_the_scheduler_dies_gets_a_503():
     run(body())
 
 
-@pytest.mark.parametrize("user_key", [None, "tenant"])
-def test_an_adapter_reloaded_during_the_grammar_check_namespaces_its_new_files(user_key):
-    """The adapter's cache namespace (a hash of its files) was taken before the grammar check;
-    an unload and a load from other files meanwhile served the new weights from the KV the
-    old files' requests had cached."""
-
-    async def body():
-        tm, sockets = _make_tm()
-        tm.lora_keys = {"a": "lora:a:old"}
-        tm._grammar_check = _CheckThat(during=lambda: tm.lora_keys.update(a="lora:a:new"))
-        obj = _req(json_schema='{"type": "string"}')
-        obj.lora_path, obj.extra_key = "a", user_key
-        task = asyncio.create_task(_collect(tm, obj))
-        while not sockets.requests():
-            await asyncio.sleep(0.01)
-        sent = sockets.requests()[0]
-        assert sent.extra_key == "lora:a:new" + ("" if user_key is None else "|user:tenant")
-        task.cancel()
-
-    run(body())
-
-
-def test_an_adapter_reloaded_while_a_retry_waits_for_its_rid_namespaces_its_new_files():
-    """The same, for a retry that waits for its rid's aborted request to finish: its adapter
-    was bound before that wait."""
-
-    async def body():
-        tm, sockets = _make_tm()
-        tm.lora_keys = {"a": "lora:a:old"}
-        tm._draining["r"] = None  # aborted here, not yet finished in the scheduler
-        obj = _req("r")
-        obj.lora_path = "a"
-        task = asyncio.create_task(_collect(tm, obj))
-        await _settle()
-        assert sockets.requests() == []  # it waits
-        tm.lora_keys["a"] = "lora:a:new"
-        del tm._draining["r"]
-        for _ in range(100):
-            if sockets.requests():
-                break
-            await asyncio.sleep(0.01)
-        assert sockets.requests()[0].extra_key == "lora:a:new"
-        task.cancel()
-
-    run(body())
-
-
 # -- LoRA loads and unloads ---------------------------------------------------------------------
 def _with_adapter(tm: TokenizerManager, name: str = "a") -> None:
     tm.lora_paths[name], tm.lora_keys[name] = f"/adapters/{name}", f"lora:{name}"
