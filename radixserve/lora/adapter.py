@@ -42,6 +42,9 @@ class LoRAError(ValueError):
     """An adapter that cannot be served (the message says which and why)."""
 
 
+NO_LORA = "this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)"
+
+
 def is_adapter_name(name: str) -> bool:
     """Whether requests can name an adapter so: not empty, no whitespace, and no "|" (the
     separator of a request's cache namespace after its adapter's key: a P/D pair compares the

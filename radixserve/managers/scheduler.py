@@ -41,7 +41,7 @@ from radixserve.io_struct import (
     UnloadLoRAAdapterReq,
 )
 from radixserve.layers.sampler import SamplingBatchInfo, needs_processing
-from radixserve.lora.adapter import LoRAError, parse_lora_paths
+from radixserve.lora.adapter import NO_LORA, LoRAError, parse_lora_paths
 from radixserve.managers.grammar_manager import GrammarManager
 from radixserve.managers.live_stats import LiveStats
 from radixserve.managers.overlap_utils import ForwardThread, FutureMap, InFlightStep
@@ -874,10 +874,7 @@ class Scheduler(SchedulerOutputMixin, SpecSchedulerMixin):
     def load_lora_adapter(self, req: LoadLoRAAdapterReq) -> LoRAUpdateReqOutput:
         manager = getattr(self.tp_worker.model_runner, "lora_manager", None)
         if manager is None:
-            return LoRAUpdateReqOutput(
-                False,
-                "this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)",
-            )
+            return LoRAUpdateReqOutput(False, NO_LORA)
         if req.restore and req.lora_name in self.lora_names:
             return LoRAUpdateReqOutput(True)
         error = None

@@ -38,6 +38,7 @@ from radixserve.io_struct import (
     new_rid,
 )
 from radixserve.lora.adapter import (
+    NO_LORA,
     LoRAError,
     adapter_key,
     check_adapter_dir,
@@ -842,6 +843,10 @@ class TokenizerManager:
         """Load an adapter into every scheduler (each TP rank its shard, each DP replica);
         requests may name it once this returns success. A relative path is this process's
         (made absolute: a TP rank on another machine runs elsewhere)."""
+        sa = self.server_args
+        if not (sa.enable_lora or sa.lora_paths):  # (before the path is looked at: a client
+            # told "no adapter_config.json" from "not a directory" learnt what the disk holds)
+            return LoRAUpdateReqOutput(False, NO_LORA)
         path = os.path.abspath(os.path.expanduser(path))
         async with self._lora_guard():
             if name in self.lora_keys:

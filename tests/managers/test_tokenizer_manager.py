@@ -1100,3 +1100,16 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized():
     with pytest.raises(RequestError, match="context"):  # (measured: 300 tokens)
         tm.tokenize_one(GenerateReqInput(text="x" * 300))
     assert Counting.calls == 1
+
+
+def test_a_load_on_a_server_without_lora_does_not_look_at_the_path(tmp_path):
+    """Without --enable-lora the path was checked first: "not a directory" against "has no
+    adapter_config.json" told any client (a web page, where no API key is set) what the
+    server's disk holds."""
+    from radixserve.lora.adapter import NO_LORA
+
+    tm, sockets = _make_tm()
+    for path in (str(tmp_path), str(tmp_path / "nope")):
+        out = run(tm.load_lora_adapter("x", path))
+        assert not out.success and out.message == NO_LORA
+    assert sockets.sent == []
