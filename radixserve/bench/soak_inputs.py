@@ -36,7 +36,7 @@ _USER = {"role": "user", "content": "Say hello."}
 # they name one; bytes are sent as they are.
 BAD_INPUTS: list[tuple[str, Any, frozenset[int]]] = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, frozenset({400})),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, frozenset({400})),
+    ("/v1/completions", {"prompt": "x", "stop": ["x"] * 257}, frozenset({400})),
     ("/v1/chat/completions", {"messages": [_USER], "temperature": "x"}, frozenset({400})),
     ("/v1/chat/completions", {"model": "no-such-model", "messages": [_USER]}, frozenset({404})),
     ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, frozenset({404})),
