@@ -580,8 +580,8 @@ def test_control_calls_answer_as_sglangs_engine_does(engine):
     and a dict had no such attribute."""
     flushed = engine.flush_cache()
     assert flushed and flushed.success and flushed == {"success": True, "message": ""}
-    refused = engine.load_lora_adapter("a", "/nonexistent")
-    assert not refused and not refused.success and "not a directory" in refused.message
+    refused = engine.load_lora_adapter("a", "/nonexistent")  # (an engine without LoRA)
+    assert not refused and not refused.success and "serves no LoRA adapters" in refused.message
     assert not refused["success"]
 
 
