@@ -695,8 +695,9 @@ def test_an_adapter_is_hashed_off_the_event_loop(monkeypatch, tmp_path):
 
 def _dp_tm() -> TokenizerManager:
     ctl = DataParallelController([FakeSockets(), FakeSockets()], "round_robin")
+    args = ServerArgs(enable_lora=True)
     return TokenizerManager(
-        ServerArgs(), ByteTokenizer(), ctl, FakeSockets(), 256, VOCAB, dp_controller=ctl
+        args, ByteTokenizer(), ctl, FakeSockets(), 256, VOCAB, dp_controller=ctl
     )
 
 

@@ -190,7 +190,7 @@ def test_an_adapter_reloaded_from_other_files_during_the_check_waits_for_the_req
     (the new weights were once served from the old files' KV), and the reload comes after."""
 
     async def body():
-        tm, sockets = _make_tm()
+        tm, sockets = _make_tm(enable_lora=True)
         _with_adapter(tm)
         check, release = _gate(tm)
         for name in ("adapter_config.json", "adapter_model.safetensors"):
