@@ -1,6 +1,6 @@
 """What both sides of a P/D pair hold: the scheduler, the layout the peer must match (pool,
-vocabulary, model, backend), the KV transfer backend, the control channel (bound on `port`; 0: a free
-one) and the counters."""
+vocabulary, model, backend), the KV transfer backend, the control channel (bound on `port`;
+0: a free one) and the counters."""
 
 from __future__ import annotations
 
